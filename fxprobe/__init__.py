@@ -1,0 +1,49 @@
+"""fxprobe: tap any PyTorch model at op level, with hooks where tracing fails.
+
+Example:
+    >>> import torch, torch.nn as nn, fxprobe
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Flatten())
+    >>> tapped = fxprobe.tap(model, ops=nn.ReLU)
+    >>> out = tapped(torch.randn(2, 4))
+    >>> tapped.taps["1"].shape
+    torch.Size([2, 8])
+"""
+
+from ._errors import (
+    ConfigError,
+    FxProbeError,
+    RemovedError,
+    SelectorError,
+    SelectorTypeError,
+    SiteNotRunError,
+    TraceError,
+    UnknownSiteError,
+    UnsupportedModelError,
+)
+from ._record import InOut, Taps
+from ._select import Selector, where
+from ._site import Site
+from ._tap import SiteNames, TappedModule, sites, tap
+from ._trace import Fallback
+
+__all__ = [
+    "ConfigError",
+    "Fallback",
+    "FxProbeError",
+    "InOut",
+    "RemovedError",
+    "Selector",
+    "SelectorError",
+    "SelectorTypeError",
+    "Site",
+    "SiteNames",
+    "SiteNotRunError",
+    "Taps",
+    "TappedModule",
+    "TraceError",
+    "UnknownSiteError",
+    "UnsupportedModelError",
+    "sites",
+    "tap",
+    "where",
+]

@@ -1,0 +1,167 @@
+"""In-place hazards: which captured values a later node of the graph overwrites.
+
+A captured tensor must show the value as it was produced. It is at risk when a node that runs
+later writes, in place, into the same storage: into the tensor itself or into a view of it.
+This pass groups nodes whose values may share storage (views, in-place ops that return their
+input, modules that may hand their input back) and lists, for each group, where it is written.
+Anything the pass cannot see into (custom modules, unknown functions) counts as a writer, so
+it errs toward a copy, never toward a stale value.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from torch import fx, nn
+
+from ._site import is_torch_callable
+
+# Ops whose output may share storage with their first tensor argument.
+_VIEW_OPS = frozenset("""
+view view_as reshape reshape_as flatten unflatten ravel transpose t T mT H mH adjoint permute
+squeeze unsqueeze expand expand_as broadcast_to narrow select index_select_view as_strided
+unbind split chunk tensor_split split_with_sizes hsplit vsplit dsplit movedim moveaxis swapaxes
+swapdims diagonal unfold detach contiguous to type type_as float double half bfloat16 int long
+short bool char byte cpu cuda real imag view_as_real view_as_complex getitem alias data
+align_to refine_names rename as_subclass requires_grad dropout feature_alpha_dropout
+alpha_dropout dropout1d dropout2d dropout3d identity
+""".split())
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.imatmul, operator.setitem,
+})
+_PURE_OPERATORS = frozenset(
+    getattr(operator, n) for n in dir(operator)
+    if not n.startswith("_") and callable(getattr(operator, n))
+) - _INPLACE_OPERATORS
+_NN_IDENTITY = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+                nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+class _Groups:
+    """Union-find over nodes that may share storage."""
+
+    def __init__(self) -> None:
+        self.parent: dict[fx.Node, fx.Node] = {}
+
+    def find(self, n: fx.Node) -> fx.Node:
+        root = n
+        while self.parent.get(root, root) is not root:
+            root = self.parent[root]
+        while n is not root:
+            nxt = self.parent.get(n, n)
+            self.parent[n] = root
+            n = nxt
+        return root
+
+    def union(self, a: fx.Node, b: fx.Node) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[ra] = rb
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+
+    def visit(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    fx.node.map_arg((node.args, node.kwargs), visit)
+    return found
+
+
+def _first_arg(node: fx.Node) -> list[fx.Node]:
+    if node.args and isinstance(node.args[0], fx.Node):
+        return [node.args[0]]
+    return []
+
+
+def _binds_inplace(fn: Callable[..., Any], node: fx.Node) -> bool:
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    if "inplace" in params:
+        i = params.index("inplace")
+        return i < len(node.args) and node.args[i] is True
+    return False
+
+
+def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
+             ) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(nodes the result may alias, nodes written in place) for one node."""
+    if node.op == "call_module":
+        m = modules(str(node.target))
+        if type(m).__module__.startswith(("torch.nn", "torch.ao.nn")):
+            writes = _first_arg(node) if getattr(m, "inplace", False) is True else []
+            aliases = _first_arg(node) if writes or isinstance(m, _NN_IDENTITY) else []
+            return aliases, writes
+        everything = _tensor_args(node)  # code fxprobe cannot see: may alias and write anything
+        return everything, everything
+    if node.op == "call_method":
+        name = str(node.target)
+        mutates = (name.endswith("_") and not name.startswith("_")) or name in (
+            "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+            "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+            "__irshift__",
+        )
+        writes = _first_arg(node) if mutates else []
+        aliases = _first_arg(node) if mutates or name.rstrip("_") in _VIEW_OPS else []
+        return aliases, writes
+    if node.op == "call_function" and callable(node.target):
+        fn = node.target
+        out = node.kwargs.get("out")
+        extra = [out] if isinstance(out, fx.Node) else []
+        if fn in _INPLACE_OPERATORS:
+            return _first_arg(node), _first_arg(node) + extra
+        if fn in _PURE_OPERATORS:
+            return (_first_arg(node) if fn is operator.getitem else []), extra
+        if getattr(builtins, getattr(fn, "__name__", ""), None) is fn:
+            return [], extra
+        if is_torch_callable(fn):
+            name = getattr(fn, "__name__", "")
+            mutates = (name.endswith("_") and not name.startswith("_")) or _binds_inplace(fn, node)
+            writes = _first_arg(node) + extra if mutates else extra
+            aliases = _first_arg(node) if mutates or name.rstrip("_") in _VIEW_OPS else []
+            return aliases + extra, writes
+        everything = _tensor_args(node)
+        return everything, everything
+    return [], []
+
+
+class Hazards:
+    """Answers: is a value captured at node N overwritten by a node that runs after it?"""
+
+    def __init__(self, graph: fx.Graph, modules: Callable[[str], nn.Module]) -> None:
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.groups = _Groups()
+        self.writes: dict[fx.Node, list[int]] = {}
+        pending: list[tuple[int, fx.Node]] = []
+        for n in graph.nodes:
+            aliases, writes = _effects(n, modules)
+            for a in aliases:
+                self.groups.union(n, a)
+            pending.extend((self.order[n], w) for w in writes)
+        for pos, w in pending:
+            self.writes.setdefault(self.groups.find(w), []).append(pos)
+
+    def written_after(self, node: fx.Node, pos: int, *, inclusive: bool = False) -> bool:
+        """Whether storage that ``node``'s value may share is written at or after ``pos``."""
+        for p in self.writes.get(self.groups.find(node), ()):
+            if p > pos or (inclusive and p == pos):
+                return True
+        return False
+
+    def output_at_risk(self, node: fx.Node) -> bool:
+        return self.written_after(node, self.order[node])
+
+    def input_at_risk(self, arg: fx.Node, consumer: fx.Node) -> bool:
+        return self.written_after(arg, self.order[consumer], inclusive=True)

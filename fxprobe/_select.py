@@ -1,0 +1,169 @@
+"""Selectors: what a user asks to tap.
+
+One primitive, :func:`where`, wraps a predicate on :class:`~fxprobe.Site`; every other selector
+(a module type, a function, a glob, a regex) is turned into one by :func:`as_selector`.
+Selectors compose with ``|``, ``&`` and ``~``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from torch import nn
+
+from ._errors import SelectorError, SelectorTypeError
+from ._site import Site, describe_function, op_key
+
+
+class Selector:
+    """A predicate on sites, with a description used in error messages."""
+
+    __slots__ = ("_predicate", "description")
+
+    def __init__(self, predicate: Callable[[Site], bool], description: str) -> None:
+        self._predicate = predicate
+        self.description = description
+
+    def __call__(self, site: Site) -> bool:
+        return bool(self._predicate(site))
+
+    def __or__(self, other: Any) -> Selector:
+        o = as_selector(other)
+        return Selector(lambda s: self(s) or o(s), f"({self.description} | {o.description})")
+
+    def __ror__(self, other: Any) -> Selector:
+        return as_selector(other) | self
+
+    def __and__(self, other: Any) -> Selector:
+        o = as_selector(other)
+        return Selector(lambda s: self(s) and o(s), f"({self.description} & {o.description})")
+
+    def __rand__(self, other: Any) -> Selector:
+        return as_selector(other) & self
+
+    def __invert__(self) -> Selector:
+        return Selector(lambda s: not self(s), f"~{self.description}")
+
+    def __repr__(self) -> str:
+        return f"Selector({self.description})"
+
+
+def where(predicate: Callable[[Site], bool], description: str | None = None) -> Selector:
+    """Select the sites for which ``predicate(site)`` is true.
+
+    Args:
+        predicate: a function of a :class:`~fxprobe.Site` returning a bool.
+        description: how error messages name this selector (defaults to the function's name).
+
+    Example:
+        >>> sel = fxprobe.where(lambda s: s.how == "fx" and "attn" in s.name)
+    """
+    if not callable(predicate):
+        raise SelectorTypeError(
+            f"fxprobe.where() needs a callable taking a Site, got {type(predicate).__name__}"
+        )
+    return Selector(predicate, description or f"where({getattr(predicate, '__name__', 'fn')})")
+
+
+def module_type(cls: type[nn.Module]) -> Selector:
+    """Select calls of modules that are instances of ``cls``."""
+    return where(
+        lambda s: s.kind == "call_module" and s.module_type is not None
+        and issubclass(s.module_type, cls),
+        cls.__name__,
+    )
+
+
+def function(fn: Callable[..., Any]) -> Selector:
+    """Select every spelling of an op: ``torch.add`` also matches ``x + y`` and ``x.add(y)``."""
+    key = op_key(fn)
+    desc = describe_function(fn)
+    if key is None:
+        return where(lambda s: s.kind == "call_function" and s.target is fn, desc)
+    return where(lambda s: s.op_key == key and s.kind in ("call_function", "call_method"), desc)
+
+
+def glob(pattern: str) -> Selector:
+    """Select sites whose name matches a shell-style pattern (``"layer1.*.add"``)."""
+    return where(lambda s: fnmatch.fnmatchcase(s.name, pattern), repr(pattern))
+
+
+def regex(pattern: re.Pattern[str]) -> Selector:
+    """Select sites whose name contains a match of a compiled regular expression."""
+    return where(lambda s: pattern.search(s.name) is not None, f"re.compile({pattern.pattern!r})")
+
+
+def as_selector(obj: Any) -> Selector:
+    """Turn anything ``ops=`` accepts into a :class:`Selector`."""
+    if isinstance(obj, Selector):
+        return obj
+    if isinstance(obj, str):
+        return glob(obj)
+    if isinstance(obj, re.Pattern):
+        return regex(obj)
+    if isinstance(obj, type):
+        if issubclass(obj, nn.Module):
+            return module_type(obj)
+        raise SelectorTypeError(
+            f"selector {obj.__name__!r} is a class but not an nn.Module subclass; "
+            "pass a module type such as nn.Conv2d, a function such as torch.flatten, "
+            "a glob string, a re.Pattern or fxprobe.where(predicate)"
+        )
+    if isinstance(obj, nn.Module):
+        raise SelectorTypeError(
+            f"selector {type(obj).__name__}(...) is a module instance; pass its type "
+            f"({type(obj).__name__}) or its site name as a string"
+        )
+    if callable(obj):
+        return function(obj)
+    raise SelectorTypeError(
+        f"selector {obj!r} of type {type(obj).__name__} is not supported; pass a module type "
+        "(nn.Conv2d), a function or operator (torch.flatten, operator.add), a glob string "
+        "('layer1.*.add'), a re.Pattern, fxprobe.where(predicate), or a list of these"
+    )
+
+
+def as_selectors(ops: Any) -> list[Selector] | None:
+    """``None`` (every site), one selector, or a list/tuple/set of them (their union)."""
+    if ops is None:
+        return None
+    if isinstance(ops, (list, tuple, set, frozenset)):
+        if not ops:
+            raise SelectorError(
+                "ops= is an empty list, which selects nothing; pass ops=None to tap every site"
+            )
+        return [as_selector(o) for o in ops]
+    return [as_selector(ops)]
+
+
+def select(sites: Sequence[Site], selectors: list[Selector] | None, *,
+           context: str = "the model") -> list[Site]:
+    """The sites any selector matches, in site order; raise if one selector matches none."""
+    if selectors is None:
+        return list(sites)
+    for sel in selectors:
+        if not any(sel(s) for s in sites):
+            raise SelectorError(no_match_message(sel, sites, context))
+    return [s for s in sites if any(sel(s) for sel in selectors)]
+
+
+def no_match_message(sel: Selector, sites: Iterable[Site], context: str) -> str:
+    names = [s.name for s in sites]
+    probe = sel.description.strip("'\"")
+    close = difflib.get_close_matches(probe, names, n=5, cutoff=0.4)
+    if not close:
+        tail = probe.split(".")[-1].strip("*")
+        close = [n for n in names if tail and tail in n][:5]
+    hint = f" Closest site names: {', '.join(close)}." if close else ""
+    ops = sorted({s.op for s in sites if s.kind != "placeholder"})
+    return (
+        f"selector {sel.description} matches no site in {context}.{hint} "
+        f"Ops present: {', '.join(ops[:12])}{' ...' if len(ops) > 12 else ''}. "
+        "Run fxprobe.sites(model) to list every site name."
+    )
+
+

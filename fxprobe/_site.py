@@ -121,8 +121,8 @@ def method_key(name: str) -> str:
 def describe_function(fn: Any) -> str:
     """``torch.flatten``, ``operator.add``, ``torch.nn.functional.relu``, ``my_fn``."""
     if fn in _OPERATOR_KEYS.keys() or getattr(builtins, getattr(fn, "__name__", ""), None) is fn:
-        module = "operator" if fn in _OPERATOR_KEYS else "builtins"
-        return f"{module}.{fn.__name__}"
+        home = "operator" if fn in _OPERATOR_KEYS else "builtins"
+        return f"{home}.{fn.__name__}"
     name: str = getattr(fn, "__name__", None) or repr(fn)
     if getattr(fn, "__objclass__", None) is not None and is_torch_callable(fn):
         return f"torch.Tensor.{name}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
@@ -10,7 +9,7 @@ from typing import Any, get_args
 import torch
 from torch import fx, nn
 
-from ._errors import ConfigError, RemovedError, SelectorError, UnsupportedModelError
+from ._errors import ConfigError, RemovedError, UnsupportedModelError
 from ._hooks import HookSet
 from ._mirror import drop_overrides, mirror
 from ._record import Recording, Taps
@@ -114,15 +113,21 @@ class TappedModule(nn.Module):
         p = plan(root, tracer=tracer, leaf_modules=leaf_modules, autowrap_functions=autowrap)
         mode = "train" if training else "eval"
         context = f"{self._model_name} ({mode} mode)"
-        if strict:
-            selected = select(p.sites, self._selectors, context=context)
-        else:
-            try:
-                selected = select(p.sites, self._selectors, context=context)
-            except SelectorError as e:
-                warnings.warn(f"fxprobe: {e}", stacklevel=3)
-                sels = self._selectors or []
-                selected = [s for s in p.sites if any(sel(s) for sel in sels)]
+        selectors = self._selectors
+        unmatched = [] if selectors is None else [
+            sel for sel in selectors if not any(sel(s) for s in p.sites)]
+        if unmatched and strict:
+            # A selector may name a site of the other mode only (dropout in training): fail
+            # only when it matches nothing in either mode.
+            other = mirror(root)
+            other.train(not training)
+            other_sites = plan(other, tracer=tracer, leaf_modules=leaf_modules,
+                               autowrap_functions=autowrap).sites
+            for sel in unmatched:
+                select(other_sites, [sel], context=f"{self._model_name} (train or eval mode)")
+        selected = select(p.sites, None if selectors is None else [
+            sel for sel in selectors if sel not in unmatched], context=context
+        ) if len(unmatched) < len(selectors or [None]) else []
         names = {s.name for s in selected}
         compiled: dict[str, Compiled] = {}
         for path, region in p.regions.items():
@@ -165,6 +170,8 @@ class TappedModule(nn.Module):
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._removed:
+            raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
         prog = self._programs.get(self.training) or self._program()
         rec = self._rec
         rec.begin(prog.hook_paths)
@@ -211,7 +218,6 @@ class TappedModule(nn.Module):
         """Remove every hook and override fxprobe installed; the last values stay readable."""
         self._hookset.remove()
         drop_overrides(self._root)
-        self._programs.clear()
         self.__dict__["_removed"] = True
 
     def __enter__(self) -> TappedModule:
@@ -222,7 +228,7 @@ class TappedModule(nn.Module):
 
     def extra_repr(self) -> str:
         prog = self._programs.get(self.training)
-        if prog is None:
+        if prog is None or self._removed:
             return "removed" if self._removed else ""
         hooks = sum(1 for s in prog.selected if s.how == "hook")
         return f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks}, hook={hooks})"

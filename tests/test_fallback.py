@@ -1,0 +1,114 @@
+"""Partial tracing: op-level taps wherever fx can trace, hooks inside what it cannot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from reference import hook_values, model_state, same, states_equal
+from torch import nn
+
+import fxprobe
+
+
+def test_data_dependent_submodule_falls_back() -> None:
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model)
+    (fb,) = tapped.fallbacks
+    assert fb.path == "gate" and fb.module_type is zoo.Gate
+    assert "control flow" in fb.error and "zoo.py" in fb.location and "x.sum()" in fb.location
+    how = {s.name: s.how for s in tapped.sites}
+    assert how["stem"] == how["gate"] == how["relu"] == "fx"  # functional relu at op level
+    assert how["gate.pos"] == "hook"
+    assert how["gate.neg.0"] == "fx"  # a traceable child of the opaque module
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(0)
+            inp = torch.randn(3, 8, generator=gen)
+            while model.stem(inp).sum() * sign <= 0:  # an input that takes this branch
+                inp = torch.randn(3, 8, generator=gen)
+            out = tapped(inp)
+            expected, ref = hook_values(model, ["stem", "gate", "gate.pos", "gate.neg.0"], inp)
+        assert torch.equal(out, expected)
+        for name, value in ref.items():
+            assert torch.equal(tapped.taps[name], value), name
+        branch_not_taken = "gate.neg.0" if sign > 0 else "gate.pos"
+        with pytest.raises(fxprobe.SiteNotRunError, match=branch_not_taken):
+            tapped.taps[branch_not_taken]
+
+
+def test_untraceable_top_level_with_traceable_children() -> None:
+    model, (x,), _ = zoo.make("untraceable_top")
+    before = model_state(model)
+    tapped = fxprobe.tap(model)
+    (fb,) = tapped.fallbacks
+    assert fb.path == "" and "h.mean()" in fb.location
+    how = {s.name: s.how for s in tapped.sites}
+    assert how["blocks.0.relu"] == "fx" and how["enc.1"] == "fx" and how["norm"] == "hook"
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["enc.2", "blocks.1", "norm"], x)
+        h1 = model.blocks[0](model.enc(x))
+        relu = torch.relu(model.blocks[1].lin(h1))
+    assert torch.equal(out, expected)
+    assert torch.equal(tapped.taps["enc.2"], ref["enc.2"])
+    assert torch.equal(tapped.taps["blocks.1.add"], ref["blocks.1"])
+    assert torch.equal(tapped.taps["blocks.1.relu"], relu)
+    assert torch.equal(tapped.taps["norm"], ref["norm"])
+    tapped.remove()
+    assert states_equal(before, model_state(model))
+
+
+def test_tracer_fx_fails_loudly_with_location_and_hint() -> None:
+    model, _, _ = zoo.make("data_dependent")
+    with pytest.raises(fxprobe.TraceError) as err:
+        fxprobe.tap(model, tracer="fx")
+    msg = str(err.value)
+    assert "'gate' (Gate)" in msg and "x.sum() > 0" in msg
+    assert "tracer='auto'" in msg and "leaf_modules" in msg
+
+
+def test_leaf_modules_keep_a_module_opaque_without_fallback() -> None:
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, leaf_modules=[zoo.Gate], tracer="fx")
+    assert tapped.fallbacks == ()
+    assert "gate.pos" not in {s.name for s in tapped.sites}
+    with torch.no_grad():
+        assert torch.equal(tapped(x), model(x))
+    by_path = fxprobe.tap(model, ops="gate", leaf_modules=["gate"], tracer="fx")
+    assert [s.name for s in by_path.sites] == ["gate"]
+
+
+def test_hooks_only_tracer() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, ops=[nn.Conv2d, "layer1.0"], tracer="hooks")
+    assert {s.how for s in tapped.sites} == {"hook"}
+    paths = [s.name for s in tapped.sites]
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, paths, x)
+    assert torch.equal(out, expected)
+    assert set(tapped.taps) == set(ref)
+    for k, v in ref.items():
+        assert same(tapped.taps[k], v), k
+
+
+def test_shared_module_called_twice_inside_opaque_code() -> None:
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(int(x.shape[0] > 0) + 1):  # int() of a traced value: opaque
+                x = self.fc(x)
+            return x
+
+    model = Loop()
+    x = torch.randn(2, 4)
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    with torch.no_grad():
+        tapped(x)
+        _, ref = hook_values(model, ["fc"], x)
+    assert list(tapped.taps) == ["fc", "fc_1"]
+    assert torch.equal(tapped.taps["fc_1"], ref["fc_1"])

@@ -1,0 +1,92 @@
+"""In-place safety: a tap shows the value as produced, and copies only where needed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import zoo
+
+import fxprobe
+
+
+def _hand_computed(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        lin = model.lin(x)
+        bn = model.bn(lin)
+        act = torch.relu(bn)
+        mul = act * 2
+        relu_ = torch.relu(mul)
+        view = relu_.reshape(-1)
+        add_ = relu_ + 1.0
+        sigmoid = torch.sigmoid(add_.reshape(-1))
+        relu = torch.relu(sigmoid)
+        add = relu + 1
+    return {"lin": lin, "bn": bn, "act": act, "mul": mul, "relu_": relu_, "view": view,
+            "add_": add_, "sigmoid": sigmoid, "relu": relu, "add": add,
+            "reshape": add.reshape(-1, 8)}
+
+
+def test_every_value_is_shown_as_produced() -> None:
+    model, (x,), _ = zoo.make("inplace")
+    tapped = fxprobe.tap(model)
+    with torch.no_grad():
+        tapped(x)
+    for name, value in _hand_computed(model, x).items():
+        assert torch.equal(tapped.taps[name], value), name
+
+
+def test_copies_only_where_a_later_op_writes() -> None:
+    model, (x,), _ = zoo.make("inplace")
+    tapped = fxprobe.tap(model)
+    (compiled,) = tapped._program().compiled.values()
+    # bn <- ReLU(inplace) module; mul <- relu_(); relu_ and view <- add_() through the view;
+    # sigmoid <- F.relu(inplace=True). Nothing else is written after it is produced.
+    assert compiled.copied == {"bn", "mul", "relu_", "view", "sigmoid"}
+
+
+def test_resnet_batchnorm_before_inplace_relu() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, ops=["bn1", "layer1.0.bn1", "conv1", "layer1.0.add"])
+    with torch.no_grad():
+        tapped(x)
+        bn1 = model.bn1(model.conv1(x))
+    assert (bn1 < 0).any()
+    assert torch.equal(tapped.taps["bn1"], bn1)
+    assert (tapped.taps["layer1.0.bn1"] < 0).any()
+    assert (tapped.taps["layer1.0.add"] < 0).any()
+    (compiled,) = tapped._program().compiled.values()
+    assert "conv1" not in compiled.copied  # conv output is never written in place
+
+
+def test_hook_sites_copy_under_auto() -> None:
+    class Opaque(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            if y.sum() > -1e9:  # data-dependent: not traceable
+                y.mul_(0)
+            return y
+
+    model = Opaque()
+    x = torch.randn(2, 4)
+    tapped = fxprobe.tap(model, ops="lin")
+    with torch.no_grad():
+        tapped(x)
+        assert torch.equal(tapped.taps["lin"], model.lin(x))
+    assert tapped.sites[0].how == "hook"
+
+
+def test_functional_inplace_on_input_placeholder() -> None:
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            F.relu(x, inplace=True)
+            return x * 2
+
+    x = torch.randn(3, 3)
+    ref = x.clone()
+    tapped = fxprobe.tap(M(), ops="x")
+    tapped(x)
+    assert torch.equal(tapped.taps["x"], ref)

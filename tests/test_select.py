@@ -1,0 +1,76 @@
+"""Selectors: types, every spelling of a function, globs, regexes, where() and combinators."""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from torch import nn
+
+import fxprobe
+
+
+class _Spellings(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = torch.add(x, y)
+        b = x + y
+        c = x.add(y)
+        c += a
+        d = torch.flatten(b, 1) + c.flatten(1)
+        return F.relu(d) + torch.relu(d) + d.relu()
+
+
+def _names(model: nn.Module, ops: object) -> list[str]:
+    return [s.name for s in fxprobe.tap(model, ops=ops).sites]
+
+
+def test_function_selector_matches_every_spelling() -> None:
+    m = _Spellings()
+    assert _names(m, torch.add) == ["add", "add_1", "add_2", "add_3", "add_4", "add_5", "add_6"]
+    assert _names(m, operator.add) == _names(m, torch.add)
+    assert _names(m, torch.flatten) == ["flatten", "flatten_1"]
+    assert _names(m, F.relu) == ["relu", "relu_1", "relu_2"]
+    assert _names(m, torch.relu) == _names(m, F.relu)
+
+
+def test_type_glob_regex_and_where() -> None:
+    model, _, _ = zoo.make("resnet")
+    convs = _names(model, nn.Conv2d)
+    assert convs[0] == "conv1" and "layer2.0.downsample.0" in convs and len(convs) == 10
+    assert _names(model, "layer1.*.add") == ["layer1.0.add", "layer1.1.add"]
+    assert _names(model, re.compile(r"^layer2\.\d\.relu_1$")) == [
+        "layer2.0.relu_1", "layer2.1.relu_1"]
+    assert _names(model, fxprobe.where(lambda s: s.kind == "placeholder")) == ["x"]
+
+
+def test_combinators_and_lists() -> None:
+    model, _, _ = zoo.make("resnet")
+    in_layer1 = fxprobe.where(lambda s: s.name.startswith("layer1."))
+    assert _names(model, in_layer1 & nn.BatchNorm2d) == [
+        "layer1.0.bn1", "layer1.0.bn2", "layer1.1.bn1", "layer1.1.bn2"]
+    assert _names(model, nn.Linear | fxprobe.where(lambda s: s.name == "x")) == ["x", "fc"]
+    assert "layer1.0.conv1" not in _names(model, ~in_layer1)
+    assert _names(model, [nn.Linear, torch.flatten]) == ["flatten", "fc"]
+
+
+def test_selector_matching_nothing_names_it_and_suggests() -> None:
+    model, _, _ = zoo.make("resnet")
+    with pytest.raises(fxprobe.SelectorError) as err:
+        fxprobe.tap(model, ops=["fc", "layer1.*.relu2"])
+    msg = str(err.value)
+    assert "'layer1.*.relu2'" in msg and "layer1.0.relu" in msg and "fxprobe.sites" in msg
+    assert isinstance(err.value, LookupError) and isinstance(err.value, fxprobe.FxProbeError)
+    with pytest.raises(fxprobe.SelectorError, match="LSTM"):
+        fxprobe.tap(model, ops=nn.LSTM)
+
+
+@pytest.mark.parametrize("bad", [42, nn.Linear(2, 2), int, [], 3.5])
+def test_unsupported_selector_types(bad: object) -> None:
+    model, _, _ = zoo.make("shared")
+    with pytest.raises(fxprobe.FxProbeError) as err:
+        fxprobe.tap(model, ops=bad)
+    assert "selector" in str(err.value) or "ops=" in str(err.value)

@@ -12,6 +12,7 @@ Example:
 from ._errors import (
     ConfigError,
     FxProbeError,
+    InterventionError,
     RemovedError,
     SelectorError,
     SelectorTypeError,
@@ -20,7 +21,7 @@ from ._errors import (
     UnknownSiteError,
     UnsupportedModelError,
 )
-from ._record import InOut, Taps
+from ._record import Grads, InOut, Taps
 from ._select import Selector, where
 from ._site import Site
 from ._tap import SiteNames, TappedModule, sites, tap
@@ -30,7 +31,9 @@ __all__ = [
     "ConfigError",
     "Fallback",
     "FxProbeError",
+    "Grads",
     "InOut",
+    "InterventionError",
     "RemovedError",
     "Selector",
     "SelectorError",

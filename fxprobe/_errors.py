@@ -43,3 +43,7 @@ class RemovedError(FxProbeError, RuntimeError):
 
 class ConfigError(FxProbeError, ValueError):
     """An argument of ``fxprobe.tap`` has a value it does not accept."""
+
+
+class InterventionError(FxProbeError, ValueError):
+    """A callback (``fn=`` or ``grad_fn=``) returned a value that cannot replace the original."""

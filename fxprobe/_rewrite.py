@@ -47,9 +47,27 @@ class Compiled:
     holder: nn.Module
 
 
-def instrument(region: Region, selected: set[str], *, capture: Capture,
-               copy: CopyPolicy) -> tuple[fx.Graph, tuple[str, ...], frozenset[str]]:
-    """Copy the region's graph and make its output ``(model output, (captured values...))``."""
+def instrument(region: Region, selected: set[str], *, capture: Capture, copy: CopyPolicy,
+               reducer: Callable[[Any], Any] | None = None,
+               intervene: Callable[[str, Any], Any] | None = None,
+               raw: bool = False) -> tuple[fx.Graph, tuple[str, ...], frozenset[str]]:
+    """Copy the region's graph and make its output ``(model output, (captured values...))``.
+
+    Args:
+        region: the traced module.
+        selected: names of the sites to capture.
+        capture: what to keep of each site.
+        copy: when to copy a value before a later in-place op can overwrite it.
+        reducer: if given, called on each captured value right where it is produced (so no
+            copy is ever needed); its result is kept instead of the value.
+        intervene: if given, ``intervene(name, value)`` is called on each selected output and
+            its result replaces the value for every downstream consumer.
+        raw: also return the values that flow downstream (for gradient hooks), making the
+            output ``(model output, captured, flowing)``.
+
+    Returns:
+        The new graph, the captured site names in order, and the names that are copied.
+    """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out_node: fx.Node | None = None
@@ -63,6 +81,7 @@ def instrument(region: Region, selected: set[str], *, capture: Capture,
     hazards = Hazards(graph, region.module.get_submodule) if copy == "auto" else None
     names: list[str] = []
     values: list[Any] = []
+    flowing: list[Any] = []
     copied: set[str] = set()
     for node in region.graph.nodes:
         name = region.names.get(node)
@@ -73,24 +92,43 @@ def instrument(region: Region, selected: set[str], *, capture: Capture,
         if capture in ("input", "both"):
             args = []
             for a in new.args:
-                if isinstance(a, fx.Node) and _needs_copy(copy, hazards, a, new, True):
-                    with graph.inserting_before(new):
-                        a = graph.call_function(clone_tree, (a,))
-                    copied.add(name)
+                if isinstance(a, fx.Node):
+                    if reducer is not None:
+                        with graph.inserting_before(new):
+                            a = graph.call_function(reducer, (a,))
+                    elif _needs_copy(copy, hazards, a, new, True):
+                        with graph.inserting_before(new):
+                            a = graph.call_function(clone_tree, (a,))
+                        copied.add(name)
                 args.append(a)
             value = tuple(args)
+        flow: fx.Node = new
+        if intervene is not None and node.op != "placeholder":
+            with graph.inserting_after(new):
+                flow = graph.call_function(intervene, (name, new))
+            new.replace_all_uses_with(flow, delete_user_cb=_not(flow))
         if capture in ("output", "both"):
-            out: fx.Node = new
-            if _needs_copy(copy, hazards, new, new, False):
-                with graph.inserting_after(new):
-                    out = graph.call_function(clone_tree, (new,))
+            out: fx.Node = flow
+            if reducer is not None:
+                with graph.inserting_after(flow):
+                    out = graph.call_function(reducer, (flow,))
+            elif _needs_copy(copy, hazards, new, new, False):
+                with graph.inserting_after(flow):
+                    out = graph.call_function(clone_tree, (flow,))
                 copied.add(name)
             value = out if capture == "output" else (value, out)
         names.append(name)
         values.append(value)
-    out_node.args = ((out_node.args[0], tuple(values)),)
+        flowing.append(flow)
+    result = (out_node.args[0], tuple(values), tuple(flowing)) if raw else (
+        out_node.args[0], tuple(values))
+    out_node.args = (result,)
     graph.lint()
     return graph, tuple(names), frozenset(copied)
+
+
+def _not(node: fx.Node) -> Callable[[fx.Node], bool]:
+    return lambda user: user is not node
 
 
 def _needs_copy(policy: CopyPolicy, hazards: Hazards | None, value: fx.Node,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -12,7 +13,9 @@ from torch import fx, nn
 from ._errors import ConfigError, RemovedError, UnsupportedModelError
 from ._hooks import HookSet
 from ._mirror import drop_overrides, mirror
-from ._record import Recording, Taps
+from ._modes import Modes, make_modes
+from ._options import Reduce, TapOptions, check_choice, make_options
+from ._record import Grads, Recording, Taps
 from ._rewrite import Capture, Compiled, CopyPolicy, compile_region, instrument
 from ._select import Selector, as_selectors, select
 from ._site import Site
@@ -33,14 +36,6 @@ class Program:
     @property
     def root(self) -> Compiled | None:
         return self.compiled.get("")
-
-
-def _check_choice(name: str, value: Any, allowed: Any) -> None:
-    choices = get_args(allowed)
-    if value not in choices:
-        raise ConfigError(
-            f"{name}={value!r} is not accepted; use one of {', '.join(map(repr, choices))}"
-        )
 
 
 def check_model(model: Any) -> None:
@@ -65,17 +60,17 @@ class TappedModule(nn.Module):
 
     _root: nn.Module
     _selectors: list[Selector] | None
-    _options: tuple[Capture, CopyPolicy, TracerKind, tuple[Any, ...], tuple[Any, ...]]
+    _options: TapOptions
     _model_name: str
     _rec: Recording
+    _modes: Modes
     _hookset: HookSet
     _programs: dict[bool, Program]
+    _site_by_name: dict[str, Site]
     _removed: bool
 
-    def __init__(self, model: nn.Module, selectors: list[Selector] | None, *, capture: Capture,
-                 detach: bool, copy: CopyPolicy, tracer: TracerKind,
-                 leaf_modules: Sequence[Any], autowrap_functions: Sequence[Callable[..., Any]]
-                 ) -> None:
+    def __init__(self, model: nn.Module, selectors: list[Selector] | None,
+                 options: TapOptions) -> None:
         super().__init__()
         root = mirror(model)
         d = self.__dict__
@@ -87,10 +82,16 @@ class TappedModule(nn.Module):
         d["_non_persistent_buffers_set"] = root._non_persistent_buffers_set
         d["training"] = root.training
         d["_selectors"] = selectors
-        d["_options"] = (capture, copy, tracer, tuple(leaf_modules), tuple(autowrap_functions))
+        d["_options"] = options
         d["_model_name"] = type(model).__name__
-        d["_rec"] = Recording(detach=detach, both=capture == "both")
-        d["_hookset"] = HookSet(self._rec, capture=capture, copy=copy)
+        d["_site_by_name"] = {}
+        rec = Recording(detach=options.detach, both=options.capture == "both",
+                        keep=options.keep, to=options.to)
+        modes = make_modes(options, rec, self._site_by_name.get)
+        rec.finalize, rec.grad_hook, rec.on_begin = modes.finalize, modes.grad_hook, modes.on_begin
+        d["_rec"] = rec
+        d["_modes"] = modes
+        d["_hookset"] = HookSet(rec, modes, capture=options.capture, copy=options.copy)
         d["_programs"] = {}
         d["_removed"] = False
         self._program(strict=True)
@@ -107,7 +108,8 @@ class TappedModule(nn.Module):
         return prog
 
     def _build(self, training: bool, strict: bool) -> Program:
-        capture, copy, tracer, leaf_modules, autowrap = self._options
+        opts = self._options
+        tracer, leaf_modules, autowrap = opts.tracer, opts.leaf_modules, opts.autowrap_functions
         root = self._root
         drop_overrides(root)
         p = plan(root, tracer=tracer, leaf_modules=leaf_modules, autowrap_functions=autowrap)
@@ -134,12 +136,18 @@ class TappedModule(nn.Module):
             region_names = names & set(region.names.values())
             if not region_names:
                 continue  # nothing selected here: the module runs its own forward
-            graph, order, copied = instrument(region, region_names, capture=capture, copy=copy)
+            graph, order, copied = instrument(
+                region, region_names, capture=opts.capture, copy=opts.copy,
+                reducer=self._modes.reduce, intervene=self._modes.intervene,
+                raw=self._modes.grad_hook is not None)
             compiled[path] = compile_region(region, graph, order, copied)
         hook_paths = frozenset(s.name for s in selected if s.how == "hook")
         for s in selected:
             if s.how == "hook":
                 self._hookset.ensure(s.name, root.get_submodule(s.name) if s.name else root)
+        if opts.fn is not None:
+            selected = [dataclasses.replace(s, replaced=True) for s in selected]
+        self._site_by_name.update((s.name, s) for s in selected)
         prog = Program(training, p, tuple(selected), compiled, hook_paths,
                        {s.name: i for i, s in enumerate(selected)})
         self._programs[training] = prog
@@ -161,10 +169,10 @@ class TappedModule(nn.Module):
             comp = prog.compiled.get(path) if prog is not None else None
             if comp is None:
                 return own_forward(module, *args, **kwargs)
-            out, values = comp.fn(comp.holder, *args, **kwargs)
+            result = comp.fn(comp.holder, *args, **kwargs)
             if rec.active:
-                rec.add(comp.names, values)
-            return out
+                rec.add(comp.names, *result[1:])
+            return result[0]
 
         return forward
 
@@ -178,9 +186,9 @@ class TappedModule(nn.Module):
         try:
             root = prog.compiled.get("")
             if root is not None:
-                out, values = root.fn(root.holder, *args, **kwargs)
-                rec.add(root.names, values)
-                return out
+                result = root.fn(root.holder, *args, **kwargs)
+                rec.add(root.names, *result[1:])
+                return result[0]
             return type(self._root).forward(self._root, *args, **kwargs)
         finally:
             rec.active = False
@@ -194,15 +202,33 @@ class TappedModule(nn.Module):
     @property
     def taps(self) -> Taps:
         """The values the last forward captured, by site name."""
-        prog = self._programs.get(self.training)
-        if prog is None:
-            prog = self._program()
-        return Taps(self._rec, prog.order, list(prog.order))
+        return Taps(self._rec, self._program().order)
+
+    @property
+    def history(self) -> list[Taps]:
+        """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
+        order = self._program().order
+        return [Taps(self._rec, order, frame) for frame in self._rec.history]
+
+    @property
+    def grads(self) -> Grads:
+        """With ``grad=True``: the gradient of the last backward with respect to each value."""
+        if not self._options.grad:
+            raise ConfigError("tapped.grads needs fxprobe.tap(..., grad=True)")
+        return Grads(self._rec, self._program().order, what="gradient")
 
     @property
     def sites(self) -> tuple[Site, ...]:
-        """The selected sites (current mode), in execution order."""
-        return self._program().selected
+        """The selected sites (current mode), in execution order.
+
+        With ``fn=``, ``site.replaced`` marks the sites whose value ``fn`` replaced in the last
+        forward.
+        """
+        prog = self._program()
+        if self._options.fn is None:
+            return prog.selected
+        done = self._rec.frame.replaced
+        return tuple(dataclasses.replace(s, replaced=s.name in done) for s in prog.selected)
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
@@ -236,8 +262,11 @@ class TappedModule(nn.Module):
 
 def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detach: bool = True,
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
-        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = ()
-        ) -> TappedModule:
+        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | None = None,
+        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule:
     """Tap ``model`` at the sites ``ops`` selects; run the result like the model.
 
     Args:
@@ -253,6 +282,19 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
             if anything cannot be traced; ``"hooks"`` uses hooks only.
         leaf_modules: module types or qualified paths not to trace into.
         autowrap_functions: functions to record as single calls instead of tracing into.
+        reduce: keep a reduction instead of each tensor: ``"stats"`` (a :class:`Stats` per
+            tensor, computed on its device without a host sync), ``"sample"`` (``sample_size``
+            elements drawn with ``seed``, the same positions every forward), or a function of
+            a tensor returning tensors.
+        keep: ``"last"`` forward (default), a number N of forwards (``tapped.history``), or
+            ``"all"`` (memory grows with every forward).
+        to: copy captured values to this device without blocking (``"cpu"``: pinned memory);
+            reading a value waits for its own copy only.
+        fn: ``fn(site, value)`` runs at each tap; returning a tensor replaces the value for
+            every downstream consumer (``None`` observes).
+        grad: after ``backward()``, ``tapped.grads[name]`` is the gradient with respect to
+            each tapped value.
+        grad_fn: ``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it.
 
     Returns:
         A :class:`TappedModule`.
@@ -267,13 +309,11 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         >>> out = tapped(x); tapped.taps["flatten"].shape
     """
     check_model(model)
-    _check_choice("capture", capture, Capture)
-    _check_choice("copy", copy, CopyPolicy)
-    _check_choice("tracer", tracer, TracerKind)
-    selectors = as_selectors(ops)
-    return TappedModule(model, selectors, capture=capture, detach=bool(detach), copy=copy,
-                        tracer=tracer, leaf_modules=leaf_modules,
-                        autowrap_functions=autowrap_functions)
+    options = make_options(
+        capture=capture, detach=detach, copy=copy, tracer=tracer, leaf_modules=leaf_modules,
+        autowrap_functions=autowrap_functions, reduce=reduce, sample_size=sample_size, seed=seed,
+        keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn)
+    return TappedModule(model, as_selectors(ops), options)
 
 
 class SiteNames(tuple[str, ...]):
@@ -302,7 +342,7 @@ def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
         ('x', 'conv1', 'bn1')
     """
     check_model(model)
-    _check_choice("tracer", tracer, TracerKind)
+    check_choice("tracer", tracer, TracerKind)
     root = mirror(model)
     root.train(train)
     p = plan(root, tracer=tracer, leaf_modules=leaf_modules,

@@ -1,0 +1,185 @@
+"""Capture modes: history, offload, interventions, gradients, custom reductions, bad combos."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from reference import same
+from torch import nn
+
+import fxprobe
+
+
+def test_keep_n_is_a_ring_of_the_last_forwards() -> None:
+    model, (x,), _ = zoo.make("shared")
+    tapped = fxprobe.tap(model, ops="out", keep=2)
+    with torch.no_grad():
+        for scale in (1.0, 2.0, 3.0):
+            tapped(x * scale)
+        expected = [model(x * 2.0), model(x * 3.0)]
+    assert len(tapped.history) == 2
+    for frame, value in zip(tapped.history, expected, strict=True):
+        assert torch.equal(frame["out"], value)
+    assert torch.equal(tapped.taps["out"], expected[-1])
+    every = fxprobe.tap(model, ops="out", keep="all")
+    with torch.no_grad():
+        for _ in range(5):
+            every(x)
+    assert len(every.history) == 5
+
+
+def test_offload_to_cpu_keeps_values() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, ops=[nn.Conv2d, torch.flatten], to="cpu")
+    with torch.no_grad():
+        tapped(x)
+        flat = torch.flatten(model.avgpool(model.layer2(model.layer1(
+            model.maxpool(model.relu(model.bn1(model.conv1(x))))))), 1)
+    assert tapped.taps["flatten"].device.type == "cpu"
+    assert torch.equal(tapped.taps["flatten"], flat)
+
+
+class _Hand(nn.Module):
+    """A hand-edited copy of zoo.ResNetish whose first residual add is multiplied by 0.5."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = copy.deepcopy(model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.m
+        x = m.maxpool(m.relu(m.bn1(m.conv1(x))))
+        b = m.layer1[0]
+        out = b.bn2(b.conv2(b.relu(b.bn1(b.conv1(x)))))
+        out = (out + x) * 0.5
+        x = F.relu(out)
+        x = m.layer2(m.layer1[1](x))
+        return m.fc(torch.flatten(m.avgpool(x), 1))
+
+
+def test_fn_replaces_a_functional_value_downstream() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    calls = []
+
+    def halve(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor | None:
+        calls.append(site.name)
+        return value * 0.5 if site.name == "layer1.0.add" else None
+
+    tapped = fxprobe.tap(model, ops=["layer1.0.add", "fc"], fn=halve)
+    with torch.no_grad():
+        got = tapped(x)
+        expected = _Hand(model)(x)
+        untouched = model(x)
+    assert calls == ["layer1.0.add", "fc"]
+    assert torch.equal(got, expected) and not torch.equal(got, untouched)
+    replaced = {s.name: s.replaced for s in tapped.sites}
+    assert replaced == {"layer1.0.add": True, "fc": False}
+
+
+def test_fn_on_hook_sites() -> None:
+    model, (x,), _ = zoo.make("data_dependent")
+    bad = fxprobe.tap(model, ops=["gate.pos", "gate.neg.1"], fn=lambda s, v: True)
+    with pytest.raises(fxprobe.InterventionError, match="returned bool"):
+        bad(x)
+    zeroing = fxprobe.tap(model, ops=["gate.pos", "gate.neg.1"],
+                          fn=lambda s, v: torch.zeros_like(v))
+    with torch.no_grad():
+        got = zeroing(x)
+        expected = torch.relu(model.head(torch.zeros(3, 8)))
+    assert torch.equal(got, expected)
+    assert [s.how for s in zeroing.sites if s.replaced] == ["hook"] or [
+        s.name for s in zeroing.sites if s.replaced] == ["gate.neg.1"]
+
+
+def test_fn_returning_the_wrong_shape_names_the_site() -> None:
+    model, (x,), _ = zoo.make("encoder")
+    tapped = fxprobe.tap(model, ops="gelu", fn=lambda s, v: v[:, :1])
+    with pytest.raises(fxprobe.InterventionError) as err:
+        tapped(x)
+    assert "'gelu'" in str(err.value) and "shape" in str(err.value)
+
+
+def test_grads_match_autograd_on_the_same_intermediate_values() -> None:
+    model, (x,), _ = zoo.make("encoder")
+    tapped = fxprobe.tap(model, ops=["fc1", "gelu", "attn.softmax"], grad=True)
+    out = tapped(x)
+    out.pow(2).sum().backward()
+    live = fxprobe.tap(model, ops=["fc1", "gelu", "attn.softmax"], detach=False)
+    values = live(x)
+    refs = torch.autograd.grad(values.pow(2).sum(), [live.taps[n] for n in
+                                                     ("fc1", "gelu", "attn.softmax")])
+    for name, ref in zip(("fc1", "gelu", "attn.softmax"), refs, strict=True):
+        assert torch.allclose(tapped.grads[name], ref), name
+        assert tapped.taps[name].grad_fn is None  # captures stay detached
+
+
+def test_grad_fn_clips_one_layers_gradient() -> None:
+    model, (x,), _ = zoo.make("encoder")
+    clip = fxprobe.tap(model, ops="gelu", grad_fn=lambda s, g: g.clamp(-1e-3, 1e-3))
+    clip(x).pow(2).sum().backward()
+    clipped = model.fc1.weight.grad.clone()
+    model.zero_grad()
+    ref = copy.deepcopy(model)
+
+    class Clip(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, t: torch.Tensor) -> torch.Tensor:
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+            return g.clamp(-1e-3, 1e-3)
+
+    h = x + ref.attn(ref.norm1(x))
+    out = h + ref.fc2(Clip.apply(F.gelu(ref.fc1(ref.norm2(h)))))
+    out.pow(2).sum().backward()
+    assert torch.allclose(clipped, ref.fc1.weight.grad)
+    assert model.fc1.weight.grad is None or not model.fc1.weight.grad.any()
+
+
+def test_hook_site_grads() -> None:
+    model, (x,), _ = zoo.make("untraceable_top")
+    tapped = fxprobe.tap(model, ops="norm", grad=True)
+    tapped(x).sum().backward()
+    assert torch.allclose(tapped.grads["norm"], torch.ones(4, 8))
+
+
+def test_custom_reducer_runs_where_the_value_is_produced() -> None:
+    model, (x,), _ = zoo.make("inplace")
+    tapped = fxprobe.tap(model, ops=["bn", "relu_"], reduce=lambda t: t.amin())
+    with torch.no_grad():
+        tapped(x)
+        bn = model.bn(model.lin(x))
+    assert torch.equal(tapped.taps["bn"], bn.amin())  # before the in-place ReLU
+    assert tapped.taps["bn"] < 0
+    (compiled,) = tapped._program().compiled.values()
+    assert compiled.copied == frozenset()  # a reduction needs no copy
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"reduce": "stats", "detach": False}, "detach=False"),
+    ({"reduce": "mean"}, "reduce="),
+    ({"to": "tpu9"}, "to='tpu9'"),
+    ({"keep": 0}, "keep=0"),
+    ({"keep": "some"}, "keep='some'"),
+    ({"grad": True, "capture": "input"}, "capture='output'"),
+    ({"fn": 3}, "fn=3"),
+    ({"leaf_modules": [3]}, "leaf_modules"),
+])
+def test_bad_combinations(kwargs: dict[str, object], match: str) -> None:
+    model, _, _ = zoo.make("shared")
+    with pytest.raises(fxprobe.ConfigError, match=match):
+        fxprobe.tap(model, **kwargs)  # type: ignore[arg-type]
+
+
+def test_modes_leave_the_output_unchanged() -> None:
+    model, (x,), _ = zoo.make("lstm")
+    with torch.no_grad():
+        expected = model(x)
+        for kwargs in ({"keep": 3}, {"to": "cpu"}, {"fn": lambda s, v: None},
+                       {"reduce": lambda t: t.float().mean()}):
+            assert same(fxprobe.tap(model, **kwargs)(x), expected), kwargs

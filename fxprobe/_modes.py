@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._errors import InterventionError
 from ._options import TapOptions
@@ -59,18 +59,54 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
 
 
+class _PendingStats:
+    """A tensor's statistics, still on its device (no host synchronisation yet)."""
+
+    __slots__ = ("vector", "shape", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        from ._stats import stats_vector
+
+        self.vector = stats_vector(t)
+        self.shape = tuple(t.shape)
+        self.dtype = str(t.dtype)
+
+
+def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
+    """Fetch every site's statistics in one transfer and put :class:`Stats` in their place."""
+    from ._stats import StatsBatch
+
+    flat = {name: tree_flatten(v) for name, v in values.items()}
+    keys: list[str] = []
+    pending: list[_PendingStats] = []
+    for name, (leaves, _) in flat.items():
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, _PendingStats):
+                keys.append(f"{name}\0{i}")
+                pending.append(leaf)
+    if not pending:
+        return values
+    fetched = StatsBatch(keys, [p.vector for p in pending], [p.shape for p in pending],
+                         [p.dtype for p in pending]).fetch()
+    out = {}
+    for name, (leaves, spec) in flat.items():
+        leaves = [fetched[f"{name}\0{i}"] if isinstance(leaf, _PendingStats) else leaf
+                  for i, leaf in enumerate(leaves)]
+        out[name] = tree_unflatten(leaves, spec)
+    return out
+
+
 def make_modes(options: TapOptions, rec: Recording,
                sites: Callable[[str], Site | None]) -> Modes:
     reduce: Callable[[Any], Any] | None = None
     finalize = None
     on_begin = None
     if options.reduce == "stats":
-        from ._stats import pending_stats, resolve_stats
 
         def reduce_stats(value: Any) -> Any:
-            return _map_tensors(pending_stats, value)
+            return _map_tensors(_PendingStats, value)
 
-        reduce, finalize = reduce_stats, resolve_stats
+        reduce, finalize = reduce_stats, _resolve_stats
     elif options.reduce == "sample":
         from ._stats import sample_vector
 

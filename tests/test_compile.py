@@ -1,0 +1,30 @@
+"""torch.compile on a TappedModule: no graph breaks, same outputs, values still captured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+
+import fxprobe
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reduce": "stats"}])
+def test_compile_tapped_module_without_graph_breaks(kwargs: dict[str, str]) -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, **kwargs)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(tapped)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(tapped, backend="eager")
+    reference = fxprobe.tap(model, **kwargs)
+    with torch.no_grad():
+        got = compiled(x * 2)
+        expected = reference(x * 2)
+    assert torch.equal(got, expected) and torch.equal(got, model(x * 2))
+    assert list(tapped.taps) == list(reference.taps)
+    for name, value in reference.taps.items():
+        assert tapped.taps[name] == value if not isinstance(value, torch.Tensor) else (
+            torch.equal(tapped.taps[name], value)), name
+    torch._dynamo.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -251,6 +252,19 @@ class TappedModule(nn.Module):
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TappedModule:
+        """A tapped copy of a deep copy of the model, with its own taps and no shared state."""
+        root = copy.deepcopy(self._root, memo)
+        drop_overrides(root)
+        ours = {h.id for handles in self._hookset.handles.values() for h in handles}
+        for m in root.modules():
+            for key, table in vars(m).items():
+                if "hooks" in key and isinstance(table, dict):
+                    for hook_id in ours:
+                        table.pop(hook_id, None)
+        root.train(self.training)
+        return TappedModule(root, self._selectors, self._options)
 
     def extra_repr(self) -> str:
         prog = self._programs.get(self.training)

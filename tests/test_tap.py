@@ -212,3 +212,18 @@ def test_copy_policies() -> None:
     assert torch.equal(never.taps["bn1"], torch.relu(bn))
     assert always.graphs[""] is not None
     assert any("clone" in str(n.target) for n in always.graphs[""].nodes)
+
+
+def test_deepcopy_gives_an_independent_tapped_module() -> None:
+    import copy
+
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    twin = copy.deepcopy(tapped)
+    with torch.no_grad():
+        twin(x)
+        assert len(tapped.taps) == 0 and len(twin.taps) > 0
+        assert torch.equal(twin.taps["stem"], model.stem(x))
+        tapped(x * 2)
+        assert torch.equal(twin.taps["stem"], model.stem(x))
+    assert all(p is not q for p, q in zip(twin.parameters(), model.parameters(), strict=True))

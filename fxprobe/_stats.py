@@ -1,0 +1,352 @@
+"""Summary statistics of captured tensors, computed on their device without stalling the host.
+
+:func:`stats_vector` reduces a tensor to eight numbers with tensor ops only: no ``.item()``, no
+branching on values, nothing that waits for the device. :class:`StatsBatch` stacks the vectors
+of one forward and brings them to the host in a single transfer, the first time any is read.
+:class:`StatsLogger` does that every N steps of a training loop and logs a table.
+
+Semantics (tested against numpy in float64):
+
+- ``nan_count`` and ``inf_count`` count NaN and ±Inf elements.
+- ``mean``, ``std``, ``min``, ``max`` and ``absmax`` are taken over the *finite* elements only,
+  so one overflow does not hide the rest of the distribution; they are NaN when no element is
+  finite. ``std`` uses Bessel's correction like ``torch.std`` (NaN for a single finite element).
+- ``zero_frac`` is the fraction of *all* elements that equal zero (NaN is not zero).
+- An empty tensor gives NaN for every statistic but the two counts, which are 0.
+- Integer and bool tensors are cast to floating point. The vector is float64 for float64 input
+  and float32 otherwise (so counts above 2**24 are rounded, a relative error below 6e-8).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._errors import ConfigError
+
+FIELDS = ("mean", "std", "min", "max", "absmax", "zero_frac", "nan_count", "inf_count")
+"""The order of the entries of a stats vector."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary statistics of one captured tensor (see the module docstring for NaN/Inf rules)."""
+
+    shape: tuple[int, ...]
+    """The tensor's shape."""
+    dtype: str
+    """The tensor's dtype, as ``str(torch.float32)`` spells it."""
+    numel: int
+    """Number of elements."""
+    mean: float
+    """Mean of the finite elements (NaN if there are none)."""
+    std: float
+    """Standard deviation of the finite elements, with Bessel's correction (NaN below two)."""
+    min: float
+    """Smallest finite element (NaN if there are none)."""
+    max: float
+    """Largest finite element (NaN if there are none)."""
+    absmax: float
+    """Largest absolute value of a finite element (NaN if there are none)."""
+    zero_frac: float
+    """Fraction of all elements that are exactly zero (NaN for an empty tensor)."""
+    nan_count: int
+    """Number of NaN elements."""
+    inf_count: int
+    """Number of +Inf and -Inf elements."""
+
+
+def stats_vector(t: torch.Tensor) -> torch.Tensor:
+    """The eight statistics of ``t`` as a 1-D tensor on its device, in :data:`FIELDS` order.
+
+    Runs tensor ops only, so it never blocks the host on an accelerator; the result is
+    detached from autograd.
+
+    Args:
+        t: a real tensor of any dtype (bool and integers are cast), any shape, any device.
+
+    Returns:
+        ``[mean, std, min, max, absmax, zero_frac, nan_count, inf_count]``, float64 when ``t``
+        is float64 and float32 otherwise.
+
+    Raises:
+        TypeError: ``t`` is not a tensor, or is complex.
+
+    Example:
+        >>> stats_vector(torch.tensor([1.0, 2.0, float("nan")]))
+        tensor([1.5000, 0.7071, 1.0000, 2.0000, 2.0000, 0.0000, 1.0000, 0.0000])
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"stats_vector needs a torch.Tensor, got {type(t).__name__}")
+    if t.is_complex():
+        raise TypeError(
+            f"stats_vector does not summarise complex tensors ({t.dtype}); pass t.abs() or "
+            "torch.view_as_real(t)"
+        )
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    numel = t.numel()  # metadata: reading it does not synchronise
+    if numel == 0:
+        nan = float("nan")
+        return torch.tensor([nan] * 6 + [0.0, 0.0], dtype=dtype, device=t.device)
+    x = t.detach().reshape(-1).to(dtype)
+    finite = torch.isfinite(x)
+    n = finite.sum(dtype=dtype)
+    mean = torch.where(finite, x, 0).sum() / n  # 0/0 = NaN when nothing is finite
+    # Non-finite elements replaced by the mean: they move neither min/max nor the deviations.
+    filled = torch.where(finite, x, mean)
+    lo, hi = torch.aminmax(filled)
+    dev = filled - mean
+    std = torch.sqrt(torch.dot(dev, dev) / (n - 1))
+    absmax = torch.maximum(lo.abs(), hi.abs())
+    zero_frac = (x == 0).sum(dtype=dtype) / numel
+    nan_count = torch.isnan(x).sum(dtype=dtype)
+    inf_count = numel - n - nan_count
+    return torch.stack([mean, std, lo, hi, absmax, zero_frac, nan_count, inf_count])
+
+
+def sample_vector(t: torch.Tensor, k: int, generator: torch.Generator | None = None
+                  ) -> torch.Tensor:
+    """A fixed-size uniform random sample of ``t``'s elements, as a new 1-D tensor.
+
+    Elements are drawn independently, with replacement (O(k) work and memory however large
+    ``t`` is); when ``t`` has at most ``k`` elements, all of them are kept, in order. Nothing
+    synchronises with the device.
+
+    Args:
+        t: any tensor.
+        k: the sample size, at least 1.
+        generator: a ``torch.Generator`` on ``t``'s device, for a reproducible sample.
+
+    Returns:
+        A detached 1-D tensor of ``min(k, t.numel())`` elements, of ``t``'s dtype and device.
+
+    Raises:
+        ConfigError: ``k`` is not a positive int.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> sample_vector(torch.arange(1000), 4, g).shape
+        torch.Size([4])
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"sample_vector(k={k!r}): k must be a positive int")
+    flat = t.detach().reshape(-1)
+    numel = flat.numel()
+    if numel <= k:
+        return flat.clone()
+    idx = torch.randint(numel, (k,), generator=generator, device=t.device)
+    return flat[idx]
+
+
+class StatsBatch(Mapping[str, Stats]):
+    """The stats of several tensors of one forward: one device tensor, fetched once.
+
+    The vectors stay on the device, stacked into one ``(k, 8)`` tensor (one per device if the
+    values live on several); shapes and dtypes are kept on the host. The first read of any site
+    (or :meth:`fetch`) copies the stack to the host in one transfer and caches the result.
+
+    Example:
+        >>> batch = StatsBatch.from_tensors({"a": a, "b": b})  # no synchronisation here
+        >>> batch["a"].mean                                    # one transfer, for both
+    """
+
+    def __init__(self, names: Sequence[str], vectors: Sequence[torch.Tensor],
+                 shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]) -> None:
+        if not len(names) == len(vectors) == len(shapes) == len(dtypes):
+            raise ValueError(
+                f"StatsBatch needs as many names ({len(names)}), vectors ({len(vectors)}), "
+                f"shapes ({len(shapes)}) and dtypes ({len(dtypes)})"
+            )
+        self._names = tuple(names)
+        self._shapes = tuple(tuple(s) for s in shapes)
+        self._dtypes = tuple(dtypes)
+        groups: dict[torch.device, list[int]] = {}
+        for i, v in enumerate(vectors):
+            groups.setdefault(v.device, []).append(i)
+        self._stacks: list[tuple[list[int], torch.Tensor]] = []
+        for rows in groups.values():
+            vecs = [vectors[i] for i in rows]
+            wide = any(v.dtype == torch.float64 for v in vecs)  # host-side metadata only
+            dtype = torch.float64 if wide else torch.float32
+            self._stacks.append((rows, torch.stack([v.to(dtype) for v in vecs])))
+        self._fetched: dict[str, Stats] | None = None
+
+    @classmethod
+    def from_tensors(cls, values: Mapping[str, torch.Tensor]) -> StatsBatch:
+        """Compute :func:`stats_vector` of each tensor, without synchronising."""
+        names = list(values)
+        tensors = [values[n] for n in names]
+        return cls(names, [stats_vector(t) for t in tensors], [tuple(t.shape) for t in tensors],
+                   [str(t.dtype) for t in tensors])
+
+    @property
+    def stacked(self) -> torch.Tensor:
+        """The ``(k, 8)`` device tensor, rows in name order (all values on one device)."""
+        if len(self._stacks) != 1:
+            raise ValueError(
+                f"this batch spans {len(self._stacks)} devices, so it has no single stack; "
+                "use fetch()"
+            )
+        return self._stacks[0][1]
+
+    def fetch(self) -> dict[str, Stats]:
+        """Copy the stack to the host (once, then cached) and return ``{name: Stats}``."""
+        if self._fetched is None:
+            rows: list[list[float]] = [[] for _ in self._names]
+            for indices, stack in self._stacks:
+                host = stack.cpu().tolist()  # the one synchronisation (per device)
+                for i, row in zip(indices, host, strict=True):
+                    rows[i] = row
+            self._fetched = {
+                name: _make_stats(shape, dtype, row)
+                for name, shape, dtype, row in zip(self._names, self._shapes, self._dtypes, rows,
+                                                   strict=True)
+            }
+        return self._fetched
+
+    def __getitem__(self, name: str) -> Stats:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.fetch()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __repr__(self) -> str:
+        state = "fetched" if self._fetched is not None else "on device"
+        return f"StatsBatch({len(self._names)} sites, {state})"
+
+
+def _make_stats(shape: tuple[int, ...], dtype: str, row: Sequence[float]) -> Stats:
+    mean, std, lo, hi, absmax, zero_frac, nan_count, inf_count = row
+    return Stats(shape=shape, dtype=dtype, numel=math.prod(shape), mean=mean, std=std, min=lo,
+                 max=hi, absmax=absmax, zero_frac=zero_frac, nan_count=int(nan_count),
+                 inf_count=int(inf_count))
+
+
+_HEADERS = ("site", "shape", "dtype", "mean", "std", "min", "max", "absmax", "zeros %", "nan",
+            "inf")
+
+
+def stats_table(stats: Mapping[str, Stats], fmt: str = "simple") -> str:
+    """A text table of ``{site: Stats}``, one row per site, in the mapping's order.
+
+    Args:
+        stats: site name -> :class:`Stats` (a :class:`StatsBatch` is fetched).
+        fmt: any ``tabulate`` table format (``"simple"``, ``"github"``, ``"plain"`` ...).
+
+    Returns:
+        The table; columns site, shape, dtype, mean, std, min, max, absmax, zeros %, nan, inf.
+
+    Example:
+        >>> print(stats_table(StatsBatch.from_tensors(tapped.taps)))
+    """
+    from tabulate import tabulate
+
+    rows = []
+    for name, s in stats.items():
+        shape = "x".join(map(str, s.shape)) if s.shape else "scalar"
+        rows.append([name, shape, s.dtype.removeprefix("torch."), s.mean, s.std, s.min, s.max,
+                     s.absmax, 100.0 * s.zero_frac, s.nan_count, s.inf_count])
+    return tabulate(rows, headers=_HEADERS, tablefmt=fmt,
+                    floatfmt=("", "", "", ".4g", ".4g", ".4g", ".4g", ".4g", ".1f", "", ""),
+                    disable_numparse=[0, 1, 2])
+
+
+StatsSource = Callable[[], Mapping[str, Any]]
+
+
+class StatsLogger:
+    """Log a table of activation statistics every ``every`` steps of a training loop.
+
+    Call :meth:`step` (or the logger itself) once after each forward, or run the forward inside
+    ``with stats_logger:``. On steps 0, N, 2N, ... it reads the source and logs
+    :func:`stats_table` through :mod:`logging`; on the other steps it does nothing at all, so
+    the device is never waited for in between. Nothing is read when the logger would drop the
+    record anyway.
+
+    ``source`` is an object with a ``taps`` mapping (a tapped module) or a zero-argument callable
+    returning one. Its values may be :class:`Stats` or tensors; tensors are summarised with
+    :func:`stats_vector` and fetched in one transfer. Other values are skipped.
+
+    Example:
+        >>> slog = fxprobe.StatsLogger(tapped, every=100)
+        >>> for x, y in loader:
+        ...     loss = loss_fn(tapped(x), y); loss.backward(); opt.step()
+        ...     slog.step()
+    """
+
+    def __init__(self, source: Any, every: int = 100, logger: logging.Logger | None = None,
+                 level: int = logging.INFO, fmt: str = "simple") -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"StatsLogger(every={every!r}): every must be a positive int")
+        # getattr_static: a ``taps`` property must not run (and maybe synchronise) here.
+        if inspect.getattr_static(source, "taps", None) is not None:
+            self._read: StatsSource = lambda: source.taps
+        elif callable(source):
+            self._read = source
+        else:
+            raise ConfigError(
+                f"StatsLogger needs an object with a .taps mapping (a tapped module) or a "
+                f"zero-argument callable returning a mapping; got {type(source).__name__}"
+            )
+        self.every = every
+        self.logger = logger if logger is not None else logging.getLogger("fxprobe")
+        self.level = level
+        self.fmt = fmt
+        self.count = 0
+        """How many steps have been taken."""
+        self.last: Mapping[str, Stats] | None = None
+        """The statistics logged last, or None."""
+
+    def step(self) -> Mapping[str, Stats] | None:
+        """Count one step; on every ``every``-th (from the first) log and return the stats."""
+        index = self.count
+        self.count += 1
+        if index % self.every or not self.logger.isEnabledFor(self.level):
+            return None
+        stats = collect(self._read())
+        self.last = stats
+        self.logger.log(self.level, "fxprobe activation stats, step %d:\n%s", index,
+                        stats_table(stats, self.fmt))
+        return stats
+
+    __call__ = step
+
+    def __enter__(self) -> StatsLogger:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.step()
+
+
+def collect(values: Mapping[str, Any]) -> Mapping[str, Stats]:
+    """``{name: Stats}`` from a mapping of Stats and/or tensors (others dropped), one transfer."""
+    ready: dict[str, Stats] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    order = []
+    for name, v in values.items():
+        if isinstance(v, Stats):
+            ready[name] = v
+        elif isinstance(v, torch.Tensor) and not v.is_complex():
+            tensors[name] = v
+        else:
+            continue
+        order.append(name)
+    if not tensors:
+        return ready
+    fetched = StatsBatch.from_tensors(tensors).fetch()
+    return {name: ready[name] if name in ready else fetched[name] for name in order}

@@ -1,0 +1,252 @@
+"""Tests of fxprobe._stats against numpy (float64) computed on the whole tensor."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+from nosync import SyncError, forbid_sync, record_ops
+
+from fxprobe._errors import ConfigError
+from fxprobe._stats import (
+    FIELDS,
+    Stats,
+    StatsBatch,
+    StatsLogger,
+    collect,
+    sample_vector,
+    stats_table,
+    stats_vector,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+def reference(t: torch.Tensor) -> list[float]:
+    """The eight statistics, by numpy in float64, following the documented rules."""
+    a = t.detach().to(torch.float64).reshape(-1).numpy()
+    finite = a[np.isfinite(a)]
+    nan_count = float(np.isnan(a).sum())
+    inf_count = float(np.isinf(a).sum())
+    zero_frac = float((a == 0).sum() / a.size) if a.size else NAN
+    if finite.size == 0:
+        return [NAN] * 5 + [zero_frac, nan_count, inf_count]
+    std = float(finite.std(ddof=1)) if finite.size > 1 else NAN
+    return [float(finite.mean()), std, float(finite.min()), float(finite.max()),
+            float(np.abs(finite).max()), zero_frac, nan_count, inf_count]
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+CASES = {
+    "float32": torch.randn(4, 5, 6, generator=_gen()) * 3 + 1,
+    "float64": torch.randn(7, 9, generator=_gen(1), dtype=torch.float64),
+    "float16": (torch.randn(50, generator=_gen(2)) * 10).half(),
+    "bfloat16": (torch.randn(50, generator=_gen(3)) * 10).bfloat16(),
+    "relu_zeros": torch.relu(torch.randn(100, generator=_gen(4))),
+    "nan_and_inf": torch.tensor([1.0, NAN, -2.0, INF, 0.0, -INF, 3.5, NAN, 0.0]),
+    "all_nan": torch.full((3, 2), NAN),
+    "all_inf": torch.tensor([INF, -INF]),
+    "one_finite_among_nan": torch.tensor([NAN, 4.0, INF]),
+    "one_element": torch.tensor([2.5]),
+    "scalar": torch.tensor(-7.0),
+    "empty": torch.empty(0, 3),
+    "int64": torch.randint(-50, 50, (8, 8), generator=_gen(5)),
+    "int32": torch.randint(0, 3, (40,), generator=_gen(6), dtype=torch.int32),
+    "uint8": torch.randint(0, 255, (30,), generator=_gen(7), dtype=torch.uint8),
+    "bool": torch.rand(33, generator=_gen(8)) > 0.3,
+    "non_contiguous": torch.randn(6, 5, generator=_gen(9)).t()[::2],
+    "large_offset": torch.randn(1000, generator=_gen(10), dtype=torch.float64) + 1e6,
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_stats_vector_matches_numpy_without_sync(name: str) -> None:
+    t = CASES[name]
+    with forbid_sync():
+        v = stats_vector(t)
+    want_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    assert v.dtype == want_dtype and v.shape == (len(FIELDS),) and v.device == t.device
+    rtol = 1e-10 if want_dtype == torch.float64 else 2e-5
+    np.testing.assert_allclose(v.double().numpy(), reference(t), rtol=rtol, atol=1e-6,
+                               equal_nan=True)
+
+
+def test_stats_vector_is_detached_and_rejects_complex() -> None:
+    x = torch.randn(5, requires_grad=True)
+    assert not stats_vector(x * 2).requires_grad
+    with pytest.raises(TypeError, match="complex"):
+        stats_vector(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        stats_vector([1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_nan_and_inf_rules_spelled_out() -> None:
+    v = stats_vector(torch.tensor([1.0, NAN, 3.0, INF, -INF])).tolist()
+    mean, std, lo, hi, absmax, zero_frac, nan_count, inf_count = v
+    assert (mean, lo, hi, absmax) == (2.0, 1.0, 3.0, 3.0)  # finite values only
+    assert std == pytest.approx(math.sqrt(2.0))
+    assert (zero_frac, nan_count, inf_count) == (0.0, 1.0, 2.0)
+
+
+@pytest.mark.parametrize("op", [
+    lambda t: t.sum().item(),
+    lambda t: bool(t.sum()),
+    lambda t: float(t[0]),
+    lambda t: int(t[0]),
+    lambda t: t.tolist(),
+    lambda t: t.cpu(),
+    lambda t: t.to("cpu"),
+    lambda t: t.numpy(),
+    lambda t: t[t > 0],
+    lambda t: t.nonzero(),
+    lambda t: repr(t),
+], ids=["item", "bool", "float", "int", "tolist", "cpu", "to_cpu", "numpy", "mask", "nonzero",
+        "repr"])
+def test_forbid_sync_catches_host_reads(op: object) -> None:
+    t = torch.randn(4)
+    with pytest.raises(SyncError), forbid_sync():
+        op(t)  # type: ignore[operator]
+
+
+def test_sample_vector_reproducible_without_sync() -> None:
+    t = torch.arange(10_000, dtype=torch.float32).reshape(100, 100)
+    with forbid_sync():
+        a = sample_vector(t, 64, _gen(3))
+        b = sample_vector(t, 64, _gen(3))
+        c = sample_vector(t, 64, _gen(4))
+    assert a.shape == (64,) and a.dtype == t.dtype
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert set(a.tolist()) <= set(t.reshape(-1).tolist())
+    assert len(set(a.tolist())) > 50  # spread over the tensor, not one block
+
+
+def test_sample_vector_small_tensor_keeps_all_as_a_copy() -> None:
+    t = torch.tensor([[1, 2], [3, 4]])
+    s = sample_vector(t, 4)
+    assert torch.equal(s, torch.tensor([1, 2, 3, 4]))
+    t.zero_()
+    assert s.tolist() == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="positive int"):
+        sample_vector(t, 0)
+
+
+def _values() -> dict[str, torch.Tensor]:
+    return {"a": CASES["float32"], "b": CASES["nan_and_inf"], "c": CASES["int64"],
+            "d": CASES["empty"], "e": CASES["float64"]}
+
+
+def test_stats_batch_one_transfer_and_cached() -> None:
+    values = _values()
+    with forbid_sync():
+        batch = StatsBatch.from_tensors(values)
+    assert batch.stacked.shape == (5, 8)
+    assert batch.stacked.dtype == torch.float64  # one float64 site widens the stack
+    assert list(batch) == list(values) and len(batch) == 5 and "a" in batch
+    with record_ops() as ops:
+        first = batch["b"]
+        everything = batch.fetch()
+        again = batch["e"]
+    assert ops.count("cpu") == 1  # reading one site fetched all; later reads are cached
+    assert everything is batch.fetch() and again is everything["e"]
+    assert first == everything["b"]
+    for name, t in values.items():
+        s = everything[name]
+        assert s.shape == tuple(t.shape) and s.dtype == str(t.dtype) and s.numel == t.numel()
+        got = [getattr(s, f) for f in FIELDS]
+        np.testing.assert_allclose(got, reference(t), rtol=2e-5, atol=1e-6, equal_nan=True)
+    assert isinstance(everything["b"].nan_count, int) and everything["b"].inf_count == 2
+    with pytest.raises(KeyError):
+        batch["zz"]
+
+
+def _stats(**kw: object) -> Stats:
+    base: dict[str, object] = dict(shape=(2, 3), dtype="torch.float32", numel=6, mean=0.5,
+                                   std=1.25, min=-1.0, max=2.0, absmax=2.0, zero_frac=0.5,
+                                   nan_count=0, inf_count=0)
+    base.update(kw)
+    return Stats(**base)  # type: ignore[arg-type]
+
+
+def test_stats_table_text() -> None:
+    table = stats_table({"layer1.0": _stats(), "fc": _stats(shape=(), numel=1, mean=123456.0,
+                                                            std=NAN, nan_count=3)})
+    header = table.splitlines()[0].split()
+    assert header == ["site", "shape", "dtype", "mean", "std", "min", "max", "absmax", "zeros",
+                      "%", "nan", "inf"]
+    rows = [line.split() for line in table.splitlines()[2:]]
+    assert rows[0] == ["layer1.0", "2x3", "float32", "0.5", "1.25", "-1", "2", "2", "50.0", "0",
+                       "0"]
+    assert rows[1] == ["fc", "scalar", "float32", "1.235e+05", "nan", "-1", "2", "2", "50.0",
+                       "3", "0"]
+    assert stats_table({"0": _stats()}, fmt="github").startswith("| site")
+
+
+class _Source:
+    def __init__(self) -> None:
+        self.reads = 0
+        self.value: dict[str, torch.Tensor] = {"x": torch.tensor([0.0, 1.0, 2.0])}
+
+    @property
+    def taps(self) -> dict[str, torch.Tensor]:
+        self.reads += 1
+        return self.value
+
+
+def test_stats_logger_logs_every_n_steps_only(caplog: pytest.LogCaptureFixture) -> None:
+    src = _Source()
+    slog = StatsLogger(src, every=3)
+    caplog.set_level(logging.INFO, logger="fxprobe")
+    results = [slog.step() for _ in range(7)]
+    assert [r is not None for r in results] == [True, False, False, True, False, False, True]
+    assert src.reads == 3  # the source is read only on logging steps
+    assert len(caplog.records) == 3
+    assert all(r.name == "fxprobe" and r.levelno == logging.INFO for r in caplog.records)
+    assert "step 3" in caplog.records[1].getMessage()
+    assert "x" in caplog.records[0].getMessage() and "33.3" in caplog.records[0].getMessage()
+    assert slog.last is not None and slog.last["x"].mean == 1.0
+
+
+def test_stats_logger_callable_stats_context_and_disabled(caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    calls = []
+
+    def source() -> dict[str, object]:
+        calls.append(1)
+        return {"s": _stats(), "skip": "not a tensor"}
+
+    logger = logging.getLogger("fxprobe.test")
+    caplog.set_level(logging.DEBUG, logger="fxprobe.test")
+    slog = StatsLogger(source, every=2, logger=logger, level=logging.DEBUG)
+    for _ in range(3):
+        with slog:
+            pass
+    assert slog.count == 3 and len(calls) == 2 and len(caplog.records) == 2
+    assert list(slog.last or {}) == ["s"]
+    with pytest.raises(RuntimeError), slog:  # a failed step is not counted
+        raise RuntimeError("boom")
+    assert slog.count == 3
+    quiet = StatsLogger(source, every=1, logger=logger, level=5)  # below the logger's level
+    calls.clear()
+    quiet()
+    assert calls == []
+
+
+def test_stats_logger_rejects_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="every"):
+        StatsLogger(lambda: {}, every=0)
+    with pytest.raises(ConfigError, match="taps"):
+        StatsLogger(42)
+
+
+def test_collect_keeps_order_and_fetches_once() -> None:
+    values = {"t1": torch.ones(2), "s": _stats(), "t2": torch.zeros(3), "other": (1, 2)}
+    with record_ops() as ops:
+        out = collect(values)
+    assert list(out) == ["t1", "s", "t2"] and ops.count("cpu") == 1
+    assert out["t2"].zero_frac == 1.0 and out["s"] is values["s"]

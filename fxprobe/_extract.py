@@ -61,8 +61,8 @@ amin argmax argmin all any logsumexp cumsum cumprod softmax log_softmax eq ne lt
 logical_and logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not
 gather scatter scatter_add index_add masked_scatter new_zeros new_ones new_empty new_full
 """.split())
-# torch.* and torch.nn.functional.* functions that return one tensor.
-_TENSOR_FUNCTIONS = _TENSOR_METHODS | frozenset("""
+# torch.* and torch.nn.functional.* functions that return one tensor (torch.where(cond) does not).
+_TENSOR_FUNCTIONS = (_TENSOR_METHODS - {"where"}) | frozenset("""
 cat concat concatenate stack hstack vstack einsum relu relu6 gelu silu mish hardswish
 hardsigmoid hardtanh leaky_relu elu selu celu softplus softsign glu logsigmoid tanhshrink
 layer_norm group_norm batch_norm instance_norm rms_norm local_response_norm normalize linear
@@ -152,6 +152,9 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
 
 def copy_tree(value: Any) -> Any:
     """A copy of every tensor in ``value`` (a nest of tuples, lists and dicts); the rest as is."""
+    if isinstance(value, fx.Proxy):
+        # Unpickling a GraphModule traces its code again: stay one node instead of vanishing.
+        return value.tracer.create_proxy("call_function", copy_tree, (value,), {})
     return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 

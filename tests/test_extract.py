@@ -7,6 +7,8 @@ value as it is produced; values computed by hand.
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -267,6 +269,19 @@ def test_values_of_unknown_type_are_copied_whole() -> None:
     assert_same(v["pair"], (x, x * 2))
     assert torch.equal(out, (x + 1) + x * 2)
     assert "copy_tree" in ex.code and "getitem.clone()" in ex.code
+
+
+def test_pickle_and_deepcopy_keep_the_copies() -> None:
+    # Unpickling a GraphModule traces its code again; the Python copy helper must survive that.
+    ex = extractor(_TupleAtRisk(), leaf_modules=[_Pair])
+    buf = io.BytesIO()
+    torch.save(ex, buf)
+    buf.seek(0)
+    for again in (torch.load(buf, weights_only=False), copy.deepcopy(ex)):
+        x = torch.randn(4)
+        _, v = again(x.clone())
+        assert torch.equal(v["x"], x) and torch.equal(v["pair"][0], x)
+        assert "copy_tree" in again.code
 
 
 def test_torch_compile_fullgraph_has_no_graph_breaks() -> None:

@@ -21,9 +21,11 @@ from ._errors import (
     UnknownSiteError,
     UnsupportedModelError,
 )
+from ._extract import extractor
 from ._record import Grads, InOut, Taps
 from ._select import Selector, where
 from ._site import Site
+from ._stats import Stats, StatsLogger, stats_table
 from ._tap import SiteNames, TappedModule, sites, tap
 from ._trace import Fallback
 
@@ -41,12 +43,16 @@ __all__ = [
     "Site",
     "SiteNames",
     "SiteNotRunError",
+    "Stats",
+    "StatsLogger",
     "Taps",
     "TappedModule",
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
+    "extractor",
     "sites",
+    "stats_table",
     "tap",
     "where",
 ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import zoo
+from nosync import forbid_sync
 from reference import same
 from torch import nn
 
@@ -183,3 +185,50 @@ def test_modes_leave_the_output_unchanged() -> None:
         for kwargs in ({"keep": 3}, {"to": "cpu"}, {"fn": lambda s, v: None},
                        {"reduce": lambda t: t.float().mean()}):
             assert same(fxprobe.tap(model, **kwargs)(x), expected), kwargs
+
+
+def _numpy_stats(t: torch.Tensor) -> dict[str, float]:
+    a = t.detach().double().numpy().ravel()
+    return {"mean": a.mean(), "std": a.std(ddof=1), "min": a.min(), "max": a.max(),
+            "absmax": np.abs(a).max(), "zero_frac": float((a == 0).mean())}
+
+
+@pytest.mark.parametrize("name", ["resnet", "encoder", "inplace"])
+def test_stats_match_numpy_on_the_captured_tensors(name: str) -> None:
+    model, args, kwargs = zoo.make(name)
+    full = fxprobe.tap(model)
+    stats = fxprobe.tap(model, reduce="stats")
+    with torch.no_grad():
+        expected = full(*args, **kwargs)
+        assert same(stats(*args, **kwargs), expected)
+    assert set(stats.taps) == set(full.taps)
+    for site, value in full.taps.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        s = stats.taps[site]
+        assert isinstance(s, fxprobe.Stats) and s.shape == tuple(value.shape), site
+        for key, ref in _numpy_stats(value).items():
+            assert getattr(s, key) == pytest.approx(ref, rel=1e-4, abs=1e-5), (site, key)
+        assert s.nan_count == 0 and s.inf_count == 0
+
+
+def test_stats_forward_does_not_synchronise() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, ops=[nn.Conv2d, nn.BatchNorm2d, "layer1.*.add"],
+                         reduce="stats")
+    with torch.no_grad():
+        tapped(x)  # the first forward builds nothing more, but warm up anyway
+        with forbid_sync():
+            tapped(x)
+    assert tapped.taps["conv1"].numel == x.shape[0] * 8 * 16 * 16
+
+
+def test_stats_history_and_table() -> None:
+    model, (x,), _ = zoo.make("shared")
+    tapped = fxprobe.tap(model, reduce="stats", keep=2)
+    with torch.no_grad():
+        tapped(x)
+        tapped(x * 0)
+    assert tapped.history[1]["x"].absmax == 0 and tapped.history[0]["x"].absmax > 0
+    table = fxprobe.stats_table(tapped.taps)
+    assert "fc_1" in table and "absmax" in table

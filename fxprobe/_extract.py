@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from ._errors import ConfigError, TraceError, UnsupportedModelError
@@ -132,8 +133,9 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
     root = mirror(model)
     root.train(train)
     # "auto" lists every module that fails (as Fallbacks) instead of stopping at the first.
-    p = plan(root, tracer="auto", leaf_modules=leaf_modules,
-             autowrap_functions=autowrap_functions)
+    with StateWriteGuard(root):
+        p = plan(root, tracer="auto", leaf_modules=leaf_modules,
+                 autowrap_functions=autowrap_functions)
     if p.fallbacks:
         raise _untraceable(type(model).__name__, p.fallbacks)
     region = p.root_region
@@ -148,6 +150,60 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     gm.train(train)
     return gm
+
+
+_INPLACE_DUNDERS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
+    "__setitem__",
+})
+
+
+class StateWriteGuard(TorchFunctionMode):
+    """While tracing, refuse in-place writes into the model's parameters and buffers.
+
+    fx records operations on proxies only; buffers are real tensors during tracing, so
+    ``self.count += 1`` or an observer's ``self.min_val.copy_(...)`` would run once, on the
+    model's own tensor, and be missing from the graph. Raising instead makes the module fail to
+    trace (before anything is written), so that it is reported by name.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.owned: dict[int, str] = {}
+        named = [*root.named_parameters(remove_duplicate=False),
+                 *root.named_buffers(remove_duplicate=False)]
+        for name, t in named:
+            ptr = _storage_ptr(t)
+            if ptr is not None:
+                self.owned.setdefault(ptr, name)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        targets: list[Any] = []
+        if (_inplace_name(name) or name in _INPLACE_DUNDERS
+                or kwargs.get("inplace") is True) and args:
+            targets.append(args[0])
+        if kwargs.get("out") is not None:
+            targets.append(kwargs["out"])
+        for t in targets:
+            owner = self.owned.get(_storage_ptr(t) or -1) if isinstance(t, torch.Tensor) else None
+            if owner is not None:
+                raise RuntimeError(
+                    f"the forward writes in place into the model's tensor {owner!r} "
+                    f"({name}), which torch.fx cannot record"
+                )
+        return func(*args, **kwargs)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+    return ptr or None
 
 
 def copy_tree(value: Any) -> Any:
@@ -290,7 +346,7 @@ def _untraceable(model_name: str, fallbacks: Sequence[Fallback]) -> TraceError:
     if any(not f.path for f in fallbacks):
         hints.append(
             "leaf_modules cannot help with the top-level forward: build the extractor from a "
-            "traceable submodule, move the data-dependent code into a submodule named in "
+            "traceable submodule, move the code that fails into a submodule named in "
             "leaf_modules, or name the offending function in autowrap_functions")
     hints.append("or use fxprobe.tap(model, ...), which reaches untraceable modules by hooks")
     return TraceError(

@@ -233,6 +233,44 @@ def test_untraceable_top_level() -> None:
     assert "leaf_modules cannot help" in str(info.value)
 
 
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("offset", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # fx would run this once, while tracing, and leave it out of the graph
+        return x + self.offset
+
+
+class _Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = _Counter()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.count(x))
+
+
+def test_inplace_writes_to_buffers_are_refused_before_they_happen() -> None:
+    model = _Counted()
+    with pytest.raises(TraceError) as info:
+        extractor(model)
+    assert "'count' (_Counter)" in str(info.value) and "'count.calls'" in str(info.value)
+    assert "self.calls += 1" in str(info.value)
+    assert model.count.calls.item() == 0  # tracing did not write into the model
+    ex = extractor(model, leaf_modules=[_Counter])  # runs as written: counts every forward
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        out, v = ex(x)
+    assert model.count.calls.item() == 3
+    assert torch.equal(out, model.lin(x + 1)) and torch.equal(v["count"], x + 1)
+    with pytest.raises(TraceError, match="top-level forward of _Counter"):
+        extractor(_Counter())
+
+
 def test_bad_arguments() -> None:
     model, _, _ = zoo.make("shared")
     with pytest.raises(ConfigError, match="tracer='fx'"):

@@ -26,8 +26,10 @@ from ._record import Grads, InOut, Taps
 from ._select import Selector, where
 from ._site import Site
 from ._stats import Stats, StatsLogger, stats_table
+from ._summary import Table, summary
 from ._tap import SiteNames, TappedModule, sites, tap
 from ._trace import Fallback
+from ._viz import RenderError, render, to_dot
 
 __all__ = [
     "ConfigError",
@@ -37,6 +39,7 @@ __all__ = [
     "InOut",
     "InterventionError",
     "RemovedError",
+    "RenderError",
     "Selector",
     "SelectorError",
     "SelectorTypeError",
@@ -45,14 +48,18 @@ __all__ = [
     "SiteNotRunError",
     "Stats",
     "StatsLogger",
+    "Table",
     "Taps",
     "TappedModule",
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
     "extractor",
+    "render",
     "sites",
     "stats_table",
+    "summary",
     "tap",
+    "to_dot",
     "where",
 ]

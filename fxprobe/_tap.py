@@ -241,6 +241,28 @@ class TappedModule(nn.Module):
         """The instrumented fx graph of each traced region with a tap, by module path."""
         return {path: c.graph for path, c in self._program().compiled.items()}
 
+    def render(self, path: Any, **kw: Any) -> Any:
+        """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.
+
+        Keywords go to :func:`fxprobe.to_dot` (``example_input``, ``depth``, ``rankdir``).
+
+        Example:
+            >>> tapped.render("model.svg", example_input=x, depth=2)
+        """
+        from ._viz import render
+
+        return render(self, path, **kw)
+
+    def summary(self, fmt: str = "text") -> Any:
+        """A :class:`fxprobe.Table` of the selected sites and what the last forward captured.
+
+        ``fmt`` is ``"text"``, ``"github"`` (Markdown) or ``"html"``. Example:
+            >>> print(tapped.summary())
+        """
+        from ._summary import summary
+
+        return summary(self, fmt)
+
     def remove(self) -> None:
         """Remove every hook and override fxprobe installed; the last values stay readable."""
         self._hookset.remove()

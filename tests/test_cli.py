@@ -1,0 +1,258 @@
+"""The ``fxprobe`` command: the installed script in subprocesses (run side by side), and its
+parsing in process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zoo
+from torch import nn
+
+import fxprobe
+from fxprobe import _cli
+
+MODELS = textwrap.dedent("""\
+    import torch.nn as nn
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) if x.sum() > 0 else x
+
+    def good():
+        return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Gate())
+
+    def not_module():
+        return [1, 2]
+
+    def broken():
+        raise ValueError("no weights here")
+
+    instance = nn.Linear(2, 2)
+    """)
+
+FXPROBE = shutil.which("fxprobe")
+HAS_DOT = shutil.which("dot") is not None
+
+# name -> (command, expected exit status, text expected in stdout or stderr)
+COMMANDS: dict[str, tuple[list[str], int, str]] = {
+    "demo": (["fxprobe", "demo", "-o", "demo.png"], 0, "wrote demo.png"),
+    "python -m": ([sys.executable, "-m", "fxprobe"], 0, "wrote fxprobe-demo.svg"),
+    "bad spec": (["fxprobe", "sites", "models.py"], 2,
+                 "is not package.module:factory or path/to/file.py:factory"),
+    "missing file": (["fxprobe", "graph", "nowhere/models.py:good"], 2,
+                     "no such file: nowhere/models.py"),
+    "missing factory": (["fxprobe", "sites", "models.py:godo"], 2,
+                        "models.py has no 'godo' (MODEL 'models.py:godo'); did you mean good?"),
+    "not a module": (["fxprobe", "graph", "models.py:not_module"], 2,
+                     "returned list, not a torch.nn.Module"),
+    "bad input": (["fxprobe", "graph", "models.py:good", "--input", "3xq"], 2,
+                  "--input '3xq': sizes must be positive integers"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every command of COMMANDS, started together (each pays for importing torch)."""
+    if FXPROBE is None:
+        pytest.skip("the fxprobe command is not installed (pip install -e .)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    results: dict[str, Any] = {}
+    procs = {}
+    for name, (cmd, _, _) in COMMANDS.items():
+        cwd = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        (cwd / "models.py").write_text(MODELS)
+        procs[name] = (subprocess.Popen(cmd, cwd=cwd, env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE), cwd)
+    for name, (proc, cwd) in procs.items():
+        out, err = proc.communicate(timeout=300)
+        results[name] = types.SimpleNamespace(rc=proc.returncode, out=out, err=err, cwd=cwd)
+    return results
+
+
+@pytest.mark.parametrize("name", [n for n, c in COMMANDS.items() if c[1] == 2])
+def test_bad_input_is_one_line_exit_2_no_traceback(runs: dict[str, Any], name: str) -> None:
+    r = runs[name]
+    _, status, text = COMMANDS[name]
+    assert r.rc == status, r.err
+    assert "Traceback" not in r.err and r.out == ""
+    assert len(r.err.strip().splitlines()) == 1, r.err
+    assert r.err.startswith("fxprobe ") and text in r.err
+
+
+def test_demo_prints_summary_and_writes_picture(runs: dict[str, Any]) -> None:
+    for name, picture, magic in (("demo", "demo.png", b"\x89PNG"),
+                                 ("python -m", "fxprobe-demo.svg", b"<?xml")):
+        r = runs[name]
+        assert r.rc == 0, r.err
+        assert COMMANDS[name][2] in r.out
+        # the summary table: one row per tapped site, the fallback under it
+        for site in ("stem.0", "block.conv1", "block.add", "flatten", "head.quick"):
+            assert f"\n{site} " in r.out
+        assert "runs as written (hook fallback): head (EarlyExitHead)" in r.out
+        path = r.cwd / picture
+        if HAS_DOT:
+            assert path.read_bytes().startswith(magic)
+        else:
+            assert path.with_suffix(".dot").exists()
+
+
+# -- in process -------------------------------------------------------------------------------
+
+@pytest.fixture
+def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_sites_and_graph_commands(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["sites", "models.py:good", "--ops", "module:Linear"]) == 0
+    table, _, notes = capsys.readouterr().out.partition("\n\n")
+    lines = table.splitlines()
+    assert lines[0].split() == ["name", "op", "module", "path", "how"]
+    assert [line.split() for line in lines[2:]] == [["0", "Linear", "0", "fx"],
+                                                   ["2.a", "Linear", "2.a", "hook"]]
+    assert "runs as written (hook fallback): 2 (Gate)" in notes
+    assert _cli.main(["sites", "models.py:good", "--format", "github"]) == 0
+    assert capsys.readouterr().out.startswith("| name ")
+
+    out = "g.svg" if HAS_DOT else "g.dot"
+    assert _cli.main(["graph", "models.py:good", "--input", "3x4", "-o", out,
+                      "--ops", "how:hook"]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
+    text = (models / out).read_text()
+    assert "2.a" in text and "fallback" in text and "float32 [3, 4]" in text
+    if HAS_DOT:  # the default output is named after the factory
+        assert _cli.main(["graph", "models.py:good", "--depth", "0", "--rankdir", "LR"]) == 0
+        assert capsys.readouterr().out == "wrote good.svg\n"
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["sites", "models.py:broken"], "calling models.py:broken() raised ValueError: no weights"),
+    (["sites", "no_such_package_xyz.models:make"], "no module named 'no_such_package_xyz'"),
+    (["sites", "models.py:"], "is not package.module:factory"),
+    (["sites", "models.py:good", "--ops", "modul:Linear"], "unknown selector 'modul:'"),
+    (["sites", "models.py:good", "--ops", "module:Conv2d"], "matches no site"),
+    (["sites", "models.py:good", "--ops", "function:torch.flaten"],
+     "cannot find a function 'torch.flaten'"),
+    (["sites", "models.py:good", "--ops", "re:("], "not a regular expression"),
+    (["graph", "models.py:good", "--input", "2x5"], "does not run through Sequential"),
+    (["graph", "models.py:good", "--input", "2x4:complex7"], "unknown dtype 'complex7'"),
+    (["graph", "models.py:good", "-o", "g.jpeg"], "cannot tell the format"),
+    (["sites", "models.py:good", "--tracer", "fx"], "could not trace"),
+])
+def test_errors_in_process(models: Path, argv: list[str], text: str,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert text in err and "Traceback" not in err
+
+
+def test_missing_dot_program_exits_1_with_hint(models: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(models))
+    assert _cli.main(["graph", "models.py:good", "-o", "g.svg"]) == 1
+    assert "install Graphviz" in capsys.readouterr().err
+    assert _cli.main(["graph", "models.py:good", "-o", "g.dot"]) == 0
+    assert (models / "g.dot").read_text().startswith("// fxprobe.to_dot")
+
+
+def test_model_specs_that_work(models: Path) -> None:
+    model, name = _cli.load_model("models.py:instance")  # a module-level model
+    assert isinstance(model, nn.Linear) and name == "instance"
+    model, _ = _cli.load_model("fxprobe._examples:small_cnn")
+    assert type(model).__name__ == "SmallCNN"
+    model, _ = _cli.load_model(f"{models / 'models.py'}:good")  # an absolute path
+    assert isinstance(model, nn.Sequential)
+
+
+def test_parse_inputs() -> None:
+    a, b, c = _cli.parse_inputs(["1x3x8x8", "2x5:int64,4:bool"])
+    assert a.shape == (1, 3, 8, 8) and a.dtype == torch.float32 and a.std() > 0
+    assert b.shape == (2, 5) and b.dtype == torch.int64 and not b.any()
+    assert c.dtype == torch.bool
+    assert torch.equal(_cli.parse_inputs(["1x3x8x8"])[0], a)  # seeded
+    for bad in ("", "0x3", "1x-3", "1x3:float7", "3,,"):
+        with pytest.raises(_cli.UsageError, match="--input"):
+            _cli.parse_inputs([bad])
+
+
+def test_selectors_match_what_they_say() -> None:
+    model, args, _ = zoo.make("resnet")
+    records = fxprobe.sites(model).records
+
+    def chosen(text: str) -> list[str]:
+        sel = _cli.parse_selector(text)
+        return [s.name for s in records if sel(s)]
+
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    assert chosen("module:Conv2d") == convs
+    assert chosen("module:nn.Conv2d") == convs == chosen("module:torch.nn.Conv2d")
+    blocks = [n for n, m in model.named_modules() if type(m).__name__ == "BasicBlock"]
+    assert blocks and chosen("module:BasicBlock") == []  # traced through: no call site
+    assert chosen("function:torch.flatten") == ["flatten"] == chosen("fn:torch.flatten")
+    adds = [n for n in fxprobe.sites(model) if n.endswith(".add")]
+    assert chosen("op:add") == adds == chosen("function:operator.add")
+    assert chosen("layer2.0.*conv?") == ["layer2.0.conv1", "layer2.0.conv2"]
+    assert chosen(r"re:downsample\.0$") == ["layer2.0.downsample.0"]
+    assert chosen("how:hook") == []
+    assert chosen("name:fc") == ["fc"]
+    enc = fxprobe.sites(zoo.make("encoder")[0]).records
+    sel = _cli.parse_selector("method:transpose")
+    assert [s.name for s in enc if sel(s)] == ["attn.transpose", "attn.transpose_1"]
+    gated = fxprobe.sites(zoo.make("data_dependent")[0]).records
+    sel = _cli.parse_selector("how:hook")
+    assert [s.name for s in gated if sel(s)] == ["gate.pos"]
+    sel = _cli.parse_selector("module:zoo.Gate")  # a dotted path to the user's class
+    assert [s.name for s in gated if sel(s)] == ["gate"]
+
+
+def test_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["--help"])
+    assert exit_.value.code == 0
+    top = capsys.readouterr().out
+    for command in ("sites", "graph", "demo", "bench"):
+        assert f"    {command}" in top
+    for command, options in (("sites", ["--ops", "--tracer", "--train", "--format", "module:"]),
+                             ("graph", ["--ops", "-o", "--depth", "--input", "--rankdir",
+                                        "function:torch.add", "MODEL is"]),
+                             ("demo", ["-o", "--format"])):
+        with pytest.raises(SystemExit):
+            _cli.main([command, "--help"])
+        text = capsys.readouterr().out
+        assert all(o in text for o in options), (command, text)
+    assert _cli.main([]) == 2
+    assert "usage: fxprobe" in capsys.readouterr().err
+
+
+def test_bench_runs_the_checkout_benchmarks_or_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("benchmarks.__main__")
+    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "benchmarks.__main__", fake)
+    assert _cli.main(["bench", "--quick", "--models", "resnet"]) == 0
+    assert seen == [["--quick", "--models", "resnet"]]
+
+    monkeypatch.setitem(sys.modules, "benchmarks", None)  # not importable
+    monkeypatch.delitem(sys.modules, "benchmarks.__main__")
+    code = _cli._run(lambda: _cli.bench(["--quick"], checkout=tmp_path), "bench")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "benchmarks live in fxprobe's source repository" in err

@@ -8,9 +8,10 @@ their own, and its leaf children are reached by hooks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -69,7 +70,14 @@ class Plan:
 
 
 class SiteTracer(fx.Tracer):
-    """An fx tracer that names every node as torchvision does and notes where tracing failed."""
+    """An fx tracer that names every node as torchvision does and notes where tracing failed.
+
+    Buffers are traced as graph values (``proxy_buffer_attributes``): otherwise a forward that
+    updates a buffer in place (a counter, a running statistic) would write into the model's
+    real buffer once while tracing and be missing from the graph.
+    """
+
+    proxy_buffer_attributes = True
 
     def __init__(self, prefix: str, leaf_types: tuple[type, ...], leaf_paths: frozenset[str],
                  opaque: set[str], autowrap_functions: tuple[Callable[..., Any], ...]) -> None:
@@ -116,10 +124,20 @@ class SiteTracer(fx.Tracer):
                      *rest: Any) -> fx.Proxy:
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest)
         node = proxy.node
+        if kind == "get_attr" and self._is_buffer(str(target)):
+            return proxy  # torchvision's tracer makes no named node for a buffer
         module_path = self.absolute(self.current)
         self.names[node] = self._qualname(module_path, node)
         self.module_paths[node] = module_path
         return proxy
+
+    def _is_buffer(self, target: str) -> bool:
+        owner, _, attr = target.rpartition(".")
+        try:
+            module = self.root.get_submodule(owner)
+        except AttributeError:
+            return False
+        return attr in module._buffers
 
     def _qualname(self, module_path: str, node: fx.Node) -> str:
         # torchvision's convention: module calls by path, other nodes as <module path>.<node>,
@@ -133,6 +151,39 @@ class SiteTracer(fx.Tracer):
         count = self._counts.get(name, 0)
         self._counts[name] = count + 1
         return f"{name}_{count}" if count else name
+
+
+class TracedStateError(RuntimeError):
+    """The traced forward stored a traced value into a module (``self.count += 1``)."""
+
+
+@contextlib.contextmanager
+def refuse_state_writes(tracer: SiteTracer) -> Iterator[None]:
+    """While tracing, fail (before writing) when a forward stores a traced value in a module.
+
+    ``self.count += 1`` on a buffer would otherwise put a Proxy into fxprobe's copy of the
+    module and leave the update out of the graph; failing sends the module to the fallback,
+    where it runs as written.
+    """
+    original = nn.Module.__setattr__
+
+    def guarded(module: nn.Module, name: str, value: Any) -> None:
+        if isinstance(value, fx.Proxy):
+            try:
+                where = tracer.absolute(_join(tracer.path_of_module(module), name))
+            except NameError:
+                where = name
+            raise TracedStateError(
+                f"the forward stores a traced value in {where!r} (self.{name} = ...): "
+                "module state that torch.fx cannot record"
+            )
+        original(module, name, value)
+
+    nn.Module.__setattr__ = guarded  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
 
 
 def is_leaf(m: nn.Module, path: str, leaf_types: tuple[type, ...],
@@ -188,7 +239,8 @@ class _Planner:
         while True:
             tracer = SiteTracer(path, self.leaf_types, self.leaf_paths, opaque, self.autowrap)
             try:
-                graph = tracer.trace(module)
+                with refuse_state_writes(tracer):
+                    graph = tracer.trace(module)
                 break
             except Exception as e:  # any failure of tracing sends that module to the fallback
                 rel = tracer.failed_path or ""

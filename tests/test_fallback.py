@@ -112,3 +112,35 @@ def test_shared_module_called_twice_inside_opaque_code() -> None:
         _, ref = hook_values(model, ["fc"], x)
     assert list(tapped.taps) == ["fc", "fc_1"]
     assert torch.equal(tapped.taps["fc_1"], ref["fc_1"])
+
+
+class _Counts(nn.Module):
+    """Updates buffers in its forward: in place (recordable) and by rebinding (not)."""
+
+    def __init__(self, rebind: bool) -> None:
+        super().__init__()
+        self.rebind = rebind
+        self.register_buffer("calls", torch.zeros(()))
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rebind:
+            self.calls += 1  # stores a new tensor into the module
+        else:
+            self.calls.add_(1)
+        return self.lin(x) * self.calls
+
+
+@pytest.mark.parametrize("rebind", [False, True])
+def test_forward_that_updates_buffers(rebind: bool) -> None:
+    model, twin = _Counts(rebind), _Counts(rebind)
+    twin.load_state_dict(model.state_dict())
+    tapped = fxprobe.tap(model)
+    fxprobe.sites(model)
+    assert model.calls.item() == 0  # tracing wrote nothing into the model
+    assert bool(tapped.fallbacks) == rebind  # a rebinding forward runs as written
+    x = torch.ones(1, 2)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(tapped(x), twin(x))
+    assert model.calls.item() == twin.calls.item() == 3

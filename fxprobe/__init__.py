@@ -25,7 +25,7 @@ from ._extract import extractor
 from ._record import Grads, InOut, Taps
 from ._select import Selector, where
 from ._site import Site
-from ._stats import Stats, StatsLogger, stats_table
+from ._stats import Stats, StatsBatch, StatsLogger, sample_vector, stats_table, stats_vector
 from ._summary import Table, summary
 from ._tap import SiteNames, TappedModule, sites, tap
 from ._trace import Fallback
@@ -47,6 +47,7 @@ __all__ = [
     "SiteNames",
     "SiteNotRunError",
     "Stats",
+    "StatsBatch",
     "StatsLogger",
     "Table",
     "Taps",
@@ -56,8 +57,10 @@ __all__ = [
     "UnsupportedModelError",
     "extractor",
     "render",
+    "sample_vector",
     "sites",
     "stats_table",
+    "stats_vector",
     "summary",
     "tap",
     "to_dot",

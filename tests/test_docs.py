@@ -25,3 +25,11 @@ def test_python_examples_run(doc: str, capsys: pytest.CaptureFixture[str]) -> No
             exec(compile(code, f"{doc}[{i}]", "exec"), scope)
         except Exception as e:  # name the block that failed
             raise AssertionError(f"{doc} example {i} failed: {e!r}\n{code}") from e
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    import fxprobe
+
+    api = (ROOT / "docs/api.md").read_text()
+    missing = [n for n in fxprobe.__all__ if f"### `{n}" not in api]
+    assert not missing, f"docs/api.md lacks {missing}"

@@ -38,7 +38,8 @@ class ValueInfo:
     dtype: str
     """``float32``; several dtypes joined by commas; the type name of a non-tensor value."""
     nbytes: int | None
-    """Sum of ``numel * element_size`` over the tensors in the value; None if it holds none."""
+    """Sum of ``numel * element_size`` over the tensors in the value (inputs and output for
+    ``capture="both"``); None if it holds none."""
 
     @property
     def label(self) -> str:
@@ -53,8 +54,11 @@ def describe_value(value: Any) -> ValueInfo:
         dtype = getattr(value, "dtype", None)
         return ValueInfo(_shape_text(shape) if shape is not None else "",
                          _dtype_text(dtype) if dtype is not None else type(value).__name__, None)
-    if isinstance(value, InOut):
-        value = value.output  # what flows on from the site
+    if isinstance(value, InOut):  # shown as its output, what flows on; sized as all it holds
+        out, ins = describe_value(value.output), describe_value(value.inputs)
+        size = None if out.nbytes is None and ins.nbytes is None else \
+            (out.nbytes or 0) + (ins.nbytes or 0)
+        return ValueInfo(out.shape, out.dtype, size)
     dtypes: list[str] = []
     total = [0, 0]  # bytes, tensor count
 

@@ -11,17 +11,17 @@ to buffers or to the random number generator).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-import torch
 from torch import fx, nn
 
 from ._errors import ConfigError, FxProbeError
 from ._mirror import drop_overrides, mirror
 from ._select import as_selectors, select
+from ._shapes import propagate
 from ._site import Site
 from ._summary import ValueInfo, describe_value
 from ._trace import Plan, Region, TracerKind, plan
@@ -39,11 +39,6 @@ _INSTALL_HINT = (
     "conda install -c conda-forge graphviz) so that 'dot' is on PATH, "
     "or write a .dot file, which needs no Graphviz program"
 )
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
-               "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-               "_load_state_dict_pre_hooks")
-
 # Okabe-Ito colours: told apart with every common colour-vision deficiency; the tapped fill
 # and the fallback border also differ in line weight and dash pattern, not only in hue.
 _TAPPED_FILL = "#E69F00"
@@ -261,78 +256,6 @@ def _as_args(example_input: Any) -> tuple[Any, ...]:
     if isinstance(example_input, tuple):
         return example_input
     return (example_input,)
-
-
-# -- shape propagation ------------------------------------------------------------------------
-
-def propagate(p: Plan, source: nn.Module, args: Sequence[Any],
-              kwargs: Mapping[str, Any]) -> dict[str, ValueInfo]:
-    """Shape, dtype and size at every site of ``p`` for one run of ``args``.
-
-    The run uses a private copy of ``source``: the user's hooks and fxprobe's taps do not fire,
-    buffers (BatchNorm statistics) are copies, the random number generator is restored after.
-    """
-    work = mirror(source)
-    drop_overrides(work)
-    for module in work.modules():
-        for name in _HOOK_DICTS:
-            hooks = module.__dict__.get(name)
-            if isinstance(hooks, dict):
-                hooks.clear()  # the copy's own dict; the model keeps its hooks
-        buffers = module.__dict__["_buffers"]
-        for key, buf in buffers.items():
-            if buf is not None:
-                buffers[key] = buf.clone()
-    infos: dict[str, ValueInfo] = {}
-
-    def note(key: str, value: Any) -> None:
-        if key not in infos:  # a module called twice: its first call
-            infos[key] = describe_value(value)
-
-    runners: dict[str, fx.GraphModule] = {}
-    for path, region in p.regions.items():
-        module = work.get_submodule(path) if path else work
-        runners[path] = _noting_module(region, module, note)
-        if path:
-            object.__setattr__(module, "forward", runners[path].forward)
-    for s in p.sites:
-        if s.how == "hook":
-            module = work.get_submodule(s.name) if s.name else work
-            module.register_forward_hook(
-                lambda m, a, out, key=s.name: note(key, out))
-    note("/input", args[0] if len(args) == 1 and not kwargs else tuple(args))
-    root = runners.get("")
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = root(*args, **kwargs) if root is not None else work(*args, **kwargs)
-    except Exception as e:
-        shown = ", ".join(describe_value(a).label or type(a).__name__ for a in args)
-        raise ConfigError(
-            f"the example input ({shown}) does not run through {type(source).__name__}: "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
-            "pass inputs its forward accepts (a tensor, or a tuple of positional arguments)"
-        ) from e
-    note("/output", out)
-    return infos
-
-
-def _noting_module(region: Region, module: nn.Module, note: Any) -> fx.GraphModule:
-    """A copy of the region's graph that reports each named value to ``note`` as it is made."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in region.graph.nodes:
-        new = graph.node_copy(node, lambda n: env[n])
-        env[node] = new
-        if node.op == "output":
-            key = "/output" if not region.path else f"{region.path}/return"
-            with graph.inserting_before(new):
-                graph.call_function(note, (key, new.args[0]))
-            continue
-        name = region.names.get(node)
-        if name is not None:
-            with graph.inserting_after(new):
-                graph.call_function(note, (name, new))
-    return fx.GraphModule(module, graph)
 
 
 # -- drawing ----------------------------------------------------------------------------------
@@ -571,7 +494,7 @@ def _caption(scene: _Scene, depth: int | None) -> str:
             f"{len(tapped)} tapped ({len(tapped) - tapped_hooks} fx, {tapped_hooks} hook), "
             f"{len(p.fallbacks)} module(s) run as written")
     if depth is not None:
-        line += f", modules below depth {depth} collapsed"
+        line += f", modules nested deeper than {depth} drawn as one node"
     return _text(line) + "\\l" + _text(_LEGEND) + "\\l"
 
 
@@ -668,8 +591,8 @@ def _group_text(it: _Item, scene: _Scene, fallbacks: Mapping[str, Any], depth: i
 
 
 def _group_info(it: _Item, infos: Mapping[str, ValueInfo]) -> ValueInfo | None:
-    # The group's value is that of its last item whose value is known and leaves the group;
-    # the run records it in execution order, so the last member with a value is the output.
+    # Members are in site (execution) order, so the last one with a value is, for the usual
+    # block, its output: the value that leaves the module.
     known = [infos[m.id] for m in it.members if m.id in infos and m.role != "input"]
     return known[-1] if known else None
 

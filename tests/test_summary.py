@@ -146,7 +146,7 @@ def test_bad_format_and_bad_object() -> None:
      "float32, float16", 10),
     ({"a": torch.zeros(4), "b": 3}, "{a: [4], b: int}", "float32", 16),
     ([torch.zeros(1)] * 5, "[[1], [1], [1], [1], ...]", "float32", 20),
-    (InOut((torch.zeros(9),), torch.zeros(2, 2)), "[2, 2]", "float32", 16),
+    (InOut((torch.zeros(9),), torch.zeros(2, 2)), "[2, 2]", "float32", 16 + 36),
     (7, "7", "int", None),
     (torch.Size([2, 5]), "[2, 5]", "Size", None),
     (None, "None", "NoneType", None),

@@ -256,3 +256,15 @@ def test_bench_runs_the_checkout_benchmarks_or_says_why(
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "benchmarks live in fxprobe's source repository" in err
+
+
+def test_python_m_fxprobe_is_the_demo(models: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["fxprobe", "-o", "m.dot"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("fxprobe", run_name="__main__")
+    assert exit_.value.code == 0
+    assert "wrote m.dot" in capsys.readouterr().out
+    assert (models / "m.dot").read_text().startswith("// fxprobe.to_dot")

@@ -48,8 +48,7 @@ HAS_DOT = shutil.which("dot") is not None
 
 # name -> (command, expected exit status, text expected in stdout or stderr)
 COMMANDS: dict[str, tuple[list[str], int, str]] = {
-    "demo": (["fxprobe", "demo", "-o", "demo.png"], 0, "wrote demo.png"),
-    "python -m": ([sys.executable, "-m", "fxprobe"], 0, "wrote fxprobe-demo.svg"),
+    "demo": (["fxprobe", "demo"], 0, "wrote fxprobe-demo.svg"),
     "bad spec": (["fxprobe", "sites", "models.py"], 2,
                  "is not package.module:factory or path/to/file.py:factory"),
     "missing file": (["fxprobe", "graph", "nowhere/models.py:good"], 2,
@@ -94,23 +93,29 @@ def test_bad_input_is_one_line_exit_2_no_traceback(runs: dict[str, Any], name: s
 
 
 def test_demo_prints_summary_and_writes_picture(runs: dict[str, Any]) -> None:
-    for name, picture, magic in (("demo", "demo.png", b"\x89PNG"),
-                                 ("python -m", "fxprobe-demo.svg", b"<?xml")):
-        r = runs[name]
-        assert r.rc == 0, r.err
-        assert COMMANDS[name][2] in r.out
-        # the summary table: one row per tapped site, the fallback under it
-        for site in ("stem.0", "block.conv1", "block.add", "flatten", "head.quick"):
-            assert f"\n{site} " in r.out
-        assert "runs as written (hook fallback): head (EarlyExitHead)" in r.out
-        path = r.cwd / picture
-        if HAS_DOT:
-            assert path.read_bytes().startswith(magic)
-        else:
-            assert path.with_suffix(".dot").exists()
+    r = runs["demo"]
+    assert r.rc == 0, r.err
+    # the summary table: one row per tapped site, the fallback under it
+    for site in ("stem.0", "block.conv1", "block.add", "flatten", "head.quick"):
+        assert f"\n{site} " in r.out
+    assert "runs as written (hook fallback): head (EarlyExitHead)" in r.out
+    if HAS_DOT:
+        assert "wrote fxprobe-demo.svg" in r.out
+        assert (r.cwd / "fxprobe-demo.svg").read_bytes().startswith(b"<?xml")
+    else:
+        assert (r.cwd / "fxprobe-demo.dot").exists()
 
 
 # -- in process -------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    # Tiny convolutions on two threads slow down fifty-fold when the machine is busy.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 @pytest.fixture
 def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

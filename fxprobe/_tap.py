@@ -6,7 +6,8 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -21,6 +22,9 @@ from ._rewrite import Capture, Compiled, CopyPolicy, compile_region, instrument
 from ._select import Selector, as_selectors, select
 from ._site import Site
 from ._trace import Fallback, Plan, TracerKind, plan
+
+if TYPE_CHECKING:
+    from ._summary import Table
 
 
 @dataclass
@@ -241,7 +245,7 @@ class TappedModule(nn.Module):
         """The instrumented fx graph of each traced region with a tap, by module path."""
         return {path: c.graph for path, c in self._program().compiled.items()}
 
-    def render(self, path: Any, **kw: Any) -> Any:
+    def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.
 
         Keywords go to :func:`fxprobe.to_dot` (``example_input``, ``depth``, ``rankdir``).
@@ -253,7 +257,7 @@ class TappedModule(nn.Module):
 
         return render(self, path, **kw)
 
-    def summary(self, fmt: str = "text") -> Any:
+    def summary(self, fmt: str = "text") -> Table:
         """A :class:`fxprobe.Table` of the selected sites and what the last forward captured.
 
         ``fmt`` is ``"text"``, ``"github"`` (Markdown) or ``"html"``. Example:

@@ -24,7 +24,6 @@ from ._site import Site, method_key, op_key
 TracerKind = Literal["auto", "fx", "hooks"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_FXPROBE_DIR = os.path.dirname(__file__)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
@@ -201,7 +200,7 @@ def failure_location(exc: BaseException) -> str:
     """``file:line: code`` of the deepest frame outside torch and fxprobe."""
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
-        if frame.filename.startswith((_TORCH_DIR, _FXPROBE_DIR)):
+        if frame.filename.startswith(_TORCH_DIR) or frame.filename == __file__:
             continue
         code = (frame.line or "").strip()
         return f"{frame.filename}:{frame.lineno}: {code}"
@@ -280,8 +279,9 @@ class _Planner:
                 self.open_up(child, cpath)
             elif is_leaf(child, cpath, self.leaf_types, self.leaf_paths):
                 self.sites.append(hook_site(child, cpath))
-            else:
-                self.visit(child, cpath)
+            elif self.visit(child, cpath) is None:
+                # Runs as written inside code that runs as written: its call is hooked.
+                self.sites.append(hook_site(child, cpath))
 
     def fx_site(self, region: Region, node: fx.Node) -> Site:
         name = region.names[node]

@@ -144,3 +144,31 @@ def test_forward_that_updates_buffers(rebind: bool) -> None:
         for _ in range(3):
             assert torch.equal(tapped(x), twin(x))
     assert model.calls.item() == twin.calls.item() == 3
+
+
+class _Bare(nn.Module):
+    """No children, and a data-dependent branch: only a hook on its call reaches it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum() > 0 else x
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bare = _Bare()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + 1 if x.mean() > -100 else x  # untraceable parent
+        return self.bare(x) - 1
+
+
+def test_untraceable_module_inside_untraced_code_is_hooked() -> None:
+    model = _Outer()
+    tapped = fxprobe.tap(model)
+    assert [(s.name, s.how) for s in tapped.sites] == [("bare", "hook")]
+    x = torch.ones(2, 2)
+    with torch.no_grad():
+        out = tapped(x)
+        _, ref = hook_values(model, ["bare"], x)
+    assert torch.equal(out, model(x)) and torch.equal(tapped.taps["bare"], ref["bare"])

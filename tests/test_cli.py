@@ -108,15 +108,6 @@ def test_demo_prints_summary_and_writes_picture(runs: dict[str, Any]) -> None:
 
 # -- in process -------------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    # Tiny convolutions on two threads slow down fifty-fold when the machine is busy.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "models.py").write_text(MODELS)

@@ -17,15 +17,6 @@ from fxprobe._record import InOut
 from fxprobe._summary import describe_value, human_bytes
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    # Tiny convolutions on two threads slow down fifty-fold when the machine is busy.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rows(table: fxprobe.Table) -> dict[str, dict[str, str]]:
     return {r[0]: dict(zip(table.headers, r, strict=True)) for r in table.rows}
 

@@ -124,15 +124,6 @@ def test_dot_matches_golden(name: str) -> None:
     check_golden(name, source)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    # Tiny convolutions on two threads slow down fifty-fold when the machine is busy.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # -- structure against independent references ---------------------------------------------
 
 def test_edges_follow_torch_fx_data_flow() -> None:

@@ -1,0 +1,208 @@
+"""``torch.compile``: compile time, graphs and graph breaks, and the steady-state cost of taps.
+
+For each approach (the bare model, taps at every module call, forward hooks on a copy of the
+model) the suite asks ``torch._dynamo.explain`` for graphs and breaks, compiles with the default
+backend and times the first call, checks that the compiled module captures what the eager one
+does, then times all of them interleaved against the compiled bare model. A failure is recorded
+with its message, never dropped. Compile times are cold (inductor's caches disabled).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch import nn
+from torch._inductor import config as inductor_config
+
+import fxprobe
+
+from . import timing
+from .models import MODELS
+from .records import CompileRecord, Environment
+
+
+def _error(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {' / '.join(lines[:3])}"[:600]
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+               and x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-5)
+               for x, y in zip(a, b, strict=True))
+
+
+def run_compile(name: str, model: nn.Module, inputs: tuple[Any, ...], env: Environment, *,
+                quick: bool, seed: int) -> list[CompileRecord]:
+    """Compile records for ``model`` (eval mode, batch of ``inputs``, under no_grad)."""
+    model.eval()
+    spec = MODELS[name]
+    base = CompileRecord(model=name, input_shape=spec.shape(quick), batch=len(inputs[0]),
+                         approach="", status="ok", error="", device=env.device,
+                         device_name=env.device_name, torch_version=env.torch_version,
+                         dtype=env.dtype, threads=env.threads)
+    tapped = fxprobe.tap(model, ops=fxprobe.where(lambda s: s.kind == "call_module"))
+    hooked = copy.deepcopy(model)
+    store: list[Any] = []
+
+    def keep(m: nn.Module, args: Any, out: Any) -> None:
+        store.append(out)
+
+    for m in hooked.modules():
+        if not list(m.children()):
+            m.register_forward_hook(keep)
+
+    def read_taps() -> list[Any]:
+        return [v for v in tapped.taps.values()]
+
+    def read_store() -> list[Any]:
+        return list(store)
+
+    def clear_store() -> None:
+        store.clear()
+
+    targets: dict[str, tuple[nn.Module, Callable[[], list[Any]] | None,
+                             Callable[[], None] | None]] = {
+        "bare": (model, None, None),
+        "taps": (tapped, read_taps, None),
+        "module hooks": (hooked, read_store, clear_store),
+    }
+    records: dict[str, CompileRecord] = {}
+    runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*force_disable_caches.*")
+        for label, (target, _, _) in targets.items():
+            records[label] = _explain(replace(base, approach=label), target, inputs)
+        records["module hooks, default guards"] = _default_guards(
+            replace(base, approach="module hooks, default guards"), model, hooked, inputs,
+            read_store, clear_store)
+        # With dynamo's default skip_nnmodule_hook_guards=True, the hooked copy would reuse the
+        # bare model's graph and its hooks would never run (the row above shows whether they
+        # do); the timed comparison guards on hooks so that every approach does its work.
+        old = torch._dynamo.config.skip_nnmodule_hook_guards
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        # Cold compile times: inductor's on-disk caches would make a rerun look free.
+        old_caches = inductor_config.force_disable_caches
+        inductor_config.force_disable_caches = True
+        try:
+            torch._dynamo.reset()
+            for label, (target, read, before) in targets.items():
+                rec, run = _compile(records[label], target, inputs, read, before, env)
+                records[label] = rec
+                if run is not None:
+                    runs[label] = (run, _call(target, inputs, before))
+            if "bare" in runs:
+                _time(runs, records, env, quick, seed)
+        finally:
+            torch._dynamo.config.skip_nnmodule_hook_guards = old
+            inductor_config.force_disable_caches = old_caches
+            torch._dynamo.reset()
+    tapped.remove()
+    return list(records.values())
+
+
+def _explain(rec: CompileRecord, target: nn.Module, inputs: tuple[Any, ...]) -> CompileRecord:
+    torch._dynamo.reset()
+    try:
+        ex = torch._dynamo.explain(target)(*inputs)
+    except Exception as e:  # recorded as is
+        return replace(rec, status="failed", error="explain: " + _error(e))
+    return replace(rec, graphs=ex.graph_count, graph_breaks=ex.graph_break_count,
+                   break_reasons=tuple(str(r.reason).splitlines()[0][:200]
+                                       for r in ex.break_reasons[:3]))
+
+
+def _default_guards(rec: CompileRecord, model: nn.Module, hooked: nn.Module,
+                    inputs: tuple[Any, ...], read: Callable[[], list[Any]],
+                    clear: Callable[[], None]) -> CompileRecord:
+    """Compile the bare model, then the hooked copy, with dynamo's default settings."""
+    torch._dynamo.reset()
+    try:
+        clear()
+        hooked(*inputs)
+        eager_vals = read()
+        torch.compile(model)(*inputs)
+        clear()
+        torch.compile(hooked)(*inputs)
+        vals = read()
+    except Exception as e:
+        return replace(rec, status="failed", error="compile: " + _error(e))
+    finally:
+        torch._dynamo.reset()
+    rec = replace(rec, captured=len(vals), captured_match_eager=_same(eager_vals, vals))
+    if not rec.captured_match_eager:
+        rec = replace(rec, error=(
+            f"hooks silently skipped: {len(vals)} of {len(eager_vals)} values captured; the "
+            "copy reused the bare model's compiled graph (skip_nnmodule_hook_guards=True, "
+            "pytorch/pytorch#117758)"))
+    return rec
+
+
+def _compile(rec: CompileRecord, target: nn.Module, inputs: tuple[Any, ...],
+             read: Callable[[], list[Any]] | None, before: Callable[[], None] | None,
+             env: Environment) -> tuple[CompileRecord, Callable[[], Any] | None]:
+    """Compile ``target``, time its first call, check what it captures against eager."""
+    try:
+        compiled = torch.compile(target)
+        if before is not None:
+            before()
+        eager_out = target(*inputs)
+        eager_vals = [v.clone() for v in read()] if read is not None else []
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        out = compiled(*inputs)
+        if env.device == "cuda":
+            torch.cuda.synchronize()
+        rec = replace(rec, compile_s=time.perf_counter() - t0)
+        if read is not None:
+            vals = read()
+            rec = replace(rec, captured=len(vals), captured_match_eager=_same(eager_vals, vals))
+        elif not torch.allclose(eager_out, out, rtol=1e-4, atol=1e-5):
+            rec = replace(rec, error="compiled output differs from eager")
+    except Exception as e:  # recorded as is
+        prefix = rec.error + "; " if rec.error else ""
+        return replace(rec, status="failed", error=prefix + "compile: " + _error(e)), None
+    return rec, _call(compiled, inputs, before)
+
+
+def _call(fn: Callable[..., Any], inputs: tuple[Any, ...],
+          before: Callable[[], None] | None) -> Callable[[], Any]:
+    if before is None:
+        return lambda: fn(*inputs)
+
+    def run() -> Any:
+        before()
+        return fn(*inputs)
+    return run
+
+
+def _time(runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
+          records: dict[str, CompileRecord], env: Environment, quick: bool, seed: int) -> None:
+    cuda = env.device == "cuda"
+    baseline = runs["bare"][0]
+    treatments = []
+    for label, (comp, eager) in runs.items():
+        treatments.append(timing.Treatment(f"compiled|{label}", comp))
+        treatments.append(timing.Treatment(f"eager|{label}", eager))
+    iters, _ = timing.calibrate(baseline, min_slot_s=0.004 if quick else 0.025,
+                             warmup_s=0.02 if quick else 0.3, cuda=cuda)
+    timing.warm(treatments, iters, cuda)
+    samples = timing.interleave(baseline, treatments, iters=iters, rounds=3 if quick else 11,
+                                cuda=cuda, seed=seed)
+    for label in runs:
+        comp = timing.summarize(samples[f"compiled|{label}"], cuda)
+        eager = timing.summarize(samples[f"eager|{label}"], cuda)
+        records[label] = replace(records[label], compiled_ms=comp.treatment_ms,
+                                 eager_ms=eager.treatment_ms,
+                                 ratio_vs_compiled_bare=comp.ratio, ratio_p5=comp.ratio_p5,
+                                 ratio_p95=comp.ratio_p95)

@@ -1,0 +1,436 @@
+"""Turning results into Markdown (tabulate), a plot (matplotlib, optional) and the docs section."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from .records import CompileRecord, Measurement, Results
+
+# Target from the issue: host cost per tapped site at most this fraction of a forward hook's.
+PER_SITE_TARGET = 0.2
+STATS_FLOOR_TARGET = 1.5
+DENSITY_ORDER = ("input only", "one", "10%", "all")
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def _us(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def _bytes(b: int | None) -> str:
+    if b is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b} B"
+
+
+def ratio(m: Measurement) -> str:
+    if m.ratio is None:
+        return "-"
+    return f"{m.ratio:.3f} [{_f(m.ratio_p5, 3)}, {_f(m.ratio_p95, 3)}]"
+
+
+def _overhead(m: Measurement) -> str:
+    if m.overhead_us is None:
+        return "-"
+    return f"{_us(m.overhead_us)} [{_us(m.overhead_us_q25)}, {_us(m.overhead_us_q75)}]"
+
+
+def _mem_delta(m: Measurement) -> str:
+    if m.peak_mem_bytes is None or m.baseline_peak_mem_bytes is None:
+        return "-"
+    delta = m.peak_mem_bytes - m.baseline_peak_mem_bytes
+    return ("+" if delta >= 0 else "-") + _bytes(abs(delta))
+
+
+def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+    if not rows:
+        return "_(no records)_"
+    return tabulate(rows, headers=list(headers), tablefmt="github", disable_numparse=True)
+
+
+def _ok(ms: Iterable[Measurement]) -> list[Measurement]:
+    return [m for m in ms if m.status == "ok"]
+
+
+def find(results: Results, **want: Any) -> Measurement | None:
+    """The first ``ok`` record whose fields equal ``want``."""
+    for m in _ok(results.measurements):
+        if all(getattr(m, k) == v for k, v in want.items()):
+            return m
+    return None
+
+
+def _first_batch(results: Results, model: str) -> int | None:
+    batches = [m.batch for m in results.measurements if m.model == model]
+    return min(batches) if batches else None
+
+
+def _models(results: Results) -> list[str]:
+    seen: list[str] = []
+    for m in results.measurements:
+        if m.model not in seen:
+            seen.append(m.model)
+    return seen
+
+
+# -- targets ---------------------------------------------------------------------------------
+
+def targets(results: Results) -> list[list[str]]:
+    """``[target, measured, verdict]`` rows for the issue's targets."""
+    env = results.environment
+    cuda = env.device == "cuda"
+    rows: list[list[str]] = []
+
+    # 1. Installed with nothing selected.
+    parts, verdicts = [], []
+    for model in _models(results):
+        b = _first_batch(results, model)
+        aa = find(results, model=model, batch=b, phase="inference", approach="A/A control")
+        inp = find(results, model=model, batch=b, phase="inference", approach="taps",
+                   density="input only")
+        if aa is None or inp is None or inp.ratio is None or aa.ratio_p5 is None:
+            continue
+        lo, hi = aa.ratio_p5, aa.ratio_p95 or aa.ratio_p5
+        within = lo <= inp.ratio <= hi
+        verdicts.append(within)
+        parts.append(f"{model}: {inp.ratio:.3f} (A/A p5-p95 {lo:.3f}-{hi:.3f})")
+    if parts:
+        verdict = "met" if all(verdicts) else (
+            f"missed on {sum(not v for v in verdicts)} of {len(verdicts)} models")
+        rows.append(["installed, nothing but the input selected: within noise",
+                     "; ".join(parts), verdict])
+
+    # 2. Host cost per tapped site vs a forward hook, same module calls, reference mode.
+    parts, chain_ratio = [], None
+    for model in _models(results):
+        b = _first_batch(results, model)
+        t = find(results, model=model, batch=b, phase="inference", approach="taps",
+                 mode="reference", density="all")
+        h = find(results, model=model, batch=b, phase="inference", approach="module hooks",
+                 mode="reference", density="all")
+        if t is None or h is None:
+            continue
+        r, text = per_site_ratio(t, h)
+        if model == "chain":
+            chain_ratio = r
+        parts.append(f"{model}: {text}")
+    if parts:
+        if chain_ratio is None:
+            verdict = "not resolved on chain (the host-cost model): see the rows"
+        elif chain_ratio <= PER_SITE_TARGET:
+            verdict = f"met on chain ({chain_ratio:.2f} <= {PER_SITE_TARGET})"
+        else:
+            verdict = (f"missed on chain: {chain_ratio:.2f} > {PER_SITE_TARGET} "
+                       f"({chain_ratio / PER_SITE_TARGET:.1f}x the target)")
+        rows.append([f"reference: host cost per site <= {PER_SITE_TARGET} x a forward hook's "
+                     "(taps / hook)", "; ".join(parts), verdict])
+
+    # 3. Reference mode on a device-bound batch.
+    parts = []
+    for model in _models(results):
+        batches = sorted({m.batch for m in results.measurements if m.model == model})
+        if len(batches) < 2:
+            continue
+        t = find(results, model=model, batch=batches[-1], phase="inference", approach="taps",
+                 mode="reference", density="all")
+        if t is not None:
+            parts.append(f"{model} b{t.batch}: {ratio(t)}")
+    rows.append(["reference: no measurable overhead on a GPU-bound batch",
+                 "; ".join(parts) if parts else "-",
+                 "see ratios" if cuda else "not yet measured on a GPU (CPU numbers shown)"])
+
+    # 4. Statistics on CUDA.
+    parts = []
+    for model in _models(results):
+        for m in _ok(results.measurements):
+            if m.model == model and m.approach == "taps" and m.mode == "stats":
+                sync = f", {m.host_syncs} syncs" if m.host_syncs is not None else ""
+                parts.append(f"{model} b{m.batch}: {_f(m.floor_multiple, 1)}x floor{sync}")
+    unavailable = [m for m in results.measurements if m.mode == "stats" and
+                   m.status == "unavailable"]
+    if cuda and parts:
+        stats = [m for m in _ok(results.measurements) if m.approach == "taps" and
+                 m.mode == "stats"]
+        syncs_ok = all((m.host_syncs or 0) == 0 for m in stats)
+        floor_ok = all(m.floor_multiple is not None and m.floor_multiple <= STATS_FLOOR_TARGET
+                       for m in stats)
+        verdict = "met" if syncs_ok and floor_ok else (
+            ("host syncs in the forward; " if not syncs_ok else "")
+            + ("above 1.5x the one-read floor" if not floor_ok else ""))
+    elif unavailable and not parts:
+        verdict = "reduce='stats' unavailable in this build"
+    else:
+        verdict = "not yet measured on a GPU (CPU numbers shown)"
+    rows.append([f"stats on CUDA: no host sync, <= {STATS_FLOOR_TARGET}x the one-read floor",
+                 "; ".join(parts) if parts else "-", verdict])
+
+    # 5. torch.compile graph breaks.
+    parts, ok = [], []
+    for model in sorted({c.model for c in results.compile}):
+        bare = _compile(results, model, "bare")
+        tapped = _compile(results, model, "taps")
+        if tapped is None:
+            continue
+        if tapped.graph_breaks is None or bare is None or bare.graph_breaks is None:
+            parts.append(f"{model}: {tapped.status} {tapped.error[:80]}")
+            ok.append(False)
+            continue
+        extra = tapped.graph_breaks - bare.graph_breaks
+        parts.append(f"{model}: {tapped.graph_breaks} breaks, {tapped.graphs} graph(s) "
+                     f"(bare: {bare.graph_breaks}, {bare.graphs})")
+        ok.append(extra <= 0 and tapped.status == "ok")
+    rows.append(["torch.compile: taps add no graph breaks",
+                 "; ".join(parts) if parts else "-",
+                 ("met" if all(ok) else "missed") if parts else "not measured in this run"])
+    return rows
+
+
+def resolved(m: Measurement) -> bool:
+    """The overhead stands out of the noise: the per-round differences are positive in three
+    rounds out of four and the treatment was slower than the bare model in nearly every round."""
+    return (m.overhead_us_q25 is not None and m.overhead_us_q25 > 0
+            and m.ratio_p5 is not None and m.ratio_p5 > 1.0)
+
+
+def per_site_ratio(t: Measurement, h: Measurement) -> tuple[float | None, str]:
+    """Taps' cost per site over a hook's: a value, an upper bound, or why there is none."""
+    if not (resolved(h) and h.per_site_us and h.n_sites):
+        return None, "hook overhead within noise"
+    if resolved(t) and t.per_site_us is not None:
+        r = t.per_site_us / h.per_site_us
+        return r, f"{_us(t.per_site_us)} vs {_us(h.per_site_us)} us/site = {r:.2f}"
+    if t.overhead_us_q75 is None or not t.n_sites:
+        return None, "no taps figure"
+    # Taps' cost is inside the noise: bound it by the upper quartile of its differences.
+    bound = max(t.overhead_us_q75, 0.0) / t.n_sites / h.per_site_us
+    return bound, (f"taps within noise (<= {_us(max(t.overhead_us_q75, 0.0) / t.n_sites)}) vs "
+                   f"{_us(h.per_site_us)} us/site: <= {bound:.2f}")
+
+
+def _compile(results: Results, model: str, approach: str) -> CompileRecord | None:
+    for c in results.compile:
+        if c.model == model and c.approach == approach:
+            return c
+    return None
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+def per_site_table(results: Results) -> str:
+    rows = []
+    for model in _models(results):
+        for batch in sorted({m.batch for m in results.measurements if m.model == model}):
+            for d in ("one", "10%", "all"):
+                got = {a: find(results, model=model, batch=batch, phase="inference",
+                               approach=a, mode="reference", density=d)
+                       for a in ("taps", "module hooks", "global hook")}
+                t, h = got["taps"], got["module hooks"]
+                if t is None or h is None:
+                    continue
+                _, text = per_site_ratio(t, h)
+                rows.append([model, batch, d, t.n_sites,
+                             *(_site_cost(m) for m in got.values()), text])
+    return _table(rows, ["model", "batch", "density", "sites", "taps us/site",
+                         "module hooks us/site", "global hook us/site", "taps / hooks"])
+
+
+def _site_cost(m: Measurement | None) -> str:
+    if m is None:
+        return "-"
+    return _us(m.per_site_us) + ("" if resolved(m) else " (noise)")
+
+
+def overhead_table(results: Results, phase: str, modes: Sequence[str] | None = None,
+                   approaches: Sequence[str] | None = None) -> str:
+    rows = []
+    for m in _ok(results.measurements):
+        if m.phase != phase or (modes is not None and m.mode not in modes):
+            continue
+        if approaches is not None and m.approach not in approaches:
+            continue
+        rows.append([m.model, m.batch, m.approach, m.mode, m.density, m.n_sites,
+                     _f(m.baseline_ms, 3), ratio(m), _overhead(m), _site_cost(m)
+                     if m.n_sites else "-", _bytes(m.captured_bytes), _mem_delta(m),
+                     "-" if m.stale_values is None else m.stale_values])
+    return _table(rows, ["model", "batch", "approach", "mode", "density", "sites",
+                         "bare ms", "ratio [p5, p95]", "overhead us [IQR]", "us/site",
+                         "held", "peak mem delta", "stale"])
+
+
+def modes_table(results: Results) -> str:
+    cuda = results.environment.device == "cuda"
+    rows = []
+    for m in results.measurements:
+        if m.phase != "inference" or m.density != "all" or m.approach in (
+                "A/A control", "traced (no taps)"):
+            continue
+        if m.status != "ok":
+            rows.append([m.model, m.batch, m.mode, m.approach, m.status, "-", "-", "-", "-",
+                         *(("-", "-") if cuda else ())])
+            continue
+        extra = (_bytes(m.d2h_bytes), "-" if m.host_syncs is None else m.host_syncs) if cuda \
+            else ()
+        rows.append([m.model, m.batch, m.mode, m.approach, ratio(m), _us(m.overhead_us),
+                     _us(m.floor_us), _f(m.floor_multiple, 1), _bytes(m.captured_bytes), *extra])
+    headers = ["model", "batch", "mode", "approach", "ratio [p5, p95]", "overhead us",
+               "floor us", "x floor", "held"]
+    if cuda:
+        headers += ["D2H", "host syncs"]
+    return _table(rows, headers)
+
+
+def compile_table(results: Results) -> str:
+    rows = []
+    for c in results.compile:
+        same = "=" if c.captured_match_eager else "!="
+        match = "-" if c.captured is None else f"{c.captured} ({same} eager)"
+        rows.append([c.model, c.batch, c.approach, c.status, _f(c.compile_s, 1),
+                     "-" if c.graphs is None else c.graphs,
+                     "-" if c.graph_breaks is None else c.graph_breaks, match,
+                     _f(c.eager_ms, 3), _f(c.compiled_ms, 3),
+                     f"{_f(c.ratio_vs_compiled_bare, 3)} [{_f(c.ratio_p5, 3)}, "
+                     f"{_f(c.ratio_p95, 3)}]" if c.ratio_vs_compiled_bare else "-",
+                     (c.error or "; ".join(c.break_reasons))[:120] or "-"])
+    return _table(rows, ["model", "batch", "approach", "status", "compile s", "graphs",
+                         "breaks", "captured", "eager ms", "compiled ms",
+                         "ratio vs compiled bare", "error / break reasons"])
+
+
+def problems_table(results: Results) -> str:
+    seen = set()
+    rows = []
+    for m in results.measurements:
+        if m.status == "ok":
+            continue
+        key = (m.model, m.approach, m.mode, m.density, m.status, m.note)
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append([m.model, m.batch, m.phase, m.approach, m.mode, m.density, m.status,
+                     m.note])
+    return _table(rows, ["model", "batch", "phase", "approach", "mode", "density", "status",
+                         "why"])
+
+
+def environment_lines(results: Results) -> list[str]:
+    e = results.environment
+    link = f", host link {e.link_gbps} GB/s" if e.link_gbps is not None else ""
+    return [
+        f"- device: **{e.device}**, {e.device_name} ({e.cpu_count} logical CPUs); "
+        f"{e.threads} torch threads; dtype {e.dtype}",
+        f"- torch {e.torch_version}, Python {e.python_version}, {e.platform}",
+        f"- fxprobe {e.fxprobe_version} at commit {e.fxprobe_commit}",
+        f"- measured bandwidths: copy {e.copy_gbps} GB/s, read {e.read_gbps} GB/s{link}",
+        f"- run: {e.date}{', --quick (smoke test: not for quoting)' if e.quick else ''}",
+    ]
+
+
+def markdown(results: Results, level: int = 1, plot: str | None = None) -> str:
+    """The results as Markdown, with headings starting at ``level``."""
+    h = "#" * level
+    out = [f"{h} fxprobe overhead benchmark ({results.environment.device})", ""]
+    out += environment_lines(results)
+    out += ["", "Ratios are medians over interleaved rounds of treatment / bare eager model, "
+            "with the 5th and 95th percentiles; `overhead us` is the median per-round "
+            "difference per call with its IQR; `us/site` divides it by the values captured "
+            "per call. `(noise)` marks a cost that does not stand out of the noise (per-round "
+            "differences positive in fewer than three rounds out of four, or a 5th-percentile "
+            "ratio at or below 1). `peak mem` is measured in a fresh process per treatment "
+            "(see the method).", ""]
+    sections: list[tuple[str, Callable[[], str]]] = [
+        ("Targets", lambda: _table(targets(results), ["target", "measured", "verdict"])),
+        ("Host cost per site: taps vs hooks on the same module calls (reference capture)",
+         lambda: per_site_table(results)),
+        ("Every inference measurement", lambda: overhead_table(results, "inference")),
+        ("Capture modes at every module call, against their floors",
+         lambda: modes_table(results)),
+        ("Training step (forward + backward)", lambda: overhead_table(results, "train")),
+        ("torch.compile", lambda: compile_table(results)),
+        ("Unavailable and failed", lambda: problems_table(results)),
+    ]
+    for title, body in sections:
+        out += [f"{h}# {title}", "", body(), ""]
+        if title.startswith("Host cost") and plot:
+            out += [f"![overhead against tap density]({plot})", ""]
+    if results.skipped:
+        out += [f"{h}# Not run", ""] + [f"- {s}" for s in results.skipped] + [""]
+    return "\n".join(out)
+
+
+# -- plot ------------------------------------------------------------------------------------
+
+def plot(results: Results, path: Path) -> str | None:
+    """Overhead against tap density, one panel per model; None (with why) if not drawn."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed, so no plot was drawn (pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = _models(results)
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4 * max(1, len(models)), 3.4),
+                             squeeze=False)
+    for ax, model in zip(axes[0], models, strict=False):
+        b = _first_batch(results, model)
+        for approach, marker in (("taps", "o"), ("module hooks", "s"), ("global hook", "^")):
+            xs, ys, lo, hi = [], [], [], []
+            for i, d in enumerate(DENSITY_ORDER):
+                m = find(results, model=model, batch=b, phase="inference", approach=approach,
+                         mode="reference", density=d)
+                if m is None or m.ratio is None:
+                    continue
+                xs.append(i)
+                ys.append(m.ratio)
+                lo.append(m.ratio - (m.ratio_p5 or m.ratio))
+                hi.append((m.ratio_p95 or m.ratio) - m.ratio)
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker=marker, capsize=3, label=approach)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(DENSITY_ORDER)), DENSITY_ORDER)
+        ax.set_title(f"{model}, batch {b}")
+        ax.set_ylabel("time / bare model")
+        ax.legend(fontsize=8)
+    e = results.environment
+    fig.suptitle(f"fxprobe overhead vs tap density ({e.device_name}, {e.threads} threads, "
+                 f"torch {e.torch_version})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# -- docs ------------------------------------------------------------------------------------
+
+def _markers(device: str) -> tuple[str, str]:
+    return (f"<!-- BEGIN GENERATED RESULTS: {device} -->",
+            f"<!-- END GENERATED RESULTS: {device} -->")
+
+
+def update_docs(results: Results, path: Path, plot_path: str | None = None) -> None:
+    """Replace the generated block for this run's device in ``path`` (markers must exist)."""
+    begin, end = _markers(results.environment.device)
+    text = path.read_text()
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{path} has no '{begin}' ... '{end}' block to fill in")
+    body = markdown(results, level=2, plot=plot_path)
+    body = body.split("\n", 2)[2]  # the section heading is the document's own
+    text = pattern.sub(lambda _: f"{begin}\n{body.rstrip()}\n{end}", text)
+    path.write_text(text)

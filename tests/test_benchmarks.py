@@ -1,0 +1,126 @@
+"""Smoke test of the benchmark suite: the structure of what it writes, never its timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+# The suite lives outside the wheel, at the repository root; plain `pytest` (unlike
+# `python -m pytest`) does not put that on sys.path.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import records, report  # noqa: E402
+from benchmarks.__main__ import main  # noqa: E402
+from benchmarks.modes import MODES, Mode, availability  # noqa: E402
+
+APPROACHES = {"A/A control", "traced (no taps)", "taps", "module hooks", "global hook",
+              "logging hook"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    torch_threads = torch.get_num_threads()
+    try:
+        rc = main(["--quick", "--models", "chain", "--modes", "reference,stats",
+                   "--rounds", "2", "--threads", "1", "--out", str(out), "--quiet",
+                   "--no-plot"])
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert rc == 0
+    return out
+
+
+def test_json_records_have_every_field(quick_run: Path) -> None:
+    data = json.loads((quick_run / "results.json").read_text())
+    assert data["schema"] == records.SCHEMA
+    env_fields = {f.name for f in dataclasses.fields(records.Environment)}
+    assert set(data["environment"]) == env_fields
+    assert data["environment"]["quick"] is True
+    assert data["environment"]["threads"] == 1
+    fields = {f.name for f in dataclasses.fields(records.Measurement)}
+    assert data["measurements"]
+    for m in data["measurements"]:
+        assert set(m) == fields
+        assert m["status"] in ("ok", "unavailable", "failed")
+        for key in ("device_name", "torch_version", "dtype"):
+            assert isinstance(m[key], str) and m[key]
+        assert m["threads"] == 1
+    assert data["compile"] == []
+    assert any("torch.compile" in s for s in data["skipped"])
+
+
+def test_measurements_cover_the_approaches_and_phases(quick_run: Path) -> None:
+    results = records.read_json(quick_run / "results.json")
+    ok = [m for m in results.measurements if m.status == "ok"]
+    assert {m.approach for m in ok} == APPROACHES
+    assert {m.phase for m in ok} == {"inference", "train"}
+    assert {m.mode for m in ok} == {"-", "reference", "stats"}
+    for m in ok:
+        assert m.rounds == 2 and m.iters >= 1
+        assert m.baseline_ms is not None and m.treatment_ms is not None
+        assert m.ratio_p5 is not None and m.ratio_p95 is not None
+        assert m.ratio_p5 <= m.ratio <= m.ratio_p95  # type: ignore[operator]
+    taps_all = report.find(results, approach="taps", mode="reference", density="all",
+                           phase="inference")
+    hooks_all = report.find(results, approach="module hooks", mode="reference",
+                            density="all", phase="inference")
+    assert taps_all is not None and hooks_all is not None
+    # Same module calls on both sides; a hook fires once per call.
+    assert taps_all.n_sites == hooks_all.n_sites == 200
+    assert taps_all.stale_values == 0 and hooks_all.stale_values == 0
+    stats = report.find(results, approach="taps", mode="stats", density="all")
+    assert stats is not None and stats.floor_us is not None and stats.floor_us > 0
+
+
+def test_markdown_report(quick_run: Path) -> None:
+    md = (quick_run / "results.md").read_text()
+    for heading in ("## Targets", "## Host cost per site", "## Every inference measurement",
+                    "## Capture modes", "## Training step", "## torch.compile"):
+        assert heading in md
+    assert "| model " in md and "--quick" in md
+
+
+def test_from_json_rerenders_and_refuses_to_publish_quick_results(quick_run: Path,
+                                                                  tmp_path: Path) -> None:
+    docs = tmp_path / "bench.md"
+    docs.write_text("x\n<!-- BEGIN GENERATED RESULTS: cpu -->\nold\n"
+                    "<!-- END GENERATED RESULTS: cpu -->\ny\n")
+    args = ["--from-json", str(quick_run / "results.json"), "--out", str(tmp_path / "r"),
+            "--quiet", "--no-plot"]
+    assert main(args) == 0
+    assert (tmp_path / "r" / "results.md").exists()
+    assert main([*args, "--docs", str(docs)]) == 1
+    assert "old" in docs.read_text()
+    report.update_docs(records.read_json(quick_run / "results.json"), docs)
+    text = docs.read_text()
+    assert "old" not in text and "\n### Targets\n" in text
+    assert text.startswith("x\n<!-- BEGIN") and text.endswith("-->\ny\n")
+
+
+def test_bad_arguments_return_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--models", "resnet5"]) == 2
+    assert "resnet50" in capsys.readouterr().err
+    assert main(["--modes", "nope"]) == 2
+    assert main(["--list"]) == 0
+    assert "gpt2" in capsys.readouterr().out
+
+
+def test_a_mode_this_build_lacks_is_reported_unavailable() -> None:
+    fake = Mode("future", "", lambda dev: {"no_such_option": True}, MODES["reference"].hook)
+    why = availability(fake, torch.device("cpu"))
+    assert why is not None and why.startswith("unavailable in this build")
+    assert availability(MODES["reference"], torch.device("cpu")) is None
+
+
+def test_hooks_are_gone_after_a_run(quick_run: Path) -> None:
+    # The suite installs hooks only around its own slots; a module built now sees none.
+    assert not nn.modules.module._global_forward_hooks

@@ -368,6 +368,18 @@ class SiteNames(tuple[str, ...]):
         self.fallbacks = tuple(fallbacks)
         return self
 
+    def table(self, fmt: str = "text") -> Table:
+        """A table of name, op, module path and how each site is reached.
+
+        ``fmt`` is ``"text"``, ``"github"`` (Markdown) or ``"html"``.
+
+        Example:
+            >>> print(fxprobe.sites(model).table())
+        """
+        from ._summary import summary
+
+        return summary(self, fmt)
+
 
 def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
           leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = ()

@@ -159,3 +159,13 @@ def test_describe_value(value: Any, shape: str, dtype: str, nbytes: int | None) 
 def test_human_bytes() -> None:
     assert [human_bytes(n) for n in (None, 0, 1023, 1024, 1536, 5 * 2**20, 3 * 2**30)] == [
         "", "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "5.0 MiB", "3.0 GiB"]
+
+
+def test_site_names_print_as_a_table() -> None:
+    import zoo
+
+    model, _, _ = zoo.make("data_dependent")
+    text = str(fxprobe.sites(model).table())
+    rows = {line.split()[0]: line.split()[-1] for line in text.splitlines()[2:11]}
+    assert rows["gate.pos"] == "hook" and rows["stem"] == "fx" and rows["relu"] == "fx"
+    assert "| gate.pos" in str(fxprobe.sites(model).table("github"))

@@ -28,7 +28,6 @@ class Modes:
     finalize: Callable[[dict[str, Any]], dict[str, Any]] | None
     intervene: Callable[[str, Any], Any] | None
     grad_hook: Callable[[str, torch.Tensor], Any] | None
-    on_begin: Callable[[], None] | None
 
 
 def _check_replacement(what: str, site: Site | None, old: Any, new: Any) -> None:
@@ -100,7 +99,6 @@ def make_modes(options: TapOptions, rec: Recording,
                sites: Callable[[str], Site | None]) -> Modes:
     reduce: Callable[[Any], Any] | None = None
     finalize = None
-    on_begin = None
     if options.reduce == "stats":
 
         def reduce_stats(value: Any) -> Any:
@@ -111,23 +109,11 @@ def make_modes(options: TapOptions, rec: Recording,
         from ._stats import sample_vector
 
         k, seed = options.sample_size, options.seed
-        generators: dict[torch.device, torch.Generator] = {}
-
-        def sample(t: torch.Tensor) -> torch.Tensor:
-            gen = generators.get(t.device)
-            if gen is None:
-                gen = generators[t.device] = torch.Generator(device=t.device)
-                gen.manual_seed(seed)
-            return sample_vector(t, k, gen)
 
         def reduce_sample(value: Any) -> Any:
-            return _map_tensors(sample, value)
+            return _map_tensors(lambda t: sample_vector(t, k, seed), value)
 
-        def reseed() -> None:  # the same positions every forward
-            for gen in generators.values():
-                gen.manual_seed(seed)
-
-        reduce, on_begin = reduce_sample, reseed
+        reduce = reduce_sample
     elif callable(options.reduce):
         user_reduce = options.reduce
 
@@ -169,4 +155,4 @@ def make_modes(options: TapOptions, rec: Recording,
             return new
 
         grad_hook = grad_hook_fn
-    return Modes(reduce, finalize, intervene, grad_hook, on_begin)
+    return Modes(reduce, finalize, intervene, grad_hook)

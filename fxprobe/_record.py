@@ -67,7 +67,6 @@ class Recording:
         self.to = to
         self.finalize = finalize
         self.grad_hook = grad_hook
-        self.on_begin: Callable[[], None] | None = None
         self.detach_now = False
         self.hook_paths: frozenset[str] = frozenset()
         self.frame = Frame()
@@ -81,8 +80,6 @@ class Recording:
         self.detach_now = self.detach and torch.is_grad_enabled()
         if self.grad_hook is not None:
             self.grads = {}
-        if self.on_begin is not None:
-            self.on_begin()
         self.active = True
 
     def add(self, names: tuple[str, ...], values: tuple[Any, ...],

@@ -93,7 +93,7 @@ class TappedModule(nn.Module):
         rec = Recording(detach=options.detach, both=options.capture == "both",
                         keep=options.keep, to=options.to)
         modes = make_modes(options, rec, self._site_by_name.get)
-        rec.finalize, rec.grad_hook, rec.on_begin = modes.finalize, modes.grad_hook, modes.on_begin
+        rec.finalize, rec.grad_hook = modes.finalize, modes.grad_hook
         d["_rec"] = rec
         d["_modes"] = modes
         d["_hookset"] = HookSet(rec, modes, capture=options.capture, copy=options.copy)

@@ -8,9 +8,12 @@ import zoo
 
 import fxprobe
 
+MODES = [{}, {"reduce": "stats"}, {"reduce": "sample", "sample_size": 16}, {"keep": 3},
+         {"to": "cpu"}, {"fn": lambda site, value: None}]
 
-@pytest.mark.parametrize("kwargs", [{}, {"reduce": "stats"}])
-def test_compile_tapped_module_without_graph_breaks(kwargs: dict[str, str]) -> None:
+
+@pytest.mark.parametrize("kwargs", MODES)
+def test_compile_tapped_module_without_graph_breaks(kwargs: dict[str, object]) -> None:
     model, (x,), _ = zoo.make("resnet")
     tapped = fxprobe.tap(model, **kwargs)
     torch._dynamo.reset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -114,16 +115,25 @@ def test_forbid_sync_catches_host_reads(op: object) -> None:
         op(t)  # type: ignore[operator]
 
 
-def test_sample_vector_reproducible_without_sync() -> None:
+@pytest.mark.parametrize("seeding", [_gen, int], ids=["generator", "int seed"])
+def test_sample_vector_reproducible_without_sync(seeding: Any) -> None:
     t = torch.arange(10_000, dtype=torch.float32).reshape(100, 100)
     with forbid_sync():
-        a = sample_vector(t, 64, _gen(3))
-        b = sample_vector(t, 64, _gen(3))
-        c = sample_vector(t, 64, _gen(4))
+        a = sample_vector(t, 64, seeding(3))
+        b = sample_vector(t, 64, seeding(3))
+        c = sample_vector(t, 64, seeding(4))
     assert a.shape == (64,) and a.dtype == t.dtype
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert set(a.tolist()) <= set(t.reshape(-1).tolist())
     assert len(set(a.tolist())) > 50  # spread over the tensor, not one block
+
+
+def test_hashed_positions_are_uniform() -> None:
+    from fxprobe._stats import hashed_positions
+
+    counts = torch.bincount(hashed_positions(100, 100_000, 7, torch.device("cpu")), minlength=100)
+    # 1000 expected per bin; a binomial's std is ~31, so 6 sigma is far from these bounds.
+    assert counts.min() > 800 and counts.max() < 1200
 
 
 def test_sample_vector_small_tensor_keeps_all_as_a_copy() -> None:

@@ -15,6 +15,7 @@ import argparse
 import difflib
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from .records import Results, read_json, write_json
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _names(kind: str, text: str, known: dict[str, object]) -> tuple[str, ...]:
+def _names(kind: str, text: str, known: Mapping[str, object]) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     for n in names:
         if n not in known:

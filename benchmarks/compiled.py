@@ -200,9 +200,8 @@ def _time(runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
     samples = timing.interleave(baseline, treatments, iters=iters, rounds=3 if quick else 11,
                                 cuda=cuda, seed=seed)
     for label in runs:
-        comp = timing.summarize(samples[f"compiled|{label}"], cuda)
-        eager = timing.summarize(samples[f"eager|{label}"], cuda)
-        records[label] = replace(records[label], compiled_ms=comp.treatment_ms,
-                                 eager_ms=eager.treatment_ms,
-                                 ratio_vs_compiled_bare=comp.ratio, ratio_p5=comp.ratio_p5,
-                                 ratio_p95=comp.ratio_p95)
+        c = timing.summarize(samples[f"compiled|{label}"], cuda)
+        e = timing.summarize(samples[f"eager|{label}"], cuda)
+        records[label] = replace(records[label], compiled_ms=c.treatment_ms,
+                                 eager_ms=e.treatment_ms, ratio_vs_compiled_bare=c.ratio,
+                                 ratio_p5=c.ratio_p5, ratio_p95=c.ratio_p95)

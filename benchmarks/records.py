@@ -115,6 +115,11 @@ class Measurement:
     """25th percentile of the per-round differences, microseconds."""
     overhead_us_q75: float | None = None
     """75th percentile of the per-round differences, microseconds."""
+    overhead_us_ci_low: float | None = None
+    """Lower end of a distribution-free 95% confidence interval of ``overhead_us``."""
+    overhead_us_ci_high: float | None = None
+    """Upper end of that interval: ``overhead_us`` is resolved from noise when the low end
+    is above zero, and the high end bounds it when it is not."""
     per_site_us: float | None = None
     """``overhead_us / n_sites``: the cost of one captured value."""
     host_ms: float | None = None
@@ -142,6 +147,10 @@ class Measurement:
     """How the floor was computed."""
     floor_multiple: float | None = None
     """``overhead_us / floor_us`` (1.0 = at the floor); None when the floor is zero."""
+    samples_ms: tuple[float, ...] = ()
+    """The treatment's time per call in each round, in round order."""
+    baseline_samples_ms: tuple[float, ...] = ()
+    """The mean of the two baseline slots beside it in each round."""
 
 
 @dataclass(frozen=True)

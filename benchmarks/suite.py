@@ -71,7 +71,7 @@ class Config:
 
 
 # Per-group time budgets (seconds) and bounds on the number of rounds.
-_BUDGET = {True: (1.0, 3, 5), False: (40.0, 5, 25)}
+_BUDGET = {True: (1.0, 3, 5), False: (30.0, 5, 60)}
 _MIN_SLOT_S = {True: 0.004, False: 0.025}
 _WARMUP_S = {True: 0.02, False: 0.3}
 # Models whose forward is expensive on a CPU get fewer hook variants at the first batch size.
@@ -79,20 +79,29 @@ _HEAVY = ("resnet50", "gpt2")
 _MEMORY_MODES = ("reference", "clone", "stats")
 
 
-def _detail_cases(model: str, modes: Sequence[str], quick: bool) -> list[Case]:
-    heavy = model in _HEAVY
-    short = quick and heavy  # a smoke run touches every mode, not every density
+def _site_cases(model: str, modes: Sequence[str], quick: bool) -> list[Case]:
+    """Reference capture at every density, against hooks: the host-cost group."""
+    short = quick and model in _HEAVY  # a smoke run touches every mode, not every density
     cases = [Case("A/A control", "-", "none"), Case("traced (no taps)", "-", "none")]
     if "reference" in modes:
-        dens = ("input only", "all") if short else ("input only", "one", "10%", "all")
+        dens: tuple[str, ...] = (("input only", "all") if short
+                                 else ("input only", "one", "10%", "all"))
         cases += [Case("taps", "reference", d) for d in dens]
         dens = ("all",) if short else ("one", "10%", "all")
         cases += [Case("module hooks", "reference", d) for d in dens]
-        dens = ("all",) if heavy else ("one", "10%", "all")
+        dens = ("all",) if model in _HEAVY else ("one", "10%", "all")
         cases += [Case("global hook", "reference", d) for d in dens]
         cases += [Case("taps", "reference", "functional")]
         if not short:
             cases += [Case("taps", "reference", "every site")]
+    return cases
+
+
+def _mode_cases(model: str, modes: Sequence[str], quick: bool) -> list[Case]:
+    """The other modes at every module call. Timed in a group of their own, because statistics
+    can make a forward twenty times slower and would leave the host-cost group few rounds."""
+    short = quick and model in _HEAVY
+    cases = []
     if "stats" in modes:
         cases.append(Case("logging hook", "stats", "all"))
     for m in modes:
@@ -121,8 +130,10 @@ def plan(config: Config) -> list[Group]:
     for name in config.models:
         spec = MODELS[name]
         batches = spec.quick_batches if config.quick else spec.batches[dev]
-        groups.append(Group(name, batches[0], "inference",
-                            tuple(_detail_cases(name, config.modes, config.quick))))
+        for cases in (_site_cases(name, config.modes, config.quick),
+                      _mode_cases(name, config.modes, config.quick)):
+            if cases:
+                groups.append(Group(name, batches[0], "inference", tuple(cases)))
         if len(batches) > 1:
             cases = _batch_cases(config.modes)
             if cases:
@@ -289,7 +300,7 @@ class Runner:
                                               warmup_s=_WARMUP_S[cfg.quick], cuda=cuda)
             treatments = [b.treatment for b in built.values()]
             slots = timing.warm(treatments, iters, cuda)
-            rounds = cfg.rounds or self._rounds(iters * call_ms, list(slots.values()))
+            rounds = cfg.rounds or self._rounds(iters * call_ms, list(slots.values()), group)
 
             def on_round(r: int) -> None:
                 progress.update(done + (r + 1) / rounds, label, f"round {r + 1}/{rounds}")
@@ -305,9 +316,12 @@ class Runner:
         gc.collect()
         return records
 
-    def _rounds(self, base_slot_ms: float, slot_ms: list[float]) -> int:
+    def _rounds(self, base_slot_ms: float, slot_ms: list[float], group: Group) -> int:
         """As many rounds as fit the group's time budget, within bounds."""
         budget, lo, hi = _BUDGET[self.config.quick]
+        if not self.config.quick and group.model not in _HEAVY and any(
+                c.approach == "A/A control" for c in group.cases):
+            budget *= 2  # the host-cost groups of the light models: the claim rests on them
         per_round = ((len(slot_ms) + 1) * base_slot_ms + sum(slot_ms)) / 1e3 * 1.2
         return max(lo, min(hi, int(budget / max(per_round, 1e-9))))
 
@@ -379,11 +393,14 @@ class Runner:
             treatment_ms=summ.treatment_ms, ratio=summ.ratio, ratio_p5=summ.ratio_p5,
             ratio_q25=summ.ratio_q25, ratio_q75=summ.ratio_q75, ratio_p95=summ.ratio_p95,
             overhead_us=summ.overhead_us, overhead_us_q25=summ.overhead_us_q25,
-            overhead_us_q75=summ.overhead_us_q75, per_site_us=per_site, host_ms=summ.host_ms,
+            overhead_us_q75=summ.overhead_us_q75, overhead_us_ci_low=summ.overhead_us_ci[0],
+            overhead_us_ci_high=summ.overhead_us_ci[1], per_site_us=per_site,
+            host_ms=summ.host_ms,
             peak_mem_bytes=peak, baseline_peak_mem_bytes=base_peak,
             captured_bytes=timing.storage_bytes(captured), d2h_bytes=d2h, host_syncs=syncs,
             stale_values=stale, copies=b.copies, floor_us=floor, floor_basis=basis,
-            floor_multiple=multiple,
+            floor_multiple=multiple, samples_ms=tuple(round(v, 5) for v in s.treatment),
+            baseline_samples_ms=tuple(round(v, 5) for v in s.baseline),
         )
 
 

@@ -66,6 +66,9 @@ def test_measurements_cover_the_approaches_and_phases(quick_run: Path) -> None:
     assert {m.mode for m in ok} == {"-", "reference", "stats"}
     for m in ok:
         assert m.rounds == 2 and m.iters >= 1
+        assert len(m.samples_ms) == len(m.baseline_samples_ms) == m.rounds
+        assert m.overhead_us_ci_low is not None and m.overhead_us_ci_high is not None
+        assert m.overhead_us_ci_low <= m.overhead_us <= m.overhead_us_ci_high  # type: ignore[operator]
         assert m.baseline_ms is not None and m.treatment_ms is not None
         assert m.ratio_p5 is not None and m.ratio_p95 is not None
         assert m.ratio_p5 <= m.ratio <= m.ratio_p95  # type: ignore[operator]

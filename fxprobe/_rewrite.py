@@ -144,9 +144,15 @@ def _needs_copy(policy: CopyPolicy, hazards: Hazards | None, value: fx.Node,
 
 def compile_region(region: Region, graph: fx.Graph, names: tuple[str, ...],
                    copied: frozenset[str]) -> Compiled:
-    """Turn an instrumented graph into a plain function of ``(holder, *args, **kwargs)``."""
+    """Turn an instrumented graph into a plain function of ``(holder, *args, **kwargs)``.
+
+    Submodule calls become calls of globals of the generated function: on a class that defines
+    ``__getattr__`` (every ``nn.Module``), even a hit in the instance dict is a slow attribute
+    load, while a global load is specialised by the interpreter.
+    """
     holder = region.module
     originals: dict[fx.Node, Any] = {}
+    modules: dict[str, nn.Module] = {}
     taken: dict[str, str] = {}
     for node in graph.nodes:
         if node.op != "call_module":
@@ -154,10 +160,9 @@ def compile_region(region: Region, graph: fx.Graph, names: tuple[str, ...],
         target = str(node.target)
         alias = taken.get(target)
         if alias is None:
-            alias = "_fxp_" + re.sub(r"\W", "_", target)
+            alias = f"_fxp_{len(taken)}_" + re.sub(r"\W", "_", target)
             taken[target] = alias
-            # A plain instance attribute: found without nn.Module.__getattr__.
-            object.__setattr__(holder, alias, holder.get_submodule(target))
+            modules[alias] = holder.get_submodule(target)
         originals[node] = node.target
         node.target = alias
     try:
@@ -165,8 +170,10 @@ def compile_region(region: Region, graph: fx.Graph, names: tuple[str, ...],
     finally:
         for node, target in originals.items():
             node.target = target
+    src = re.sub(r"\bself\.(_fxp_\d+_\w*)\(", r"\1(", code.src)
     filename = f"<fxprobe:{region.path or 'root'}:{next(_counter)}>"
-    linecache.cache[filename] = (len(code.src), None, code.src.splitlines(True), filename)
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     scope: dict[str, Any] = dict(code.globals)
-    exec(compile(code.src, filename, "exec"), scope)
+    scope.update(modules)
+    exec(compile(src, filename, "exec"), scope)
     return Compiled(region.path, graph, names, copied, scope["forward"], holder)

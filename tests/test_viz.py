@@ -12,7 +12,6 @@ import math
 import os
 import re
 import shutil
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from reference import hook_values, model_state, states_equal
 from torch import fx, nn
 
 import fxprobe
+from benchmarks.models import ResNet50
 from fxprobe import _examples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,63 +336,6 @@ def test_binary_formats_by_suffix(tmp_path: Path, suffix: str) -> None:
 
 # -- large graphs -----------------------------------------------------------------------------
 
-class Bottleneck(nn.Module):
-    def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: nn.Module | None = None) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(planes * 4)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = downsample
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
-
-
-class ResNet50Like(nn.Module):
-    """torchvision's resnet50 layout (3, 4, 6, 3 bottlenecks); ``width`` scales channels."""
-
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        self.inplanes = width
-        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
-        self.layer1 = self._layer(width, 3)
-        self.layer2 = self._layer(width * 2, 4, 2)
-        self.layer3 = self._layer(width * 4, 6, 2)
-        self.layer4 = self._layer(width * 8, 3, 2)
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(width * 32, 1000)
-
-    def _layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
-        down = None
-        if stride != 1 or self.inplanes != planes * 4:
-            down = nn.Sequential(nn.Conv2d(self.inplanes, planes * 4, 1, stride, bias=False),
-                                 nn.BatchNorm2d(planes * 4))
-        layers = [Bottleneck(self.inplanes, planes, stride, down)]
-        self.inplanes = planes * 4
-        layers += [Bottleneck(self.inplanes, planes) for _ in range(1, blocks)]
-        return nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
@@ -443,9 +386,9 @@ class Transformer12(nn.Module):
 
 @needs_dot
 @pytest.mark.parametrize("name", ["resnet50", "transformer12"])
-def test_large_graphs_render_in_seconds(name: str, tmp_path: Path) -> None:
+def test_large_graphs_render(name: str, tmp_path: Path) -> None:
     if name == "resnet50":
-        model: nn.Module = ResNet50Like(width=8).eval()
+        model: nn.Module = ResNet50(width=8).eval()
         x = torch.randn(1, 3, 64, 64)
         ops: Any = [nn.Conv2d, torch.add]
     else:
@@ -453,13 +396,10 @@ def test_large_graphs_render_in_seconds(name: str, tmp_path: Path) -> None:
             nn.Linear
     n_sites = len(fxprobe.sites(model))
     assert n_sites > (170 if name == "resnet50" else 380)
-    for depth in (None, 2):
-        start = time.perf_counter()
+    for depth in (None, 2):  # timings are measured outside the tests (see docs/visualize.md)
         path = fxprobe.render(model, tmp_path / f"{name}.svg", example_input=x, ops=ops,
                               depth=depth)
-        seconds = time.perf_counter() - start
         assert path.stat().st_size > 10_000
-        assert seconds < 20, f"{name} depth={depth}: {seconds:.1f} s for {n_sites} sites"
 
 
 # -- the examples in the docs -----------------------------------------------------------------

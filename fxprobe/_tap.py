@@ -38,10 +38,6 @@ class Program:
     hook_paths: frozenset[str]
     order: dict[str, int]
 
-    @property
-    def root(self) -> Compiled | None:
-        return self.compiled.get("")
-
 
 def check_model(model: Any) -> None:
     if isinstance(model, torch.jit.ScriptModule):

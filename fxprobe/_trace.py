@@ -12,7 +12,7 @@ import contextlib
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -55,7 +55,6 @@ class Region:
     graph: fx.Graph
     names: dict[fx.Node, str]
     module_paths: dict[fx.Node, str]
-    opaque_children: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -252,7 +251,7 @@ class _Planner:
                     return None
                 opaque.add(rel)
                 errors[rel] = e
-        region = Region(path, module, graph, tracer.names, tracer.module_paths, opaque)
+        region = Region(path, module, graph, tracer.names, tracer.module_paths)
         self.regions[path] = region
         for node in graph.nodes:
             if node.op == "output" or node not in tracer.names:

@@ -9,6 +9,7 @@ Example:
     torch.Size([2, 8])
 """
 
+from ._artifact import TappedArtifact, TappedScript
 from ._errors import (
     ConfigError,
     FxProbeError,
@@ -21,6 +22,7 @@ from ._errors import (
     UnknownSiteError,
     UnsupportedModelError,
 )
+from ._export import TappedExport
 from ._extract import extractor
 from ._record import Grads, InOut, Taps
 from ._select import Selector, where
@@ -51,7 +53,10 @@ __all__ = [
     "StatsLogger",
     "Table",
     "Taps",
+    "TappedArtifact",
+    "TappedExport",
     "TappedModule",
+    "TappedScript",
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",

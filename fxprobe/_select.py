@@ -71,9 +71,11 @@ def where(predicate: Callable[[Site], bool], description: str | None = None) -> 
 
 def module_type(cls: type[nn.Module]) -> Selector:
     """Select calls of modules that are instances of ``cls``."""
+    qualname = f"{cls.__module__}.{cls.__qualname__}"
     return where(
-        lambda s: s.kind == "call_module" and s.module_type is not None
-        and issubclass(s.module_type, cls),
+        lambda s: s.kind == "call_module" and (
+            issubclass(s.module_type, cls) if s.module_type is not None
+            else s.type_name == qualname),  # TorchScript/export: the class is not at hand
         cls.__name__,
     )
 

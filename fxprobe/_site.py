@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-How = Literal["fx", "hook"]
+How = Literal["fx", "hook", "script", "export"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class Site:
     name: str
     """Qualified site name, as torchvision's ``get_graph_node_names`` spells it."""
     how: How
-    """``"fx"`` when a tap node in the traced graph captures it, ``"hook"`` for a module hook."""
+    """``"fx"`` when a tap node in the traced graph captures it, ``"hook"`` for a module hook,
+    ``"script"`` for a value of a TorchScript graph, ``"export"`` for a torch.export program."""
     kind: str
     """The fx node kind: placeholder, get_attr, call_module, call_function or call_method."""
     target: Any = field(compare=False)
@@ -33,13 +34,20 @@ class Site:
     """Canonical op name shared by every spelling (``add`` for ``torch.add``, ``x + y``)."""
     replaced: bool = False
     """True when a callback may replace this site's value for downstream consumers."""
+    type_name: str | None = None
+    """Qualified class name of the called module where no Python type is at hand
+    (TorchScript, torch.export): ``torchvision.models.resnet.BasicBlock``."""
 
     @property
     def op(self) -> str:
         """A readable name of what the site computes (``Conv2d``, ``torch.flatten``, ``.add``)."""
         if self.kind == "call_module":
-            return self.module_type.__name__ if self.module_type is not None else "module"
+            if self.module_type is not None:
+                return self.module_type.__name__
+            return self.type_name.rpartition(".")[2] if self.type_name else "module"
         if self.kind == "call_function":
+            if isinstance(self.target, str):  # an IR op: aten::flatten, aten.softmax.default
+                return self.target
             return describe_function(self.target)
         if self.kind == "call_method":
             return f".{self.target}()"

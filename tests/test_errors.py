@@ -9,15 +9,6 @@ import zoo
 import fxprobe
 
 
-def test_script_module_is_rejected_with_a_reason() -> None:
-    model, _, _ = zoo.make("shared")
-    scripted = torch.jit.script(model)
-    with pytest.raises(fxprobe.UnsupportedModelError, match="TorchScript"):
-        fxprobe.tap(scripted)
-    with pytest.raises(fxprobe.UnsupportedModelError, match="TorchScript"):
-        fxprobe.sites(scripted)
-
-
 def test_not_a_module() -> None:
     with pytest.raises(fxprobe.UnsupportedModelError, match="nn.Module"):
         fxprobe.tap(lambda x: x)  # type: ignore[arg-type]

@@ -1,0 +1,323 @@
+"""The torch.export frontend: an ExportedProgram's ATen graph -> named sites -> a tapped program.
+
+Names follow the fx frontend, read from ``node.meta["nn_module_stack"]``: a module call by its
+path (``layer1.0.conv1``, the one value it hands back), an op outside ``torch.nn`` leaf modules
+by the enclosing module and the op (``layer1.0.add`` for ``aten.add_.Tensor``), repeats
+suffixed. Functions select every ATen spelling: ``F.softmax`` matches ``aten.softmax.int``.
+
+The tapped program is a new ExportedProgram whose graph returns the selected values as extra
+user outputs, so that ``program.module()(x)`` returns ``(output, (values...))``::
+
+    conv2d = aten.conv2d(x, w)            conv2d = aten.conv2d(x, w)
+    relu_ = aten.relu_(conv2d)      ->    clone = aten.clone(conv2d)   # relu_ overwrites it
+    return (relu_,)                       relu_ = aten.relu_(conv2d)
+                                          return (relu_, clone, relu_)
+
+Each output node of a tap carries its site in ``meta["custom"]["fxprobe_taps"]``, which
+``torch.export.save`` keeps, so a loaded tapped program still knows its tap names.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from ._artifact import TappedArtifact
+from ._errors import ConfigError, UnsupportedModelError
+from ._options import TapOptions
+from ._script import is_leaf_type, python_type
+from ._select import as_selectors, select
+from ._site import Site, method_key, op_key
+
+_TAG = "fxprobe_taps"
+
+
+def _stack(node: fx.Node) -> list[tuple[str, str, str]]:
+    """``(call key, module path, type name)`` from the outermost module to the innermost."""
+    out = []
+    for key, (path, tname) in (node.meta.get("nn_module_stack") or {}).items():
+        if not isinstance(tname, str):
+            tname = f"{tname.__module__}.{tname.__qualname__}"
+        if path:
+            out.append((key, path, tname))
+    return out
+
+
+def _op(target: Any) -> tuple[str, str, str | None]:
+    """(name part, target text, op key) of a call_function target."""
+    if isinstance(target, torch._ops.OpOverload):
+        short = target._opname
+        return method_key(short), str(target), method_key(short)
+    name = getattr(target, "__name__", None) or type(target).__name__
+    return name.strip("_") or name, str(getattr(target, "__name__", target)), op_key(target)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+class ExportGraph:
+    """The sites of an ExportedProgram's graph, each with the node whose value it is."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        nodes = list(ep.graph.nodes)
+        position = {n: i for i, n in enumerate(nodes)}
+        user_inputs = set(ep.graph_signature.user_inputs)
+        counts: dict[str, int] = {}
+
+        def count(name: str) -> str:
+            c = counts.get(name, 0)
+            counts[name] = c + 1
+            return f"{name}_{c}" if c else name
+
+        # Module calls: the nodes of each call (key), in the order calls start.
+        calls: dict[str, list[fx.Node]] = {}
+        info: dict[str, tuple[str, str, int]] = {}
+        for n in nodes:
+            for depth, (key, path, tname) in enumerate(_stack(n)):
+                calls.setdefault(key, []).append(n)
+                info.setdefault(key, (path, tname, depth))
+        entries: list[tuple[int, int, Site, fx.Node]] = []
+        call_names = {}
+        for key in calls:  # dicts keep insertion order: the order calls start
+            call_names[key] = count(info[key][0])
+        for key, members in calls.items():
+            inside = set(members)
+            outs = [m for m in members if any(u not in inside for u in m.users)]
+            if len(outs) != 1 or not _is_tensor(outs[0]):
+                continue  # no single value comes out (a tuple, or nothing): not a site
+            path, tname, depth = info[key]
+            site = Site(call_names[key], "export", "call_module", path, path,
+                        python_type(tname), type_name=tname)
+            entries.append((position[outs[0]], 1000 - depth, site, outs[0]))
+        for n in nodes:
+            if n.op == "placeholder" and n.name in user_inputs:
+                site = Site(count(n.name), "export", "placeholder", n.name, "")
+                entries.append((position[n], 0, site, n))
+            elif n.op == "call_function" and _is_tensor(n):
+                stack = _stack(n)
+                if any(is_leaf_type(t) for _, _, t in stack):
+                    continue  # inside a torch.nn module: its call is the site
+                path = stack[-1][1] if stack else ""
+                short, target, okey = _op(n.target)
+                site = Site(count(f"{path}.{short}" if path else short), "export",
+                            "call_function", target, path, op_key=okey)
+                entries.append((position[n], 0, site, n))
+        # Sites in the order their values exist; at one node, the op first, then the calls
+        # that hand it back, innermost first.
+        entries.sort(key=lambda e: (e[0], e[1]))
+        self.sites = [e[2] for e in entries]
+        self.nodes = [e[3] for e in entries]
+
+
+class ExportHazards:
+    """Which nodes' values a later node writes in place, from the ATen schemas' alias info."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        parent: dict[fx.Node, fx.Node] = {}
+
+        def find(n: fx.Node) -> fx.Node:
+            while parent.get(n, n) is not n:
+                n = parent[n]
+            return n
+
+        def union(a: fx.Node, b: fx.Node) -> None:
+            ra, rb = find(a), find(b)
+            if ra is not rb:
+                parent[ra] = rb
+
+        writes: list[tuple[int, fx.Node]] = []
+        for n in graph.nodes:
+            if n.op != "call_function":
+                continue
+            pos = self.order[n]
+            if n.target is operator.getitem:
+                union(n, n.args[0])  # type: ignore[arg-type]
+            elif isinstance(n.target, torch._ops.OpOverload):
+                schema = n.target._schema
+                aliased = any(r.alias_info is not None for r in schema.returns)
+                for i, a in enumerate(schema.arguments):
+                    value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+                    for v in _nodes_in(value):
+                        if a.alias_info is not None and a.alias_info.is_write:
+                            writes.append((pos, v))
+                        if a.alias_info is not None and aliased:
+                            union(n, v)
+            else:  # a higher-order op or a Python function: may alias and write anything
+                for v in _nodes_in((n.args, n.kwargs)):
+                    union(n, v)
+                    writes.append((pos, v))
+        self.find = find
+        self.writes: dict[fx.Node, list[int]] = {}
+        for pos, v in writes:
+            self.writes.setdefault(find(v), []).append(pos)
+
+    def at_risk(self, node: fx.Node) -> bool:
+        mine = self.order[node]
+        return any(p > mine for p in self.writes.get(self.find(node), ()))
+
+
+def _nodes_in(value: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, lambda n: found.append(n) or n)  # type: ignore[func-returns-value]
+    return found
+
+
+def _row(site: Site) -> list[str]:
+    return [site.name, site.kind, str(site.target), site.module_path, site.type_name or ""]
+
+
+def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
+            ) -> tuple[Any, tuple[str, ...], frozenset[str]]:
+    """A new ExportedProgram returning the selected values after the program's outputs."""
+    from torch.export import ExportedProgram
+    from torch.export.graph_signature import (
+        ExportGraphSignature,
+        OutputKind,
+        OutputSpec,
+        TensorArgument,
+    )
+
+    ep = eg.ep
+    hazards = ExportHazards(ep.graph) if copy_policy == "auto" else None
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    old_out = graph.graph_copy(ep.graph, env)
+    aten = torch.ops.aten
+    taps: list[fx.Node] = []
+    names: list[str] = []
+    copied: set[str] = set()
+    made: dict[tuple[fx.Node, bool], fx.Node] = {}
+    for i in selected:
+        site, node = eg.sites[i], eg.nodes[i]
+        clone = copy_policy == "always" or (hazards is not None and hazards.at_risk(node))
+        new = made.get((node, clone))
+        if new is None:
+            src = env[node]
+            if clone or src.op == "placeholder":  # a placeholder cannot carry a tag: alias it
+                with graph.inserting_after(src):
+                    new = graph.call_function(aten.clone.default if clone else aten.alias.default,
+                                              (src,))
+                new.meta = {k: v for k, v in src.meta.items()
+                            if k in ("val", "tensor_meta", "nn_module_stack", "stack_trace")}
+            else:
+                new = src
+            new.meta = dict(new.meta)  # the copy's meta dict is shared with the user's graph
+            new.meta["custom"] = {**new.meta.get("custom", {}), _TAG: []}
+            made[(node, clone)] = new
+        new.meta["custom"][_TAG].append(_row(site))
+        if clone:
+            copied.add(site.name)
+        taps.append(new)
+        names.append(site.name)
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    outputs: list[Any] = list(old_out) if isinstance(old_out, (tuple, list)) else [old_out]
+    graph.output(tuple(outputs + taps)).meta = dict(out_node.meta)
+    graph.lint()
+    gm = fx.GraphModule(ep.graph_module, graph)
+    specs = list(ep.graph_signature.output_specs) + [
+        OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=t.name), None) for t in taps]
+    signature = ExportGraphSignature(list(ep.graph_signature.input_specs), specs)
+    calls = copy.deepcopy(ep.module_call_graph)
+    old_spec = calls[0].signature.out_spec
+    calls[0].signature.out_spec = pytree.treespec_tuple(
+        [old_spec, pytree.tree_structure(tuple(range(len(taps))))])
+    program = ExportedProgram(
+        root=gm, graph=gm.graph, graph_signature=signature, state_dict=ep.state_dict,
+        range_constraints=copy.deepcopy(ep.range_constraints), module_call_graph=calls,
+        example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)
+    return program, tuple(names), frozenset(copied)
+
+
+def saved_taps(ep: Any) -> list[Site] | None:
+    """The sites of a program fxprobe tapped (maybe saved and loaded), else None."""
+    spec = ep.call_spec.out_spec
+    if spec is None or spec.type is not tuple or spec.num_children != 2:
+        return None
+    n = spec.children_specs[1].num_leaves
+    out = next(node for node in ep.graph.nodes if node.op == "output")
+    tail = list(out.args[0])[-n:] if n else []
+    if not tail or any(not isinstance(t, fx.Node) or _TAG not in (t.meta.get("custom") or {})
+                       for t in tail):
+        return None
+    seen: dict[fx.Node, int] = {}
+    sites = []
+    for t in tail:
+        k = seen.get(t, 0)
+        seen[t] = k + 1
+        name, kind, target, path, tname = t.meta["custom"][_TAG][k]
+        key = method_key(target.split(".")[1]) if target.startswith("aten.") else None
+        sites.append(Site(name, "export", kind, target, path,
+                          python_type(tname) if tname else None, key, type_name=tname or None))
+    return sites
+
+
+class TappedExport(TappedArtifact):
+    """A tapped torch.export program (``fxprobe.tap(exported_program)``).
+
+    ``exported()`` is the tapped ``ExportedProgram``: save it with ``torch.export.save``; its
+    ``module()`` returns ``(output, (values...))``.
+    """
+
+    def __init__(self, program: Any, sites: Sequence[Site], options: TapOptions,
+                 copied: frozenset[str] = frozenset()) -> None:
+        self._program = program
+        module = program.module()
+        stats = options.reduce == "stats"
+        super().__init__(module, [s.name for s in sites], sites, options, stats, copied)
+
+    def _split(self, result: Any) -> tuple[Any, Sequence[Any]]:
+        out, values = result
+        if self._stats:  # computed here, from the values the program returns
+            from ._stats import stats_vector
+
+            values = [(stats_vector(v), tuple(v.shape), v.dtype)
+                      if isinstance(v, torch.Tensor) else v for v in values]
+        return out, values
+
+    def exported(self) -> Any:
+        """The tapped ``ExportedProgram`` (``torch.export.save(tapped.exported(), "t.pt2")``)."""
+        return self._program
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The tapped program's graph module (lifted parameters are placeholders)."""
+        gm: fx.GraphModule = self._program.graph_module
+        return gm
+
+
+def tap_export(ep: Any, ops: Any, options: TapOptions) -> TappedExport:
+    saved = saved_taps(ep)
+    if saved is not None:
+        if ops is not None:
+            raise ConfigError(
+                "this ExportedProgram was already tapped by fxprobe; pass ops=None to read its "
+                "taps, or tap the original program again")
+        return TappedExport(ep, saved, options)
+    if options.copy not in ("auto", "always", "never"):
+        raise ConfigError(f"copy={options.copy!r} is not accepted")
+    eg = _graph(ep)
+    chosen = select(eg.sites, as_selectors(ops), context="the exported program")
+    index = {id(s): i for i, s in enumerate(eg.sites)}
+    program, names, copied = rewrite(eg, [index[id(s)] for s in chosen], options.copy)
+    by_name = {s.name: s for s in eg.sites}
+    return TappedExport(program, [by_name[n] for n in names], options, copied)
+
+
+def _graph(ep: Any) -> ExportGraph:
+    if ep.call_spec.out_spec is None:
+        raise UnsupportedModelError("this ExportedProgram has no output structure (out_spec)")
+    return ExportGraph(ep)
+
+
+def export_sites(ep: Any) -> list[Site]:
+    saved = saved_taps(ep)
+    return saved if saved is not None else _graph(ep).sites

@@ -289,6 +289,8 @@ class ScriptHazards:
         self.db = graph.alias_db()
         self.writers: list[tuple[Node, list[Value]]] = []
         for n in _all_nodes(graph.block()):
+            if _dead(n):
+                continue  # F.relu(x, inplace=False) inlined: relu_ sits in a branch never taken
             pos = _written_positions(n)
             inputs = list(n.inputs())
             written = inputs if pos is None else [inputs[i] for i in pos if i < len(inputs)]
@@ -305,6 +307,23 @@ class ScriptHazards:
                     for x in written):
                 return True
         return False
+
+
+def _dead(node: Node) -> bool:
+    """Whether ``node`` sits in a ``prim::If`` branch that a constant condition never takes."""
+    while True:
+        block = node.owningBlock()
+        owner = block.owningNode()
+        if owner is None:
+            return False
+        cond = owner.inputsAt(0).node() if owner.kind() == "prim::If" else None
+        if cond is not None and cond.kind() == "prim::Constant" and node.outputsSize():
+            taken = 0 if cond.output().toIValue() else 1
+            key = node.outputsAt(0).unique()
+            for i, b in enumerate(owner.blocks()):
+                if i != taken and any(o.unique() == key for n in b.nodes() for o in n.outputs()):
+                    return True
+        node = owner
 
 
 def _is_state(v: Value) -> bool:

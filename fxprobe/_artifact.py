@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ._errors import ConfigError, RemovedError, UnsupportedModelError
 from ._options import TapOptions, make_options
@@ -90,12 +91,17 @@ class TappedArtifact:
             raise RemovedError("this tapped artifact was removed; call fxprobe.tap(...) again")
         out, values = self._split(self._run(*args, **kwargs))
         rec = self._rec
-        rec.begin(frozenset())
+        state = rec.begin(frozenset())
         try:
             ran = [(n, v) for n, v in zip(self._names, values, strict=True) if v is not None]
-            rec.add(tuple(n for n, _ in ran), tuple(v for _, v in ran))
+            names, kept = tuple(n for n, _ in ran), tuple(v for _, v in ran)
+            if rec.to is not None:
+                kept = rec.offload(state.frame, names, kept)
+            if state.detach_now:
+                kept = tuple(tree_map(_detach, v) for v in kept)
+            state.frame.parts.append((names, kept))
         finally:
-            rec.active = False
+            state.active = False
         return out
 
     forward = __call__
@@ -112,7 +118,7 @@ class TappedArtifact:
     @property
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
-        return [Taps(self._rec, self._order, frame) for frame in self._rec.history]
+        return [Taps(self._rec, self._order, frame) for frame in self._rec.state.history]
 
     @property
     def sites(self) -> tuple[Site, ...]:
@@ -131,6 +137,10 @@ class TappedArtifact:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sites={len(self._names)})"
+
+
+def _detach(v: Any) -> Any:
+    return v.detach() if isinstance(v, torch.Tensor) else v
 
 
 def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:

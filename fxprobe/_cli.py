@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import FxProbeError
+from ._errors import FxProbeError, UsageError
 from ._select import Selector, as_selector, select, where
 from ._site import Site
 
@@ -58,10 +58,6 @@ MODEL is package.module:factory or path/to/file.py:factory: a callable that take
 arguments and returns the nn.Module (a class works, and so does a module-level model
 instance). Modules are imported with the current directory on sys.path.
 """
-
-
-class UsageError(FxProbeError, ValueError):
-    """What was typed on the command line cannot be used; the message says how to fix it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,7 +228,9 @@ def cmd_sites(args: argparse.Namespace) -> int:
     records: list[Site] = list(listing.records)
     if selectors is not None:
         mode = "train" if args.train else "eval"
-        records = select(records, selectors, context=f"{type(model).__name__} ({mode} mode)")
+        records = select(records + list(listing.modules), selectors,
+                         context=f"{type(model).__name__} ({mode} mode)",
+                         fallbacks=listing.fallbacks)
     print(sites_table(records, listing.fallbacks, args.format))
     return 0
 

@@ -30,10 +30,11 @@ from torch.utils import _pytree as pytree
 
 from ._artifact import TappedArtifact
 from ._errors import ConfigError, UnsupportedModelError
+from ._ops import method_key, op_key
 from ._options import TapOptions
 from ._script import is_leaf_type, python_type
 from ._select import as_selectors, select
-from ._site import Site, method_key, op_key
+from ._site import Site
 
 _TAG = "fxprobe_taps"
 
@@ -95,7 +96,7 @@ class ExportGraph:
                 continue  # no single value comes out (a tuple, or nothing): not a site
             path, tname, depth = info[key]
             site = Site(call_names[key], "export", "call_module", path, path,
-                        python_type(tname), type_name=tname)
+                        python_type(tname), inlined=not is_leaf_type(tname), type_name=tname)
             entries.append((position[outs[0]], 1000 - depth, site, outs[0]))
         for n in nodes:
             if n.op == "placeholder" and n.name in user_inputs:
@@ -172,7 +173,8 @@ def _nodes_in(value: Any) -> list[fx.Node]:
 
 
 def _row(site: Site) -> list[str]:
-    return [site.name, site.kind, str(site.target), site.module_path, site.type_name or ""]
+    return [site.name, site.kind, str(site.target), site.module_path, site.type_name or "",
+            str(int(site.inlined))]
 
 
 def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
@@ -253,10 +255,11 @@ def saved_taps(ep: Any) -> list[Site] | None:
     for t in tail:
         k = seen.get(t, 0)
         seen[t] = k + 1
-        name, kind, target, path, tname = t.meta["custom"][_TAG][k]
+        name, kind, target, path, tname, inlined = t.meta["custom"][_TAG][k]
         key = method_key(target.split(".")[1]) if target.startswith("aten.") else None
         sites.append(Site(name, "export", kind, target, path,
-                          python_type(tname) if tname else None, key, type_name=tname or None))
+                          python_type(tname) if tname else None, key, inlined=inlined == "1",
+                          type_name=tname or None))
     return sites
 
 

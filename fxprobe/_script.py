@@ -36,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from ._errors import UnsupportedModelError
-from ._site import Site, method_key
+from ._ops import method_key
+from ._site import Site
 
 # torch._C's stubs lag its bindings (insertConstant, alias_db, ...): IR objects are typed loosely.
 Graph = Any
@@ -215,7 +216,8 @@ class ScriptGraph:
         outs = self._inline(node, callee, inner, 0)
         if site_name is not None and len(outs) == 1:
             self._add(Site(site_name, "script", "call_module", path, path,
-                           python_type(tname or ""), type_name=tname), outs[0])
+                           python_type(tname or ""), inlined=not inner.leaf,
+                           type_name=tname), outs[0])
 
     def _inline(self, call: Node, callee: Graph, ctx: _Ctx,
                 skip: int) -> list[Value]:
@@ -529,7 +531,8 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
     """A new ScriptModule: ``model`` (the user's, shared) and a forward returning the taps.
 
     Attributes a loader can read: ``fxprobe_names`` (site names, in the order of the taps
-    tuple), ``fxprobe_sites`` (name, kind, target, module path, type name of each) and
+    tuple), ``fxprobe_sites`` (name, kind, target, module path, type name, inlined "0"/"1" of
+    each) and
     ``fxprobe_reduce`` (``""``, or ``"stats"`` when each tap is ``(vector, shape, dtype)``).
     """
     n = next(_counter)
@@ -560,7 +563,7 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
                             "fxprobe_reduce": str},
     })
     by_name = {s.name: s for s in sites}
-    rows = [[s.name, s.kind, str(s.target), s.module_path, s.type_name or ""]
+    rows = [[s.name, s.kind, str(s.target), s.module_path, s.type_name or "", str(int(s.inlined))]
             for s in (by_name[name] for name in rewritten.names)]
     with quiet_jit():
         return torch.jit.script(cls(module, list(rewritten.names), rows, reduce))
@@ -569,11 +572,11 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
 def saved_sites(module: torch.jit.ScriptModule) -> list[Site]:
     """The sites a tapped ScriptModule (made by fxprobe, maybe saved and loaded) records."""
     sites = []
-    for name, kind, target, path, tname in module.fxprobe_sites:
+    for name, kind, target, path, tname, inlined in module.fxprobe_sites:
         key = op_name(target) if "::" in target else (
             method_key(target.rpartition(".")[2]) if kind == "call_function" else None)
         sites.append(Site(name, "script", kind, target, path, python_type(tname) if tname
-                          else None, key, type_name=tname or None))
+                          else None, key, inlined=inlined == "1", type_name=tname or None))
     return sites
 
 

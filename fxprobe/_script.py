@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import linecache
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -89,6 +90,29 @@ def _join(prefix: str, name: str) -> str:
 def op_name(kind: str) -> str:
     """``aten::add_`` -> ``add``, ``aten::__getitem__`` -> ``getitem``."""
     return method_key(kind.partition("::")[2])
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
+
+
+def site_op_name(node: Node) -> str:
+    """The op part of a site name, as fx spells it from the source.
+
+    ``x.relu_()`` and ``out += y`` are both ``aten::*_`` in the IR; fx names the first
+    ``relu_`` and the second ``add``. The source line (from the node's source range, when the
+    file is at hand) tells them apart; without it the underscore goes.
+    """
+    op = node.kind().partition("::")[2]
+    if not (op.endswith("_") and not op.startswith("_")):
+        return op_name(node.kind())
+    line = ""
+    for m in _FRAME.finditer(node.sourceRange()):
+        path, number = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        if not path.startswith(_TORCH_DIR):  # the user's line, not torch's own code
+            line = linecache.getline(path, int(number))
+            break
+    return op if re.search(rf"\.{re.escape(op)}\s*\(", line) else op_name(node.kind())
 
 
 class _Ctx(NamedTuple):
@@ -196,7 +220,7 @@ class ScriptGraph:
             if kind.startswith("aten::") and not quiet and node.outputsSize() == 1:
                 out = node.output()
                 if out.type().kind() != "NoneType":
-                    name = self._count(_join(ctx.path, op_name(kind)))
+                    name = self._count(_join(ctx.path, site_op_name(node)))
                     self._add(Site(name, "script", "call_function", kind, ctx.path,
                                    op_key=op_name(kind)), out)
 

@@ -1,0 +1,276 @@
+"""Tapping TorchScript modules: scripted, traced and loaded, against eager and fx references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from reference import clone, hook_values
+from torch import nn
+
+import fxprobe
+
+# TorchScript warns that it is deprecated at every script/trace/save/load.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 16)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(x, 1)
+        h = self.act(F.relu(self.fc1(x)))
+        return F.softmax(self.fc2(self.drop(h)), dim=-1)
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: fx cannot trace it, TorchScript keeps both branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if bool(h.sum() > 0):
+            h = torch.relu(h) * 2
+        else:
+            h = torch.tanh(h)
+        return self.out(h)
+
+
+class ViewWrite(nn.Module):
+    """Writes through a view of a module's output, then an in-place F.relu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        v = y.view(-1)
+        v.mul_(2)
+        return F.relu(y, inplace=True)
+
+
+def _fx_values(model: nn.Module, *args: Any) -> tuple[Any, dict[str, Any]]:
+    ref = fxprobe.tap(model)
+    out = ref(*args)
+    return out, {k: clone(v) for k, v in ref.taps.items()}
+
+
+def _same_as_fx(model: nn.Module, artifact: torch.jit.ScriptModule, *args: Any) -> None:
+    expected_out, expected = _fx_values(model, *args)
+    tapped = fxprobe.tap(artifact)
+    out = tapped(*args)
+    assert torch.equal(out, artifact(*args)) and torch.equal(out, expected_out)
+    assert tuple(fxprobe.sites(artifact)) == tuple(fxprobe.sites(model))
+    assert list(tapped.taps) == list(expected)
+    for name, value in expected.items():
+        assert torch.equal(tapped.taps[name], value), name
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_resnet_names_and_values_equal_the_fx_frontend(how: str) -> None:
+    model, (x,), _ = zoo.make("resnet")
+    artifact = torch.jit.script(model) if how == "script" else torch.jit.trace(model, (x,))
+    _same_as_fx(model, artifact, x)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_mlp_names_and_values_equal_the_fx_frontend(how: str) -> None:
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(3, 3, 4)
+    artifact = torch.jit.script(model) if how == "script" else torch.jit.trace(model, (x,))
+    _same_as_fx(model, artifact, x)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_inplace_model_names_and_values_equal_the_fx_frontend(how: str) -> None:
+    model, (x,), _ = zoo.make("inplace")
+    artifact = torch.jit.script(model) if how == "script" else torch.jit.trace(model, (x,))
+    _same_as_fx(model, artifact, x)
+
+
+def test_jit_load_round_trip(tmp_path: Path) -> None:
+    model, (x,), _ = zoo.make("resnet")
+    torch.jit.save(torch.jit.script(model), str(tmp_path / "m.pt"))
+    loaded = torch.jit.load(str(tmp_path / "m.pt"))
+    _same_as_fx(model, loaded, x)
+
+
+def test_control_flow_both_branches_against_eager() -> None:
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    with torch.no_grad():
+        model.fc.weight.copy_(torch.eye(4))
+        model.fc.bias.zero_()
+    scripted = torch.jit.script(model)
+    assert {"fc", "relu", "mul", "tanh", "out"} <= set(fxprobe.sites(scripted))
+    tapped = fxprobe.tap(scripted, ops=["fc", "relu", "mul", "tanh", "out"])
+    for x, taken, skipped in ((torch.rand(2, 4), "relu", "tanh"),
+                              (-torch.rand(2, 4), "tanh", "relu")):
+        out = tapped(x)
+        h = model.fc(x)
+        assert torch.equal(out, model(x))
+        assert torch.equal(tapped.taps["fc"], h)
+        assert torch.equal(tapped.taps[taken], torch.relu(h) if taken == "relu" else h.tanh())
+        assert skipped in tapped.sites[[s.name for s in tapped.sites].index(skipped)].name
+        with pytest.raises(fxprobe.SiteNotRunError):
+            tapped.taps[skipped]
+    # fx falls back to hooks for this model: the module calls still agree.
+    _, hooked = hook_values(model, ["fc", "out"], x)
+    assert all(torch.equal(tapped.taps[k], v) for k, v in hooked.items())
+
+
+def test_inplace_hazards_are_copied_only_where_the_ir_shows_them() -> None:
+    model, (x,), _ = zoo.make("inplace")
+    scripted = torch.jit.script(model)
+    tapped = fxprobe.tap(scripted)
+    out = tapped(x)
+    assert torch.equal(out, model(x))
+    bn = model.bn(model.lin(x))  # eager references, step by step
+    x2 = bn.relu()
+    y = (x2 * 2).relu()
+    h = torch.sigmoid((y + 1.0).view(-1))
+    expected = {"x": x, "lin": model.lin(x), "bn": bn, "act": x2, "mul": x2 * 2, "relu_": y,
+                "view": y.view(-1), "add_": y + 1.0, "sigmoid": h, "relu": h.relu(),
+                "add": h.relu() + 1}
+    for name, value in expected.items():
+        assert torch.equal(tapped.taps[name], value.view_as(tapped.taps[name])), name
+    # bn (act's relu_ overwrites it), mul (relu_), relu_ and view (add_ through the view),
+    # sigmoid (F.relu inplace): each overwritten later; nothing else is copied.
+    assert tapped.copied == {"bn", "mul", "relu_", "view", "sigmoid"}
+    never = fxprobe.tap(scripted, ops=["bn"], copy="never")
+    never(x)
+    assert torch.equal(never.taps["bn"], x2)  # what a reference without the copy shows
+    always = fxprobe.tap(scripted, ops=["lin", "bn"], copy="always")
+    always(x)
+    assert always.copied == {"lin", "bn"} and torch.equal(always.taps["bn"], bn)
+
+
+def test_write_through_a_view_and_functional_inplace() -> None:
+    torch.manual_seed(0)
+    model, x = ViewWrite().eval(), torch.randn(3, 4)
+    tapped = fxprobe.tap(torch.jit.script(model))
+    out = tapped(x)
+    y = model.fc(x)
+    assert torch.equal(out, model(x))
+    assert torch.equal(tapped.taps["fc"], y)
+    assert torch.equal(tapped.taps["mul_"], (y * 2).view(-1))
+    assert torch.equal(tapped.taps["relu"], F.relu(y * 2))
+    assert tapped.copied == {"fc", "view", "mul_"}
+
+
+def test_selectors_by_type_function_glob_regex_and_where() -> None:
+    import re
+
+    model, (x,), _ = zoo.make("resnet")
+    scripted = torch.jit.script(model)
+    tapped = fxprobe.tap(scripted, ops=[nn.Conv2d, zoo.BasicBlock])
+    assert [s.name for s in tapped.sites][:4] == [
+        "conv1", "layer1.0.conv1", "layer1.0.conv2", "layer1.0"]
+    assert tapped.sites[3].type_name == "zoo.BasicBlock" and tapped.sites[3].op == "BasicBlock"
+
+    def names(ops: Any) -> list[str]:
+        return [s.name for s in fxprobe.tap(scripted, ops=ops).sites]
+
+    assert names(torch.flatten) == ["flatten"]
+    assert names(nn.ReLU) == [n for n in fxprobe.sites(model) if "relu" in n]
+    assert names(torch.add) == names("layer*.add") == [f"layer{i}.{j}.add" for i in (1, 2)
+                                                         for j in (0, 1)]
+    assert names(re.compile(r"^layer2\.0\.downsample\.\d$")) == [
+        "layer2.0.downsample.0", "layer2.0.downsample.1"]
+    assert names(fxprobe.where(lambda s: s.type_name == "zoo.BasicBlock")) == [
+        "layer1.0", "layer1.1", "layer2.0", "layer2.1"]
+    with pytest.raises(fxprobe.SelectorError, match="layer1.0.conv1"):
+        fxprobe.tap(scripted, ops="layer1.0.conv")
+
+
+def test_a_function_selects_every_spelling() -> None:
+    model, _, _ = zoo.make("inplace")
+    scripted = torch.jit.script(model)
+    # y.relu_() is aten::relu_, F.relu(h, inplace=True) a call of torch.nn.functional.relu.
+    for fn in (F.relu, torch.relu, torch.Tensor.relu_):
+        expected = [s.name for s in fxprobe.tap(model, ops=fn).sites]
+        assert [s.name for s in fxprobe.tap(scripted, ops=fn).sites] == expected == [
+            "relu_", "relu"]
+    assert [s.op for s in fxprobe.tap(scripted, ops=F.relu).sites] == [
+        "aten::relu_", "torch.nn.functional.relu"]
+
+
+def test_stats_keep_and_to_equal_the_fx_frontend() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    scripted = torch.jit.script(model)
+    ref = fxprobe.tap(model, ops=[nn.Conv2d, torch.add], reduce="stats")
+    ref(x)
+    tapped = fxprobe.tap(scripted, ops=[nn.Conv2d, torch.add], reduce="stats", keep=2,
+                         to="cpu")
+    tapped(x)
+    tapped(x + 1)
+    assert dict(tapped.history[0]) == dict(ref.taps)
+    assert isinstance(tapped.taps["conv1"], fxprobe.Stats)
+    assert tapped.taps["conv1"] != ref.taps["conv1"]  # the second forward
+
+
+def test_saved_tapped_module_returns_output_and_taps(tmp_path: Path) -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(torch.jit.script(model), ops=[nn.Conv2d, "layer*.add"])
+    out = tapped(x)
+    path = tapped.save(tmp_path / "tapped.pt")
+    loaded = torch.jit.load(str(path))
+    out2, values = loaded(x)
+    assert torch.equal(out2, out) and list(loaded.fxprobe_names) == list(tapped.taps)
+    for name, value in zip(loaded.fxprobe_names, values, strict=True):
+        assert torch.equal(value, tapped.taps[name])
+    again = fxprobe.tap(loaded)
+    again(x)
+    assert [s.name for s in again.sites] == [s.name for s in tapped.sites]
+    assert again.sites[0].module_type is nn.Conv2d
+    with pytest.raises(fxprobe.ConfigError, match="already tapped"):
+        fxprobe.tap(loaded, ops=nn.Conv2d)
+
+
+def test_the_users_script_module_is_not_modified() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    scripted = torch.jit.script(model)
+    before = (scripted.code, str(scripted.graph), scripted._c._method_names(),
+              [(n, p.data_ptr(), p.clone()) for n, p in scripted.named_parameters()],
+              [m.training for m in scripted.modules()], scripted(x))
+    tapped = fxprobe.tap(scripted, reduce="stats")
+    tapped(x)
+    after = (scripted.code, str(scripted.graph), scripted._c._method_names(),
+             [(n, p.data_ptr(), p.clone()) for n, p in scripted.named_parameters()],
+             [m.training for m in scripted.modules()], scripted(x))
+    assert before[:3] == after[:3] and before[4] == after[4]
+    assert all(a[:2] == b[:2] and torch.equal(a[2], b[2])
+               for a, b in zip(before[3], after[3], strict=True))
+    assert torch.equal(before[5], after[5])
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"fn": lambda s, v: None}, "fn="), ({"grad": True}, "grad="),
+    ({"capture": "input"}, "capture="), ({"reduce": "sample"}, "reduce="),
+    ({"reduce": torch.mean}, "reduce="), ({"tracer": "fx"}, "tracer="),
+    ({"copy": "sometimes"}, "copy="),
+])
+def test_modes_a_saved_graph_cannot_hold_are_refused(kwargs: dict[str, Any], word: str) -> None:
+    scripted = torch.jit.script(MLP().eval())
+    with pytest.raises(fxprobe.ConfigError, match=word):
+        fxprobe.tap(scripted, **kwargs)
+
+
+def test_python_only_functions_still_refuse_script_modules() -> None:
+    scripted = torch.jit.script(MLP().eval())
+    with pytest.raises(fxprobe.UnsupportedModelError, match="fxprobe.tap and fxprobe.sites"):
+        fxprobe.extractor(scripted)

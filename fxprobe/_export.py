@@ -32,7 +32,7 @@ from ._artifact import TappedArtifact
 from ._errors import ConfigError, UnsupportedModelError
 from ._ops import method_key, op_key
 from ._options import TapOptions
-from ._script import is_leaf_type, python_type
+from ._script import is_leaf_type, python_type, spelled
 from ._select import as_selectors, select
 from ._site import Site
 
@@ -50,11 +50,13 @@ def _stack(node: fx.Node) -> list[tuple[str, str, str]]:
     return out
 
 
-def _op(target: Any) -> tuple[str, str, str | None]:
-    """(name part, target text, op key) of a call_function target."""
+def _op(node: fx.Node) -> tuple[str, str, str | None]:
+    """(name part, target text, op key) of a call_function node."""
+    target = node.target
     if isinstance(target, torch._ops.OpOverload):
         short = target._opname
-        return method_key(short), str(target), method_key(short)
+        name = spelled(short, node.meta.get("stack_trace") or "", innermost_last=True)
+        return name, str(target), method_key(short)
     name = getattr(target, "__name__", None) or type(target).__name__
     return name.strip("_") or name, str(getattr(target, "__name__", target)), op_key(target)
 
@@ -107,7 +109,7 @@ class ExportGraph:
                 if any(is_leaf_type(t) for _, _, t in stack):
                     continue  # inside a torch.nn module: its call is the site
                 path = stack[-1][1] if stack else ""
-                short, target, okey = _op(n.target)
+                short, target, okey = _op(n)
                 site = Site(count(f"{path}.{short}" if path else short), "export",
                             "call_function", target, path, op_key=okey)
                 entries.append((position[n], 0, site, n))

@@ -97,22 +97,26 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
 
 
 def site_op_name(node: Node) -> str:
-    """The op part of a site name, as fx spells it from the source.
+    """The op part of a site name, as fx spells it from the source (see :func:`spelled`)."""
+    return spelled(node.kind().partition("::")[2], node.sourceRange(), innermost_last=False)
 
-    ``x.relu_()`` and ``out += y`` are both ``aten::*_`` in the IR; fx names the first
-    ``relu_`` and the second ``add``. The source line (from the node's source range, when the
-    file is at hand) tells them apart; without it the underscore goes.
+
+def spelled(op: str, frames: str, *, innermost_last: bool) -> str:
+    """``relu_`` for ``x.relu_()``, ``add`` for ``out += y``: both are one in-place op in IR.
+
+    fx names the first ``relu_`` and the second ``add``. The user's source line (the
+    innermost frame outside torch of ``frames``, when the file is at hand) tells them apart;
+    without it the underscore goes.
     """
-    op = node.kind().partition("::")[2]
     if not (op.endswith("_") and not op.startswith("_")):
-        return op_name(node.kind())
-    line = ""
-    for m in _FRAME.finditer(node.sourceRange()):
+        return method_key(op)
+    lines = []
+    for m in _FRAME.finditer(frames):
         path, number = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
         if not path.startswith(_TORCH_DIR):  # the user's line, not torch's own code
-            line = linecache.getline(path, int(number))
-            break
-    return op if re.search(rf"\.{re.escape(op)}\s*\(", line) else op_name(node.kind())
+            lines.append(linecache.getline(path, int(number)))
+    line = (lines[-1] if innermost_last else lines[0]) if lines else ""
+    return op if re.search(rf"\.{re.escape(op)}\s*\(", line) else method_key(op)
 
 
 class _Ctx(NamedTuple):

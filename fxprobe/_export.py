@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,7 +231,9 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
     specs = list(ep.graph_signature.output_specs) + [
         OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=t.name), None) for t in taps]
     signature = ExportGraphSignature(list(ep.graph_signature.input_specs), specs)
-    calls = copy.deepcopy(ep.module_call_graph)
+    with warnings.catch_warnings():  # torch's own TreeSpec pickling warns on deepcopy
+        warnings.simplefilter("ignore", FutureWarning)
+        calls = copy.deepcopy(ep.module_call_graph)
     old_spec = calls[0].signature.out_spec
     calls[0].signature.out_spec = pytree.treespec_tuple(
         [old_spec, pytree.tree_structure(tuple(range(len(taps))))])
@@ -246,7 +249,8 @@ def saved_taps(ep: Any) -> list[Site] | None:
     spec = ep.call_spec.out_spec
     if spec is None or spec.type is not tuple or spec.num_children != 2:
         return None
-    n = spec.children_specs[1].num_leaves
+    taps_spec = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
+    n = taps_spec.num_leaves
     out = next(node for node in ep.graph.nodes if node.op == "output")
     tail = list(out.args[0])[-n:] if n else []
     if not tail or any(not isinstance(t, fx.Node) or _TAG not in (t.meta.get("custom") or {})

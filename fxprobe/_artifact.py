@@ -85,6 +85,8 @@ class TappedArtifact:
         self._rec = Recording(detach=options.detach, both=False, keep=options.keep,
                               to=options.to, finalize=_resolve_stats if stats else None)
         self._removed = False
+        self.source: Any = None
+        """The artifact that was tapped, when fxprobe made this one from it (for drawing)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
@@ -208,7 +210,9 @@ def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> 
         sites = saved_sites(model)
         if model.fxprobe_reduce == "stats" and options.reduce != "stats":
             options = dataclasses.replace(options, reduce="stats")
-        return TappedScript(model, sites, options)
+        loaded = TappedScript(model, sites, options)
+        loaded.source = model.model  # the tapped module holds the original as `model`
+        return loaded
     _check_script(model)
     with quiet_jit():
         sg = ScriptGraph(model)
@@ -217,7 +221,9 @@ def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> 
     rewritten = rewrite(sg, [index[id(s)] for s in chosen], copy=options.copy,
                         stats=options.reduce == "stats")
     module = build_module(model, rewritten, sg.sites, "stats" if options.reduce else "")
-    return TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied)
+    tapped = TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied)
+    tapped.source = model
+    return tapped
 
 
 def _check_script(model: torch.jit.ScriptModule) -> None:

@@ -318,7 +318,9 @@ def tap_export(ep: Any, ops: Any, options: TapOptions) -> TappedExport:
     index = {id(s): i for i, s in enumerate(eg.sites)}
     program, names, copied = rewrite(eg, [index[id(s)] for s in chosen], options.copy)
     by_name = {s.name: s for s in eg.sites}
-    return TappedExport(program, [by_name[n] for n in names], options, copied)
+    tapped = TappedExport(program, [by_name[n] for n in names], options, copied)
+    tapped.source = ep
+    return tapped
 
 
 def _graph(ep: Any) -> ExportGraph:

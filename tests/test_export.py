@@ -146,3 +146,17 @@ def test_modes_a_saved_graph_cannot_hold_are_refused(kwargs: dict[str, Any], wor
     program = torch.export.export(MLP().eval(), (torch.randn(2, 12),))
     with pytest.raises(fxprobe.ConfigError, match=word):
         fxprobe.tap(program, **kwargs)
+
+
+def test_to_dot_and_cli_read_the_program(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    from fxprobe import _cli
+
+    model, (x,), _ = zoo.make("encoder")
+    program = torch.export.export(model, (x,))
+    dot = fxprobe.to_dot(program, x, ops=F.softmax).source
+    assert "attn.softmax" in dot and "aten.softmax.int" in dot and "cluster_attn" in dot
+    torch.export.save(program, tmp_path / "m.pt2")
+    assert _cli.main(["sites", str(tmp_path / "m.pt2"), "--ops", "op:softmax"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:2] == [
+        "attn.softmax", "aten.softmax.int"]

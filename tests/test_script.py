@@ -274,3 +274,28 @@ def test_python_only_functions_still_refuse_script_modules() -> None:
     scripted = torch.jit.script(MLP().eval())
     with pytest.raises(fxprobe.UnsupportedModelError, match="fxprobe.tap and fxprobe.sites"):
         fxprobe.extractor(scripted)
+
+
+def test_to_dot_and_cli_read_the_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    from fxprobe import _cli
+
+    model, (x,), _ = zoo.make("resnet")
+    scripted = torch.jit.script(model)
+    dot = fxprobe.to_dot(scripted, x, ops=nn.Conv2d).source
+    for name in ("conv1", "layer2.0.downsample.0", "flatten"):
+        assert f"\t{name} [label=" in dot or f'"{name}" [label=' in dot, name
+    assert '"layer1.0.conv1" -> "layer1.0.bn1"' in dot and "float32 [2, 8, 16, 16]" in dot
+    assert dot.count("#E69F00") == sum(1 for n in fxprobe.sites(model) if "conv" in n) + 1
+    tapped = fxprobe.tap(scripted, ops="layer1.0.*")
+    tapped(x)
+    assert "layer1.0.add" in fxprobe.to_dot(tapped).source
+
+    torch.jit.save(scripted, str(tmp_path / "m.pt"))
+    assert _cli.main(["sites", str(tmp_path / "m.pt"), "--ops", "module:BasicBlock"]) == 0
+    table = capsys.readouterr().out.partition("\n\n")[0]
+    rows = [line.split()[0] for line in table.splitlines()[2:]]
+    assert rows == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
+    assert _cli.main(["graph", str(tmp_path / "m.pt"), "-o", str(tmp_path / "m.dot")]) == 0
+    assert "layer2.1.relu_1" in (tmp_path / "m.dot").read_text()
+    assert _cli.main(["sites", str(tmp_path / "missing.pt")]) == 2

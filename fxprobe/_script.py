@@ -234,7 +234,8 @@ class ScriptGraph:
         if path is None or path not in self.modules:
             return  # an interface or an object fxprobe cannot see into: runs as written
         callee = self.modules[path]._c._get_method(method).graph
-        is_call = method == "forward" and path != ctx.path
+        # An overloaded forward (nn.LSTM) is compiled as forward__0, forward__1...
+        is_call = path != ctx.path and (method == "forward" or method.startswith("forward__"))
         site_name, inner, tname = None, ctx, None
         if is_call:
             tname = self._type_of(path)

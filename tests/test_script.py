@@ -299,3 +299,17 @@ def test_to_dot_and_cli_read_the_artifact(tmp_path: Path, capsys: pytest.Capture
     assert _cli.main(["graph", str(tmp_path / "m.pt"), "-o", str(tmp_path / "m.dot")]) == 0
     assert "layer2.1.relu_1" in (tmp_path / "m.dot").read_text()
     assert _cli.main(["sites", str(tmp_path / "missing.pt")]) == 2
+
+
+def test_overloaded_forward_of_a_leaf_module_is_one_site() -> None:
+    from reference import same
+
+    model, (ids,), _ = zoo.make("lstm")  # nn.LSTM scripts its forward as forward__0
+    scripted = torch.jit.script(model)
+    # fx's getitem sites unpack the LSTM's tuple; TorchScript unpacks with no op at all.
+    assert list(fxprobe.sites(scripted)) == [
+        n for n in fxprobe.sites(model) if not n.startswith("getitem")]
+    tapped = fxprobe.tap(scripted)
+    tapped(ids)
+    _, hooked = hook_values(model, ["embed", "lstm", "head"], ids)
+    assert all(same(tapped.taps[k], v) for k, v in hooked.items())

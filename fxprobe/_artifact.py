@@ -127,6 +127,18 @@ class TappedArtifact:
         """The selected sites, in the order of the taps tuple the artifact returns."""
         return self._sites
 
+    def summary(self, fmt: str = "text") -> Any:
+        """A :class:`fxprobe.Table` of the selected sites and what the last forward captured."""
+        from ._summary import summary
+
+        return summary(self, fmt)
+
+    def render(self, path: str | Path, **kw: Any) -> Path:
+        """Draw the artifact's sites, the tapped ones marked, to ``path`` (see ``to_dot``)."""
+        from ._viz import render
+
+        return render(self, path, **kw)  # type: ignore[arg-type]
+
     def remove(self) -> None:
         """Stop: later calls raise RemovedError; the last values stay readable."""
         self._removed = True
@@ -261,8 +273,17 @@ def tap_artifact(model: Any, ops: Any, **kwargs: Any) -> TappedArtifact:
                                 "ExportedProgram")
 
 
-def artifact_sites(model: Any) -> list[Site]:
-    """``fxprobe.sites`` for a ScriptModule or an ExportedProgram."""
+def artifact_sites(model: Any, **given: Any) -> list[Site]:
+    """``fxprobe.sites`` for a ScriptModule or an ExportedProgram.
+
+    ``given``: the tracing arguments of ``fxprobe.sites`` that were not left at their
+    defaults, refused (the graph is read as it is, in the mode it is in).
+    """
+    if given:
+        raise ConfigError(
+            f"{', '.join(f'{k}={v!r}' for k, v in given.items())} cannot be given for a "
+            "TorchScript module or an exported program: its graph is read as it is (switch a "
+            "ScriptModule's mode with .train()/.eval() before listing)")
     if artifact_kind(model) == "script":
         return script_sites(model)
     from ._export import export_sites

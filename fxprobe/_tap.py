@@ -377,7 +377,11 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
         ('x', 'conv1', 'bn1')
     """
     if artifact_kind(model) is not None:
-        return SiteNames(artifact_sites(model), ())
+        given = {k: v for k, v in (("train", train), ("tracer", tracer),
+                                   ("leaf_modules", list(leaf_modules)),
+                                   ("autowrap_functions", list(autowrap_functions)))
+                 if v not in (False, "auto", [])}  # anything but the defaults
+        return SiteNames(artifact_sites(model, **given), ())
     model = check_model(model, "fxprobe.sites")
     check_choice("tracer", tracer, TracerKind)
     check_flag("train", train)

@@ -258,6 +258,20 @@ def test_the_users_script_module_is_not_modified() -> None:
     assert torch.equal(before[5], after[5])
 
 
+def test_summary_and_sites_arguments() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    scripted = torch.jit.script(model)
+    tapped = fxprobe.tap(scripted, ops=["conv1", "flatten"])
+    tapped(x)
+    lines = str(tapped.summary()).splitlines()
+    assert [line.split()[:2] for line in lines[2:4]] == [["conv1", "Conv2d"],
+                                                          ["flatten", "aten::flatten"]]
+    assert "[2, 16]" in lines[3]
+    assert str(fxprobe.summary(scripted)) == str(fxprobe.summary(fxprobe.sites(scripted)))
+    with pytest.raises(fxprobe.ConfigError, match="train=True"):
+        fxprobe.sites(scripted, train=True)
+
+
 @pytest.mark.parametrize("kwargs, word", [
     ({"fn": lambda s, v: None}, "fn="), ({"grad": True}, "grad="),
     ({"capture": "input"}, "capture="), ({"reduce": "sample"}, "reduce="),

@@ -594,8 +594,11 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
     by_name = {s.name: s for s in sites}
     rows = [[s.name, s.kind, str(s.target), s.module_path, s.type_name or "", str(int(s.inlined))]
             for s in (by_name[name] for name in rewritten.names)]
+    # A fresh Python wrapper of the same C++ module (shared state): a frozen module's own
+    # wrapper lacks the concrete type that scripting a module around it needs.
+    inner = torch.jit._recursive.wrap_cpp_module(module._c)
     with quiet_jit():
-        return torch.jit.script(cls(module, list(rewritten.names), rows, reduce))
+        return torch.jit.script(cls(inner, list(rewritten.names), rows, reduce))
 
 
 def saved_sites(module: torch.jit.ScriptModule) -> list[Site]:

@@ -109,6 +109,16 @@ def test_jit_load_round_trip(tmp_path: Path) -> None:
     _same_as_fx(model, loaded, x)
 
 
+def test_frozen_module_is_tapped_at_op_level() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    frozen = torch.jit.freeze(torch.jit.script(model))  # submodules inlined, weights folded
+    assert list(fxprobe.sites(frozen))[:4] == ["x", "conv2d", "relu", "max_pool2d"]
+    tapped = fxprobe.tap(frozen, ops=["relu", "flatten"])
+    assert torch.equal(tapped(x), frozen(x))
+    assert torch.equal(tapped.taps["flatten"], torch.flatten(model.avgpool(
+        model.layer2(model.layer1(model.maxpool(model.relu(model.bn1(model.conv1(x))))))), 1))
+
+
 def test_control_flow_both_branches_against_eager() -> None:
     torch.manual_seed(0)
     model = Branchy().eval()

@@ -159,7 +159,7 @@ def _detach(v: Any) -> Any:
 
 def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
     """``(vector, shape, dtype code)`` triples -> :class:`Stats`, fetched in one transfer."""
-    from ._script import dtype_of_code
+    from ._script_build import dtype_of_code
     from ._stats import StatsBatch
 
     keys = [k for k, v in values.items() if isinstance(v, tuple) and len(v) == 3
@@ -212,7 +212,8 @@ class TappedScript(TappedArtifact):
 
 
 def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> TappedScript:
-    from ._script import ScriptGraph, build_module, is_tapped, quiet_jit, rewrite, saved_sites
+    from ._script import ScriptGraph, quiet_jit
+    from ._script_build import build_module, is_tapped, rewrite, saved_sites
 
     if is_tapped(model):  # fxprobe built it (maybe saved and loaded): read what it returns
         if ops is not None:
@@ -250,7 +251,8 @@ def _check_script(model: torch.jit.ScriptModule) -> None:
 
 
 def script_sites(model: torch.jit.ScriptModule) -> list[Site]:
-    from ._script import ScriptGraph, is_tapped, quiet_jit, saved_sites
+    from ._script import ScriptGraph, quiet_jit
+    from ._script_build import is_tapped, saved_sites
 
     if is_tapped(model):
         return saved_sites(model)

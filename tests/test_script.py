@@ -284,6 +284,26 @@ def test_summary_and_sites_arguments() -> None:
         fxprobe.sites(scripted, train=True)
 
 
+def _keep_none(module: nn.Module, args: tuple[torch.Tensor], out: torch.Tensor) -> None:
+    return None
+
+
+def test_scripted_forward_hooks_are_refused_and_branches_reduce() -> None:
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    x = torch.rand(2, 4) + 1.0
+    with torch.no_grad():
+        model.fc.weight.copy_(torch.eye(4))
+        model.fc.bias.zero_()
+    stats = fxprobe.tap(torch.jit.script(model), ops=["relu", "tanh"], reduce="stats")
+    stats(x)
+    assert list(stats.taps) == ["relu"]  # statistics computed inside the branch taken
+    assert stats.taps["relu"] == fxprobe.StatsBatch.from_tensors({"r": x.relu()})["r"]
+    model.fc.register_forward_hook(_keep_none)
+    with pytest.raises(fxprobe.UnsupportedModelError, match="forward hooks"):
+        fxprobe.tap(torch.jit.script(model))
+
+
 @pytest.mark.parametrize("kwargs, word", [
     ({"fn": lambda s, v: None}, "fn="), ({"grad": True}, "grad="),
     ({"capture": "input"}, "capture="), ({"reduce": "sample"}, "reduce="),

@@ -31,7 +31,12 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        env[node] = new.node_copy(node, lambda n: env[n])
+        copied = env[node] = new.node_copy(node, lambda n: env[n])
+        calls = node.meta.get(CALL_ARGS)
+        if calls:  # the nodes it names are the copy's, not the original's
+            copied.meta[CALL_ARGS] = {
+                name: (tuple(env[a] if isinstance(a, fx.Node) else a for a in args), env[first])
+                for name, (args, first) in calls.items()}
     return new
 
 

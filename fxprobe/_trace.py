@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from ._errors import TracedStateError, TraceError
 from ._mirror import guard_state, has_patched_forward
-from ._ops import method_key, op_key
+from ._ops import method_key, module_key, op_key
 from ._options import TracerKind
 from ._site import CALL_ARGS, Site, attach, sites_of
 
@@ -162,7 +162,7 @@ class SiteTracer(fx.Tracer):
         if node.op == "call_module":
             target = self.absolute(str(node.target))
             mtype = type(self.root.get_submodule(str(node.target)))
-            return Site(name, "fx", node.op, target, target, mtype, None)
+            return Site(name, "fx", node.op, target, target, mtype, module_key(mtype))
         if node.op == "call_function":
             return Site(name, "fx", node.op, node.target, module_path, None, op_key(node.target))
         if node.op == "call_method":
@@ -351,7 +351,7 @@ def _trace_error(module: nn.Module, path: str, rel: str, e: BaseException) -> Tr
 
 
 def hook_site(module: nn.Module, path: str) -> Site:
-    return Site(path, "hook", "call_module", path, path, type(module), None)
+    return Site(path, "hook", "call_module", path, path, type(module), module_key(type(module)))
 
 
 def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (),

@@ -155,11 +155,18 @@ def render(obj: nn.Module, path: str | Path, **kwargs: Any) -> Path:
             f"cannot tell the format of {str(path)!r} from its suffix; end the file name in "
             + ", ".join("." + s for s in SUFFIXES)
         )
+    if not path.parent.is_dir():
+        raise RenderError(
+            f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; "
+            "create it first or pass a path in an existing folder"
+        )
     dot = to_dot(obj, **kwargs)
-    if suffix in ("dot", "gv"):
-        path.write_text(dot.source, encoding="utf-8")
-        return path
-    path.write_bytes(pipe(dot, suffix, str(path)))
+    data = (dot.source.encode("utf-8") if suffix in ("dot", "gv")
+            else pipe(dot, suffix, str(path)))
+    try:
+        path.write_bytes(data)
+    except OSError as e:
+        raise RenderError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
     return path
 
 

@@ -46,6 +46,18 @@ class Fallback:
     location: str
     """``file:line: code`` of the source line where tracing failed, if known."""
 
+    @property
+    def where(self) -> str:
+        """The module's path, or "the top-level module"."""
+        return self.path or "the top-level module"
+
+    @property
+    def what(self) -> str:
+        """``module 'gate' (Gate)``, or ``the top-level forward of Net``."""
+        if self.path:
+            return f"module {self.path!r} ({self.module_type.__name__})"
+        return f"the top-level forward of {self.module_type.__name__}"
+
     def __str__(self) -> str:
         where = self.path or f"<top-level {self.module_type.__name__}>"
         loc = f" at {self.location}" if self.location else ""
@@ -337,14 +349,11 @@ def _path_in(tracer: SiteTracer, module: nn.Module) -> str | None:
 
 
 def _trace_error(module: nn.Module, path: str, rel: str, e: BaseException) -> TraceError:
-    failed = _join(path, rel)
     sub = module.get_submodule(rel) if rel else module
-    what = f"module {failed!r} ({type(sub).__name__})" if failed else (
-        f"the top-level forward of {type(module).__name__}")
-    loc = failure_location(e, sub)
+    f = Fallback(_join(path, rel), type(sub), one_line(e), failure_location(e, sub))
     return TraceError(
-        f"torch.fx could not trace {what}: {one_line(e)}"
-        + (f"\n  at {loc}" if loc else "")
+        f"torch.fx could not trace {f.what}: {f.error}"
+        + (f"\n  at {f.location}" if f.location else "")
         + "\nUse tracer='auto' to tap the rest at op level and reach this module by hooks, "
         "or pass leaf_modules=[...] naming it (type or path) to keep it opaque."
     )

@@ -26,7 +26,7 @@ from ._select import as_selectors, select
 from ._shapes import propagate
 from ._site import Site, node_site
 from ._summary import ValueInfo, describe_value
-from ._trace import Plan, Region, plan
+from ._trace import Fallback, Plan, Region, plan
 
 if TYPE_CHECKING:
     import graphviz
@@ -593,9 +593,8 @@ def _group_info(it: _Item, infos: Mapping[str, ValueInfo]) -> ValueInfo | None:
     return known[-1] if known else None
 
 
-def _fallback_tip(f: Any) -> list[str]:
-    where = f.path or "the top-level module"
-    tip = [f"{where} ({f.module_type.__name__}) runs as written: torch.fx could not trace it",
+def _fallback_tip(f: Fallback) -> list[str]:
+    tip = [f"{f.where} ({f.module_type.__name__}) runs as written: torch.fx could not trace it",
            f.error]
     if f.location:
         tip.append(f"at {f.location}")

@@ -140,10 +140,10 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         if not chosen:
             continue  # nothing selected here: the module runs its own forward
         graph = copy_graph(region.graph)
-        order, copied = insert_taps(graph, region.module.get_submodule, chosen,
-                                    capture=options.capture, copy=options.copy,
-                                    pipeline=pipeline)
-        compiled[path] = compile_region(path, region.module, graph, order, copied)
+        order, copied, outplaced = insert_taps(
+            graph, region.module.get_submodule, chosen, capture=options.capture,
+            copy=options.copy, pipeline=pipeline)
+        compiled[path] = compile_region(path, region.module, graph, order, copied, outplaced)
     hooks = [HookSpec(s.name, s.name, None) for s in selected if s.how == "hook"]
     guarded: dict[str, tuple[str, ...]] = {}
     for path, region in p.regions.items():

@@ -200,8 +200,14 @@ class TappedModule(nn.Module):
 
     @property
     def copied(self) -> frozenset[str]:
-        """The sites whose value is copied before a later in-place op overwrites it."""
+        """The traced sites whose value is copied before a later in-place op overwrites it."""
         return frozenset(n for c in self._program().compiled.values() for n in c.copied)
+
+    @property
+    def outplaced(self) -> frozenset[str]:
+        """The traced sites kept safe by running the one in-place op that would overwrite
+        their value out of place (``ReLU(inplace=True)`` as ``relu``), instead of a copy."""
+        return frozenset(n for c in self._program().compiled.values() for n in c.outplaced)
 
     def _fxprobe_view(self) -> View:
         prog = self._program()

@@ -94,3 +94,31 @@ def test_functional_inplace_on_input_placeholder() -> None:
     tapped = fxprobe.tap(M(), ops="x")
     tapped(x)
     assert torch.equal(tapped.taps["x"], ref)
+
+
+class _ReadsAfterWrite(torch.nn.Module):
+    """Reads a value again after an in-place op wrote it: eager sees the written value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lin(x)
+        b = self.act(a)
+        return a + b  # a is relu(a) by now
+
+
+def test_an_inplace_op_whose_aliasing_is_seen_is_not_run_out_of_place() -> None:
+    torch.manual_seed(0)
+    model = _ReadsAfterWrite()
+    x = torch.randn(3, 4)
+    tapped = fxprobe.tap(model, ops="lin")
+    with torch.no_grad():
+        out = tapped(x)
+        lin = model.lin(x)
+        expected = model(x)
+    assert torch.equal(out, expected) and torch.equal(expected, 2 * torch.relu(lin))
+    assert torch.equal(tapped.taps["lin"], lin) and (lin < 0).any()
+    assert tapped.copied == {"lin"} and tapped.outplaced == frozenset()

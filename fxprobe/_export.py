@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ._artifact import TappedArtifact
 from ._errors import ConfigError, UnsupportedModelError
-from ._ops import method_key, op_key
+from ._ops import method_key, module_key, op_key
 from ._options import TapOptions
 from ._script import is_leaf_type, python_type, spelled
 from ._select import as_selectors, select
@@ -98,8 +98,9 @@ class ExportGraph:
             if len(outs) != 1 or not _is_tensor(outs[0]):
                 continue  # no single value comes out (a tuple, or nothing): not a site
             path, tname, depth = info[key]
-            site = Site(call_names[key], "export", "call_module", path, path,
-                        python_type(tname), inlined=not is_leaf_type(tname), type_name=tname)
+            ptype = python_type(tname)
+            site = Site(call_names[key], "export", "call_module", path, path, ptype,
+                        module_key(ptype), inlined=not is_leaf_type(tname), type_name=tname)
             entries.append((position[outs[0]], 1000 - depth, site, outs[0]))
         for n in nodes:
             if n.op == "placeholder" and n.name in user_inputs:
@@ -262,10 +263,11 @@ def saved_taps(ep: Any) -> list[Site] | None:
         k = seen.get(t, 0)
         seen[t] = k + 1
         name, kind, target, path, tname, inlined = t.meta["custom"][_TAG][k]
-        key = method_key(target.split(".")[1]) if target.startswith("aten.") else None
-        sites.append(Site(name, "export", kind, target, path,
-                          python_type(tname) if tname else None, key, inlined=inlined == "1",
-                          type_name=tname or None))
+        ptype = python_type(tname) if tname else None
+        key = method_key(target.split(".")[1]) if target.startswith("aten.") else (
+            module_key(ptype))
+        sites.append(Site(name, "export", kind, target, path, ptype, key,
+                          inlined=inlined == "1", type_name=tname or None))
     return sites
 
 

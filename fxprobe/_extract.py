@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_map
 
 from ._errors import ConfigError, TraceError, UnsupportedModelError
 from ._inplace import Hazards
@@ -31,6 +30,7 @@ from ._ops import (
     inplace_name,
     is_torch_callable,
 )
+from ._pipeline import clone_tree
 from ._program import check_model
 from ._rewrite import copy_graph
 from ._select import as_selectors, select
@@ -112,7 +112,7 @@ def copy_tree(value: Any) -> Any:
     if isinstance(value, fx.Proxy):
         # Unpickling a GraphModule traces its code again: stay one node instead of vanishing.
         return value.tracer.create_proxy("call_function", copy_tree, (value,), {})
-    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
+    return clone_tree(value)
 
 
 def build_graph(region: Region, selected: set[str]) -> fx.Graph:
@@ -227,9 +227,8 @@ def _resolve_placeholder_types(graph: fx.Graph, module: nn.Module) -> None:
 def _untraceable(model_name: str, fallbacks: Sequence[Fallback]) -> TraceError:
     lines = []
     for f in fallbacks:
-        what = (f"module {f.path!r} ({f.module_type.__name__})" if f.path
-                else f"the top-level forward of {f.module_type.__name__}")
-        lines.append(f"  - {what}: {f.error}" + (f"\n      at {f.location}" if f.location else ""))
+        at = f"\n      at {f.location}" if f.location else ""
+        lines.append(f"  - {f.what}: {f.error}{at}")
     paths = [f.path for f in fallbacks if f.path]
     hints = []
     if paths:

@@ -26,6 +26,10 @@ from ._ops import (
     is_torch_callable,
 )
 
+OUT_OF_PLACE = "_fxprobe_out_of_place"
+"""Attribute set on the functions the rewrite puts in place of in-place ops: they write no
+argument (their result may still alias the first)."""
+
 
 class _Groups:
     """Union-find over nodes that may share storage."""
@@ -106,6 +110,8 @@ def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
         extra = [out] if isinstance(out, fx.Node) else []
         if fn in INPLACE_OPERATORS:
             return _first_arg(node), _first_arg(node) + extra
+        if getattr(fn, OUT_OF_PLACE, False):  # fxprobe's rewrite of an in-place op
+            return _first_arg(node), extra
         if fn in PURE_OPERATORS:
             return (_first_arg(node) if fn is operator.getitem else []), extra
         if getattr(builtins, getattr(fn, "__name__", ""), None) is fn:
@@ -128,14 +134,41 @@ class Hazards:
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.groups = _Groups()
         self.writes: dict[fx.Node, list[int]] = {}
-        pending: list[tuple[int, fx.Node]] = []
+        self.writers: dict[fx.Node, list[fx.Node]] = {}
+        pending: list[tuple[fx.Node, fx.Node]] = []
         for n in graph.nodes:
             aliases, writes = _effects(n, modules)
             for a in aliases:
                 self.groups.union(n, a)
-            pending.extend((self.order[n], w) for w in writes)
-        for pos, w in pending:
-            self.writes.setdefault(self.groups.find(w), []).append(pos)
+            pending.extend((n, w) for w in writes)
+        for writer, w in pending:
+            root = self.groups.find(w)
+            self.writes.setdefault(root, []).append(self.order[writer])
+            self.writers.setdefault(root, []).append(writer)
+
+    def members(self, node: fx.Node) -> list[fx.Node]:
+        """Every node whose value may share storage with ``node``'s."""
+        root = self.groups.find(node)
+        return [n for n in self.order if self.groups.find(n) is root]
+
+    def sole_writer(self, node: fx.Node) -> fx.Node | None:
+        """The in-place op that overwrites ``node``'s value, when it is the only thing that sees
+        the aliasing: it writes ``node`` itself, no other op writes the group, every other
+        member of the group is made from its result, and every other reader of ``node`` runs
+        before it. Running that op out of place then changes no value but the captured one."""
+        root = self.groups.find(node)
+        writers = self.writers.get(root, [])
+        if len(writers) != 1:
+            return None
+        (w,) = writers
+        pos = self.order[w]
+        if not (w.args and w.args[0] is node and pos > self.order[node]):
+            return None
+        if any(self.order[m] < pos for m in self.members(node) if m is not node):
+            return None
+        if any(self.order[u] > pos for u in node.users if u is not w):
+            return None
+        return w
 
     def written_after(self, node: fx.Node, pos: int, *, inclusive: bool = False) -> bool:
         """Whether storage that ``node``'s value may share is written at or after ``pos``."""

@@ -186,3 +186,37 @@ INPLACE_DUNDERS = frozenset({
     "__setitem__",
 })
 """Tensor dunder methods that write their first operand in place."""
+
+
+# Stateless torch.nn modules and the functional op each one calls: ``F.relu`` selects calls of
+# ``nn.ReLU`` modules too.
+MODULE_OPS: dict[type[nn.Module], str] = {
+    nn.ReLU: "relu", nn.ReLU6: "relu6", nn.LeakyReLU: "leaky_relu", nn.ELU: "elu",
+    nn.SELU: "selu", nn.CELU: "celu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Mish: "mish",
+    nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Hardswish: "hardswish",
+    nn.Hardsigmoid: "hardsigmoid", nn.Hardtanh: "hardtanh", nn.Softplus: "softplus",
+    nn.Softsign: "softsign", nn.Softmax: "softmax", nn.LogSoftmax: "log_softmax",
+    nn.Softmin: "softmin", nn.GLU: "glu", nn.LogSigmoid: "logsigmoid",
+    nn.Threshold: "threshold", nn.Tanhshrink: "tanhshrink", nn.Softshrink: "softshrink",
+    nn.Hardshrink: "hardshrink", nn.Flatten: "flatten", nn.Unflatten: "unflatten",
+    nn.Dropout: "dropout", nn.Dropout1d: "dropout1d", nn.Dropout2d: "dropout2d",
+    nn.Dropout3d: "dropout3d", nn.AlphaDropout: "alpha_dropout",
+    nn.AvgPool1d: "avg_pool1d", nn.AvgPool2d: "avg_pool2d", nn.AvgPool3d: "avg_pool3d",
+    nn.MaxPool1d: "max_pool1d", nn.MaxPool2d: "max_pool2d", nn.MaxPool3d: "max_pool3d",
+    nn.AdaptiveAvgPool1d: "adaptive_avg_pool1d", nn.AdaptiveAvgPool2d: "adaptive_avg_pool2d",
+    nn.AdaptiveAvgPool3d: "adaptive_avg_pool3d", nn.AdaptiveMaxPool1d: "adaptive_max_pool1d",
+    nn.AdaptiveMaxPool2d: "adaptive_max_pool2d", nn.AdaptiveMaxPool3d: "adaptive_max_pool3d",
+    nn.Upsample: "interpolate", nn.PixelShuffle: "pixel_shuffle",
+    nn.PixelUnshuffle: "pixel_unshuffle", nn.Identity: "identity",
+}
+
+
+def module_key(module_type: type | None) -> str | None:
+    """The op key of a stateless ``torch.nn`` module type (a subclass keeps its base's)."""
+    if module_type is None:
+        return None
+    for cls in module_type.__mro__:
+        key = MODULE_OPS.get(cls)
+        if key is not None:
+            return key
+    return None

@@ -50,6 +50,9 @@ class Program:
     compiled: dict[str, Compiled]
     hooks: tuple[HookSpec, ...]
     order: dict[str, int]
+    guarded: dict[str, tuple[str, ...]]
+    """Per region below untraced code: its sites that are hooked too (see ``HookSpec``). The
+    region's capture counts as their first call, so a direct call after it is ``name_1``."""
 
     @property
     def hook_names(self) -> frozenset[str]:
@@ -85,9 +88,10 @@ def check_model(model: Any, what: str = "fxprobe.tap") -> nn.Module:
     optimized = getattr(getattr(compiled, "eval_frame", None), "OptimizedModule", None)
     if optimized is not None and isinstance(model, optimized):
         warnings.warn(
-            f"{what} was given a torch.compile'd module: it taps the module it compiles "
-            "(its _orig_mod), with the same site names, and runs eagerly. To compile the "
-            "taps too, compile the tapped module: torch.compile(fxprobe.tap(model, ...)).",
+            f"{what} was given a torch.compile'd module: it uses the module it compiles (its "
+            "_orig_mod), whose site names are the same; a tapped module runs eagerly. To "
+            "compile the taps too, compile the tapped module: "
+            "torch.compile(fxprobe.tap(model, ...)).",
             stacklevel=3,
         )
         model = model._orig_mod
@@ -136,19 +140,21 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         if not chosen:
             continue  # nothing selected here: the module runs its own forward
         graph = copy_graph(region.graph)
-        order, copied = insert_taps(graph, region.module.get_submodule, chosen,
-                                    capture=options.capture, copy=options.copy,
-                                    pipeline=pipeline)
-        compiled[path] = compile_region(path, region.module, graph, order, copied)
+        order, copied, outplaced = insert_taps(
+            graph, region.module.get_submodule, chosen, capture=options.capture,
+            copy=options.copy, pipeline=pipeline)
+        compiled[path] = compile_region(path, region.module, graph, order, copied, outplaced)
     hooks = [HookSpec(s.name, s.name, None) for s in selected if s.how == "hook"]
+    guarded: dict[str, tuple[str, ...]] = {}
     for path, region in p.regions.items():
         if not path:
             continue  # the root region runs whenever the tapped module does
-        for _, s in region.sites():
-            if s.name in names and s.kind == "call_module":
-                hooks.append(HookSpec(s.name, str(s.target), path))
+        calls = [s for _, s in region.sites() if s.name in names and s.kind == "call_module"]
+        hooks.extend(HookSpec(s.name, str(s.target), path) for s in calls)
+        if calls:
+            guarded[path] = tuple(s.name for s in calls)
     return Program(training, p, tuple(selected), compiled, tuple(hooks),
-                   {s.name: i for i, s in enumerate(selected)})
+                   {s.name: i for i, s in enumerate(selected)}, guarded)
 
 
 @dataclass(frozen=True)

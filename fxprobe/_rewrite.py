@@ -8,17 +8,21 @@ submodules through plain instance attributes, never ``nn.Module.__getattr__``.
 
 from __future__ import annotations
 
+import copy as _copy
+import inspect
 import itertools
 import linecache
 import operator
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
-from ._inplace import Hazards
+from ._inplace import OUT_OF_PLACE, Hazards
 from ._options import Capture, CopyPolicy
 from ._pipeline import Pipeline, clone_tree
 from ._site import CALL_ARGS, Site, sites_of
@@ -31,7 +35,12 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        env[node] = new.node_copy(node, lambda n: env[n])
+        copied = env[node] = new.node_copy(node, lambda n: env[n])
+        calls = node.meta.get(CALL_ARGS)
+        if calls:  # the nodes it names are the copy's, not the original's
+            copied.meta[CALL_ARGS] = {
+                name: (tuple(env[a] if isinstance(a, fx.Node) else a for a in args), env[first])
+                for name, (args, first) in calls.items()}
     return new
 
 
@@ -43,13 +52,83 @@ class Compiled:
     graph: fx.Graph
     names: tuple[str, ...]
     copied: frozenset[str]
+    outplaced: frozenset[str]
     fn: Callable[..., Any]
     holder: nn.Module
 
 
+def _method_out_of_place(x: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``x.<name>(...)`` out of place, in ``x``'s dtype as the in-place ``<name>_`` keeps it."""
+    out = getattr(x, name)(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out
+
+
+setattr(_method_out_of_place, OUT_OF_PLACE, True)
+
+
+def _module_out_of_place(module: nn.Module) -> Callable[..., Any]:
+    twin = _copy.copy(module)  # shares the module's tensors and hook tables
+    object.__setattr__(twin, "inplace", False)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return twin(*args, **kwargs)
+
+    call.__name__ = f"{type(module).__name__.lower()}_out_of_place"
+    call.__qualname__ = call.__name__
+    setattr(call, OUT_OF_PLACE, True)
+    return call
+
+
+def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
+    """Rewrite the in-place op ``op`` into its out-of-place twin; False when it has none.
+
+    ``ReLU(inplace=True)`` calls a copy of the module with ``inplace=False``;
+    ``F.relu(x, inplace=True)`` gets ``inplace=False``; ``torch.relu_(x)`` becomes
+    ``torch.relu(x)``; ``x.add_(y)`` becomes ``x.add(y)`` cast back to ``x``'s dtype.
+    """
+    if op.op == "call_module":
+        m = modules(str(op.target))
+        if getattr(m, "inplace", None) is True and type(m).__module__.startswith(
+                ("torch.nn", "torch.ao.nn")):
+            op.op, op.target = "call_function", _module_out_of_place(m)
+            return True
+        return False
+    if op.op == "call_method":
+        name = str(op.target)
+        if name.endswith("_") and not name.startswith("_") and hasattr(torch.Tensor, name[:-1]):
+            op.op, op.target = "call_function", _method_out_of_place
+            op.args = (op.args[0], name[:-1], *op.args[1:])
+            return True
+        return False
+    if op.op != "call_function" or not callable(op.target):
+        return False
+    fn = op.target
+    if op.kwargs.get("inplace") is True:
+        op.kwargs = {**op.kwargs, "inplace": False}
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if "inplace" in params and params.index("inplace") < len(op.args):
+        i = params.index("inplace")
+        if op.args[i] is True:
+            op.args = (*op.args[:i], False, *op.args[i + 1:])
+            return True
+    name = getattr(fn, "__name__", "")
+    home = sys.modules.get(getattr(fn, "__module__", None) or "")
+    twin = getattr(home, name[:-1], None) if name.endswith("_") and home else None
+    if twin is not None and callable(twin) and not name.startswith("_"):
+        op.target = twin
+        return True
+    return False
+
+
 def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: set[str], *,
                 capture: Capture, copy: CopyPolicy, pipeline: Pipeline
-                ) -> tuple[tuple[str, ...], frozenset[str]]:
+                ) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
     """Make ``graph`` (a copy) return ``(model output, (kept values...))``, in place.
 
     For each selected site on a node, the value goes straight into the returned tuple when the
@@ -69,11 +148,28 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
         copy: when to copy a value before a later in-place op can overwrite it.
         pipeline: the tapped module's pipeline.
 
+    With ``copy="auto"``, a captured value that a single in-place op would overwrite, where
+    nothing else sees the aliasing, is kept safe by running that op out of place
+    (:func:`run_out_of_place`) instead of copying the value first.
+
     Returns:
-        The captured site names in tuple order, and the names whose value is copied.
+        The captured site names in tuple order, the names whose value is copied, and the names
+        made safe by running their overwriting op out of place.
     """
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     hazards = Hazards(graph, modules) if copy == "auto" else None
+    outplaced: set[str] = set()
+    if hazards is not None and capture == "output" and pipeline.reduce is None:
+        # Where one in-place op is all that would overwrite a captured value, run it out of
+        # place: the same values, and no copy kernel.
+        for node in list(graph.nodes):
+            chosen = [s.name for s in sites_of(node) if s.name in selected]
+            if chosen and hazards.output_at_risk(node):
+                writer = hazards.sole_writer(node)
+                if writer is not None and run_out_of_place(writer, modules):
+                    outplaced.update(chosen)
+        if outplaced:
+            hazards = Hazards(graph, modules)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     names: list[str] = []
     values: list[Any] = []
@@ -126,7 +222,7 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
             values.append(value)
     out_node.args = ((out_node.args[0], tuple(values)),)
     graph.lint()
-    return tuple(names), frozenset(copied)
+    return tuple(names), frozenset(copied), frozenset(outplaced)
 
 
 def _call_args(node: fx.Node, site: Site) -> tuple[tuple[Any, ...], fx.Node]:
@@ -149,7 +245,7 @@ def _needs_copy(policy: CopyPolicy, hazards: Hazards | None, value: fx.Node,
 
 
 def compile_region(path: str, holder: nn.Module, graph: fx.Graph, names: tuple[str, ...],
-                   copied: frozenset[str]) -> Compiled:
+                   copied: frozenset[str], outplaced: frozenset[str] = frozenset()) -> Compiled:
     """Turn an instrumented graph into a plain function of ``(holder, *args, **kwargs)``.
 
     Submodule calls become calls of globals of the generated function: on a class that defines
@@ -181,4 +277,4 @@ def compile_region(path: str, holder: nn.Module, graph: fx.Graph, names: tuple[s
     scope: dict[str, Any] = dict(code.globals)
     scope.update(modules)
     exec(compile(src, filename, "exec"), scope)
-    return Compiled(path, graph, names, copied, scope["forward"], holder)
+    return Compiled(path, graph, names, copied, outplaced, scope["forward"], holder)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._ops import method_key
+from ._ops import method_key, module_key
 from ._site import Site
 
 # torch._C's stubs lag its bindings (insertConstant, alias_db, ...): IR objects are typed loosely.
@@ -233,9 +233,9 @@ class ScriptGraph:
                 site_name = self._count(path)
         outs = self._inline(node, callee, inner, 0)
         if site_name is not None and len(outs) == 1:
-            self._add(Site(site_name, "script", "call_module", path, path,
-                           python_type(tname or ""), inlined=not inner.leaf,
-                           type_name=tname), outs[0])
+            ptype = python_type(tname or "")
+            self._add(Site(site_name, "script", "call_module", path, path, ptype,
+                           module_key(ptype), inlined=not inner.leaf, type_name=tname), outs[0])
 
     def _inline(self, call: Node, callee: Graph, ctx: _Ctx,
                 skip: int) -> list[Value]:

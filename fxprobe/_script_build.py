@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ._errors import UnsupportedModelError
-from ._ops import method_key
+from ._ops import method_key, module_key
 from ._script import Graph, Node, ScriptGraph, Value, op_name, python_type, quiet_jit
 from ._site import Site
 
@@ -358,10 +358,12 @@ def saved_sites(module: torch.jit.ScriptModule) -> list[Site]:
     """The sites a tapped ScriptModule (made by fxprobe, maybe saved and loaded) records."""
     sites = []
     for name, kind, target, path, tname, inlined in module.fxprobe_sites:
+        ptype = python_type(tname) if tname else None
         key = op_name(target) if "::" in target else (
-            method_key(target.rpartition(".")[2]) if kind == "call_function" else None)
-        sites.append(Site(name, "script", kind, target, path, python_type(tname) if tname
-                          else None, key, inlined=inlined == "1", type_name=tname or None))
+            method_key(target.rpartition(".")[2]) if kind == "call_function"
+            else module_key(ptype))
+        sites.append(Site(name, "script", kind, target, path, ptype, key,
+                          inlined=inlined == "1", type_name=tname or None))
     return sites
 
 

@@ -288,9 +288,8 @@ def sites_table(sites: Sequence[Site], fallbacks: Iterable[Any], fmt: str = "tex
 def _fallback_notes(fallbacks: Iterable[Any]) -> list[str]:
     notes = []
     for f in fallbacks:
-        where = f.path or "the top-level module"
         loc = f" at {f.location}" if f.location else ""
-        notes.append(f"runs as written (hook fallback): {where} ({f.module_type.__name__}): "
+        notes.append(f"runs as written (hook fallback): {f.where} ({f.module_type.__name__}): "
                      f"{f.error}{loc}")
     return notes
 

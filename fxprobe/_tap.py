@@ -121,15 +121,20 @@ class TappedModule(nn.Module):
         def forward(*args: Any, **kwargs: Any) -> Any:
             prog = programs.get(module.training)
             comp = prog.compiled.get(path) if prog is not None else None
-            if comp is None:
+            if prog is None or comp is None:
                 return own(*args, **kwargs)
-            running = rec.state.running
+            state = rec.state
+            running = state.running
             running[path] = running.get(path, 0) + 1
             try:
                 result = comp.fn(comp.holder, *args, **kwargs)
             finally:
                 running[path] -= 1
             store(comp.names, result[1])
+            if state.active:
+                calls = state.frame.hook_calls
+                for name in prog.guarded.get(path, ()):
+                    calls[name] = calls.get(name, 0) + 1
             return result[0]
 
         return forward
@@ -200,8 +205,14 @@ class TappedModule(nn.Module):
 
     @property
     def copied(self) -> frozenset[str]:
-        """The sites whose value is copied before a later in-place op overwrites it."""
+        """The traced sites whose value is copied before a later in-place op overwrites it."""
         return frozenset(n for c in self._program().compiled.values() for n in c.copied)
+
+    @property
+    def outplaced(self) -> frozenset[str]:
+        """The traced sites kept safe by running the one in-place op that would overwrite
+        their value out of place (``ReLU(inplace=True)`` as ``relu``), instead of a copy."""
+        return frozenset(n for c in self._program().compiled.values() for n in c.outplaced)
 
     def _fxprobe_view(self) -> View:
         prog = self._program()

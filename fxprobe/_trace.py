@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from ._errors import TracedStateError, TraceError
 from ._mirror import guard_state, has_patched_forward
-from ._ops import method_key, op_key
+from ._ops import method_key, module_key, op_key
 from ._options import TracerKind
 from ._site import CALL_ARGS, Site, attach, sites_of
 
@@ -45,6 +45,18 @@ class Fallback:
     """The tracing error, one line."""
     location: str
     """``file:line: code`` of the source line where tracing failed, if known."""
+
+    @property
+    def where(self) -> str:
+        """The module's path, or "the top-level module"."""
+        return self.path or "the top-level module"
+
+    @property
+    def what(self) -> str:
+        """``module 'gate' (Gate)``, or ``the top-level forward of Net``."""
+        if self.path:
+            return f"module {self.path!r} ({self.module_type.__name__})"
+        return f"the top-level forward of {self.module_type.__name__}"
 
     def __str__(self) -> str:
         where = self.path or f"<top-level {self.module_type.__name__}>"
@@ -162,7 +174,7 @@ class SiteTracer(fx.Tracer):
         if node.op == "call_module":
             target = self.absolute(str(node.target))
             mtype = type(self.root.get_submodule(str(node.target)))
-            return Site(name, "fx", node.op, target, target, mtype, None)
+            return Site(name, "fx", node.op, target, target, mtype, module_key(mtype))
         if node.op == "call_function":
             return Site(name, "fx", node.op, node.target, module_path, None, op_key(node.target))
         if node.op == "call_method":
@@ -337,21 +349,18 @@ def _path_in(tracer: SiteTracer, module: nn.Module) -> str | None:
 
 
 def _trace_error(module: nn.Module, path: str, rel: str, e: BaseException) -> TraceError:
-    failed = _join(path, rel)
     sub = module.get_submodule(rel) if rel else module
-    what = f"module {failed!r} ({type(sub).__name__})" if failed else (
-        f"the top-level forward of {type(module).__name__}")
-    loc = failure_location(e, sub)
+    f = Fallback(_join(path, rel), type(sub), one_line(e), failure_location(e, sub))
     return TraceError(
-        f"torch.fx could not trace {what}: {one_line(e)}"
-        + (f"\n  at {loc}" if loc else "")
+        f"torch.fx could not trace {f.what}: {f.error}"
+        + (f"\n  at {f.location}" if f.location else "")
         + "\nUse tracer='auto' to tap the rest at op level and reach this module by hooks, "
         "or pass leaf_modules=[...] naming it (type or path) to keep it opaque."
     )
 
 
 def hook_site(module: nn.Module, path: str) -> Site:
-    return Site(path, "hook", "call_module", path, path, type(module), None)
+    return Site(path, "hook", "call_module", path, path, type(module), module_key(type(module)))
 
 
 def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (),

@@ -26,7 +26,7 @@ from ._select import as_selectors, select
 from ._shapes import propagate
 from ._site import Site, node_site
 from ._summary import ValueInfo, describe_value
-from ._trace import Plan, Region, plan
+from ._trace import Fallback, Plan, Region, plan
 
 if TYPE_CHECKING:
     import graphviz
@@ -161,11 +161,18 @@ def render(obj: nn.Module, path: str | Path, **kwargs: Any) -> Path:
             f"cannot tell the format of {str(path)!r} from its suffix; end the file name in "
             + ", ".join("." + s for s in SUFFIXES)
         )
+    if not path.parent.is_dir():
+        raise RenderError(
+            f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; "
+            "create it first or pass a path in an existing folder"
+        )
     dot = to_dot(obj, **kwargs)
-    if suffix in ("dot", "gv"):
-        path.write_text(dot.source, encoding="utf-8")
-        return path
-    path.write_bytes(pipe(dot, suffix, str(path)))
+    data = (dot.source.encode("utf-8") if suffix in ("dot", "gv")
+            else pipe(dot, suffix, str(path)))
+    try:
+        path.write_bytes(data)
+    except OSError as e:
+        raise RenderError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
     return path
 
 
@@ -633,9 +640,8 @@ def _group_info(it: _Item, infos: Mapping[str, ValueInfo]) -> ValueInfo | None:
     return known[-1] if known else None
 
 
-def _fallback_tip(f: Any) -> list[str]:
-    where = f.path or "the top-level module"
-    tip = [f"{where} ({f.module_type.__name__}) runs as written: torch.fx could not trace it",
+def _fallback_tip(f: Fallback) -> list[str]:
+    tip = [f"{f.where} ({f.module_type.__name__}) runs as written: torch.fx could not trace it",
            f.error]
     if f.location:
         tip.append(f"at {f.location}")

@@ -71,8 +71,8 @@ class TappedArtifact:
     """A tapped deployed artifact: call it like the model; ``taps`` holds the last forward."""
 
     def __init__(self, run: Callable[..., Any], names: Sequence[str], sites: Sequence[Site],
-                 options: TapOptions, stats: bool, copied: frozenset[str] = frozenset()
-                 ) -> None:
+                 options: TapOptions, stats: bool, copied: frozenset[str] = frozenset(),
+                 outplaced: frozenset[str] = frozenset()) -> None:
         self._run = run
         self._names = tuple(names)
         by_name = {s.name: s for s in sites}
@@ -81,6 +81,9 @@ class TappedArtifact:
         self._stats = stats
         self.copied = copied
         """Names of the sites copied before a later in-place op overwrites them."""
+        self.outplaced = outplaced
+        """Names of the sites kept safe by running, out of place, the one in-place op that
+        would overwrite them (``aten::relu_`` as ``aten::relu``): no copy needed."""
         self._order = {n: i for i, n in enumerate(self._names)}
         self._rec = Recording(detach=options.detach, both=False, keep=options.keep,
                               to=options.to, finalize=_resolve_stats if stats else None)
@@ -185,10 +188,11 @@ class TappedScript(TappedArtifact):
 
     def __init__(self, module: Any, sites: Sequence[Site],
                  options: TapOptions, graph: Any = None,
-                 copied: frozenset[str] = frozenset()) -> None:
+                 copied: frozenset[str] = frozenset(),
+                 outplaced: frozenset[str] = frozenset()) -> None:
         names = list(module.fxprobe_names)
         stats = module.fxprobe_reduce == "stats"
-        super().__init__(module, names, sites, options, stats, copied)
+        super().__init__(module, names, sites, options, stats, copied, outplaced)
         self._module = module
         self._graph = graph
 
@@ -234,7 +238,8 @@ def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> 
     rewritten = rewrite(sg, [index[id(s)] for s in chosen], copy=options.copy,
                         stats=options.reduce == "stats")
     module = build_module(model, rewritten, sg.sites, "stats" if options.reduce else "")
-    tapped = TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied)
+    tapped = TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied,
+                          rewritten.outplaced)
     tapped.source = model
     return tapped
 

@@ -126,7 +126,8 @@ class ExportHazards:
     """Which nodes' values a later node writes in place, from the ATen schemas' alias info."""
 
     def __init__(self, graph: fx.Graph) -> None:
-        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
         parent: dict[fx.Node, fx.Node] = {}
 
         def find(n: fx.Node) -> fx.Node:
@@ -169,6 +170,27 @@ class ExportHazards:
         mine = self.order[node]
         return any(p > mine for p in self.writes.get(self.find(node), ()))
 
+    def outplaceable(self, node: fx.Node) -> fx.Node | None:
+        """The one in-place ATen op that overwrites ``node``'s value, if running it out of
+        place changes nothing else: it writes the value itself, has an out-of-place twin, and
+        nothing reads the value after it or holds a view of it; else None."""
+        mine = self.order[node]
+        later = [p for p in self.writes.get(self.find(node), ()) if p > mine]
+        if len(later) != 1 or node.op == "placeholder":
+            return None
+        w = self.nodes[later[0]]
+        target = w.target
+        if (not isinstance(target, torch._ops.OpOverload) or not w.args or w.args[0] is not node
+                or not target._opname.endswith("_") or target._opname.startswith("_")):
+            return None
+        twin = getattr(torch.ops.aten, target._opname[:-1], None)
+        if twin is None or target._overloadname not in twin.overloads():
+            return None
+        for u in node.users:
+            if u is not w and (self.order[u] > later[0] or self.find(u) is self.find(node)):
+                return None  # read after the write, or a view that would see it
+        return w
+
 
 def _nodes_in(value: Any) -> list[fx.Node]:
     found: list[fx.Node] = []
@@ -181,8 +203,39 @@ def _row(site: Site) -> list[str]:
             str(int(site.inlined))]
 
 
+def _outplace_all(graph: fx.Graph, values: dict[int, fx.Node], names: dict[int, str]
+                  ) -> set[str]:
+    """Run out of place each in-place op that alone overwrites a tapped value (in place in
+    ``values``); the names of the sites it saved from a copy. Repeated: ``out += x;
+    relu_(out)`` frees ``out`` once relu_ runs out of place."""
+    done: set[str] = set()
+    for _ in range(len(values) + 1):
+        hazards = ExportHazards(graph)
+        todo: dict[fx.Node, list[int]] = {}
+        for i, v in values.items():
+            w = hazards.outplaceable(v)
+            if w is not None:
+                todo.setdefault(w, []).append(i)
+        if not todo:
+            break
+        for w, users in todo.items():
+            target = w.target
+            assert isinstance(target, torch._ops.OpOverload)
+            twin = getattr(getattr(torch.ops.aten, target._opname[:-1]), target._overloadname)
+            with graph.inserting_before(w):
+                new = graph.call_function(twin, w.args, w.kwargs)
+            new.meta = dict(w.meta)
+            w.replace_all_uses_with(new)
+            graph.erase_node(w)
+            done.update(names[i] for i in users)
+            for i, v in list(values.items()):
+                if v is w:
+                    values[i] = new
+    return done
+
+
 def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
-            ) -> tuple[Any, tuple[str, ...], frozenset[str]]:
+            ) -> tuple[Any, tuple[str, ...], frozenset[str], frozenset[str]]:
     """A new ExportedProgram returning the selected values after the program's outputs."""
     from torch.export import ExportedProgram
     from torch.export.graph_signature import (
@@ -193,21 +246,25 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
     )
 
     ep = eg.ep
-    hazards = ExportHazards(ep.graph) if copy_policy == "auto" else None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     old_out = graph.graph_copy(ep.graph, env)
+    # Every decision below is made on the copy; the user's graph is only read.
+    values = {i: env[eg.nodes[i]] for i in selected}
+    outplaced: set[str] = set()
+    if copy_policy == "auto":
+        outplaced = _outplace_all(graph, values, {i: eg.sites[i].name for i in selected})
+    hazards = ExportHazards(graph) if copy_policy == "auto" else None
     aten = torch.ops.aten
     taps: list[fx.Node] = []
     names: list[str] = []
     copied: set[str] = set()
     made: dict[tuple[fx.Node, bool], fx.Node] = {}
     for i in selected:
-        site, node = eg.sites[i], eg.nodes[i]
-        clone = copy_policy == "always" or (hazards is not None and hazards.at_risk(node))
-        new = made.get((node, clone))
+        site, src = eg.sites[i], values[i]
+        clone = copy_policy == "always" or (hazards is not None and hazards.at_risk(src))
+        new = made.get((src, clone))
         if new is None:
-            src = env[node]
             if clone or src.op == "placeholder":  # a placeholder cannot carry a tag: alias it
                 with graph.inserting_after(src):
                     new = graph.call_function(aten.clone.default if clone else aten.alias.default,
@@ -218,7 +275,7 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
                 new = src
             new.meta = dict(new.meta)  # the copy's meta dict is shared with the user's graph
             new.meta["custom"] = {**new.meta.get("custom", {}), _TAG: []}
-            made[(node, clone)] = new
+            made[(src, clone)] = new
         new.meta["custom"][_TAG].append(_row(site))
         if clone:
             copied.add(site.name)
@@ -242,7 +299,7 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
         root=gm, graph=gm.graph, graph_signature=signature, state_dict=ep.state_dict,
         range_constraints=copy.deepcopy(ep.range_constraints), module_call_graph=calls,
         example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)
-    return program, tuple(names), frozenset(copied)
+    return program, tuple(names), frozenset(copied), frozenset(outplaced)
 
 
 def saved_taps(ep: Any) -> list[Site] | None:
@@ -279,11 +336,13 @@ class TappedExport(TappedArtifact):
     """
 
     def __init__(self, program: Any, sites: Sequence[Site], options: TapOptions,
-                 copied: frozenset[str] = frozenset()) -> None:
+                 copied: frozenset[str] = frozenset(),
+                 outplaced: frozenset[str] = frozenset()) -> None:
         self._program = program
         module = program.module()
         stats = options.reduce == "stats"
-        super().__init__(module, [s.name for s in sites], sites, options, stats, copied)
+        super().__init__(module, [s.name for s in sites], sites, options, stats, copied,
+                         outplaced)
 
     def _split(self, result: Any) -> tuple[Any, Sequence[Any]]:
         out, values = result
@@ -318,9 +377,9 @@ def tap_export(ep: Any, ops: Any, options: TapOptions) -> TappedExport:
     eg = _graph(ep)
     chosen = select(eg.sites, as_selectors(ops), context="the exported program")
     index = {id(s): i for i, s in enumerate(eg.sites)}
-    program, names, copied = rewrite(eg, [index[id(s)] for s in chosen], options.copy)
+    program, names, copied, outplaced = rewrite(eg, [index[id(s)] for s in chosen], options.copy)
     by_name = {s.name: s for s in eg.sites}
-    tapped = TappedExport(program, [by_name[n] for n in names], options, copied)
+    tapped = TappedExport(program, [by_name[n] for n in names], options, copied, outplaced)
     tapped.source = ep
     return tapped
 

@@ -7,9 +7,11 @@
     return (%x.9)                     %x.9 = aten::relu_(%x.5)
                                       return ((%x.9, (%c, %x.9)))
 
-A value defined inside a ``prim::If`` leaves it as an ``Optional`` output of the ``If`` (None on
-the branch not taken). :func:`build_module` wraps the graph in a new ScriptModule whose
-``model`` is the user's module (shared, unchanged).
+Where that in-place op is the only one to overwrite the value and nothing else sees it, it runs
+out of place instead (``aten::relu``), and no copy is made. A value defined inside a
+``prim::If`` leaves it as an ``Optional`` output of the ``If`` (None on the branch not taken).
+:func:`build_module` wraps the graph in a new ScriptModule whose ``model`` is the user's module
+(shared, unchanged).
 """
 
 from __future__ import annotations
@@ -81,16 +83,68 @@ class ScriptHazards:
             if written:
                 self.writers.append((n, written))
 
-    def at_risk(self, value: Value) -> bool:
+    def writers_of(self, value: Value) -> list[tuple[Node, list[Value]]]:
+        """The nodes after ``value``'s definition that may write into its memory."""
         d = value.node()
         is_input = d.kind() == "prim::Param"
         state = _is_state(value)
-        for w, written in self.writers:
-            if (is_input or w.isAfter(d)) and any(
+        return [(w, written) for w, written in self.writers
+                if (is_input or w.isAfter(d)) and any(
                     (state or not _is_state(x)) and self.db.may_contain_alias(value, x)
-                    for x in written):
-                return True
-        return False
+                    for x in written)]
+
+    def at_risk(self, value: Value) -> bool:
+        return bool(self.writers_of(value))
+
+    def outplaceable(self, value: Value) -> Node | None:
+        """The one in-place op that overwrites ``value``, if running it out of place changes
+        nothing else: it writes ``value`` itself, outside any loop, and nothing reads
+        ``value`` after it or holds a view of it; else None."""
+        found = self.writers_of(value)
+        if len(found) != 1:
+            return None
+        w, written = found[0]
+        kind = w.kind()
+        if (not kind.startswith("aten::") or not kind.endswith("_") or kind.endswith("__")
+                or len(written) != 1 or written[0].unique() != value.unique()
+                or value.node().kind() == "prim::Param" or _is_state(value) or _in_loop(w)):
+            return None
+        for use in value.uses():
+            u = use.user
+            if _same_node(u, w) or _dead(u):  # _dead: the other branch of an inlined F.relu
+                continue
+            if u.kind() == "prim::Return" or not u.isBefore(w) or any(
+                    self.db.may_contain_alias(o, value) for o in u.outputs()):
+                return None  # read after the write, or a view that would see it
+        return w
+
+
+def _same_node(a: Node, b: Node) -> bool:
+    return bool(a.outputsSize() and b.outputsSize()
+                and a.outputsAt(0).unique() == b.outputsAt(0).unique())
+
+
+def _in_loop(node: Node) -> bool:
+    owner = node.owningBlock().owningNode()
+    while owner is not None:
+        if owner.kind() == "prim::Loop":
+            return True
+        owner = owner.owningBlock().owningNode()
+    return False
+
+
+def _outplace(g: Graph, w: Node) -> Value | None:
+    """Replace the in-place op ``w`` (``aten::relu_``) by its out-of-place twin; its result."""
+    with g.insert_point_guard(w):
+        new = g.insertNode(g.create(w.kind()[:-1], list(w.inputs()), 1))
+    if new.schema() == "(no schema)":  # no out-of-place twin with this signature
+        new.destroy()
+        return None
+    out = new.output()
+    out.setType(w.output().type())
+    w.output().replaceAllUsesWith(out)
+    w.destroy()
+    return out
 
 
 def _dead(node: Node) -> bool:
@@ -240,17 +294,43 @@ class Rewritten:
     graph: Graph
     names: tuple[str, ...]
     copied: frozenset[str]
+    outplaced: frozenset[str]
+    """Sites kept safe by running the one in-place op that would overwrite them out of place."""
 
 
 def rewrite(sg: ScriptGraph, selected: Sequence[int], *, copy: str, stats: bool) -> Rewritten:
     """Make ``sg.graph`` (in place) return the values of the sites at ``selected`` indices."""
     g = sg.graph
+    values = {i: sg.values[i] for i in selected}
+    uniq = {i: v.unique() for i, v in values.items()}  # a replaced Value cannot be asked
+    outplaced: set[str] = set()
+    if copy == "auto" and not stats:
+        # Where one in-place op is all that overwrites a value, and nothing else sees it, run
+        # it out of place (aten::relu_ -> aten::relu) instead of copying the value. Repeat:
+        # `out += x; relu_(out)` frees `out` only once relu_ runs out of place.
+        for _ in range(len(selected) + 1):
+            h = ScriptHazards(g)
+            todo: dict[int, tuple[Node, list[int]]] = {}
+            for i, v in values.items():
+                w = h.outplaceable(v)
+                if w is not None:
+                    todo.setdefault(w.outputsAt(0).unique(), (w, []))[1].append(i)
+            if not todo:
+                break
+            for old, (w, users) in todo.items():
+                new = _outplace(g, w)
+                if new is None:
+                    continue
+                outplaced.update(sg.sites[i].name for i in users)
+                for i, u in list(uniq.items()):
+                    if u == old:
+                        values[i], uniq[i] = new, new.unique()
     hazards = ScriptHazards(g) if copy == "auto" and not stats else None
-    risky = {i: hazards.at_risk(sg.values[i]) for i in selected} if hazards else {}
+    risky = {i: hazards.at_risk(values[i]) for i in selected} if hazards else {}
     done: dict[tuple[int, str], Value] = {}
     outs, names, copied = [], [], set()
     for i in selected:
-        site, v = sg.sites[i], sg.values[i]
+        site, v = sg.sites[i], values[i]
         how = "raw"
         if _is_tensor(v) and stats:
             how = "stats"
@@ -281,7 +361,7 @@ def rewrite(sg: ScriptGraph, selected: Sequence[int], *, copy: str, stats: bool)
         outer.output().setType(torch._C.TupleType([results[0].type(), inner.output().type()]))
     ret.replaceInput(0, outer.output())
     g.lint()
-    return Rewritten(g, tuple(names), frozenset(copied))
+    return Rewritten(g, tuple(names), frozenset(copied), frozenset(outplaced))
 
 
 # -- the new ScriptModule -------------------------------------------------------------------------

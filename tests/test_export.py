@@ -86,10 +86,13 @@ def test_inplace_hazards_copy_only_what_is_overwritten() -> None:
     program = torch.export.export(model, (x,))
     tapped = fxprobe.tap(program)
     tapped(x)
-    # The ATen graph holds the same in-place ops as the eager code: the same values are
-    # overwritten later (bn by act's relu_, mul by relu_, relu_ and view by add_, sigmoid by
-    # F.relu inplace) and copied; nothing else is.
-    assert tapped.copied == {"bn", "mul", "relu_", "view", "sigmoid"}
+    # The ATen graph holds the same in-place ops as the eager code, so the same values are
+    # kept safe the same ways as by the fx frontend: bn and sigmoid by running the one
+    # in-place op that overwrites each out of place, mul, relu_ and view by a copy.
+    assert tapped.copied == {"mul", "relu_", "view"} and tapped.outplaced == {"bn", "sigmoid"}
+    ref = fxprobe.tap(model)
+    ref(x)
+    assert (tapped.copied, tapped.outplaced) == (ref.copied, ref.outplaced)
     never = fxprobe.tap(program, ops="bn", copy="never")
     never(x)
     assert torch.equal(never.taps["bn"], model.act(model.bn(model.lin(x))))

@@ -160,15 +160,20 @@ def test_inplace_hazards_are_copied_only_where_the_ir_shows_them() -> None:
                 "add": h.relu() + 1}
     for name, value in expected.items():
         assert torch.equal(tapped.taps[name], value.view_as(tapped.taps[name])), name
-    # bn (act's relu_ overwrites it), mul (relu_), relu_ and view (add_ through the view),
-    # sigmoid (F.relu inplace): each overwritten later; nothing else is copied.
-    assert tapped.copied == {"bn", "mul", "relu_", "view", "sigmoid"}
+    # Overwritten later: bn (by act's relu_) and sigmoid (by F.relu inplace), each by one
+    # in-place op that nothing else sees, which now runs out of place; mul (relu_ and the
+    # view's add_), relu_ and view (add_ through the view) are copied. As in the fx frontend.
+    assert tapped.copied == {"mul", "relu_", "view"} and tapped.outplaced == {"bn", "sigmoid"}
+    ref = fxprobe.tap(model)
+    ref(x)
+    assert (tapped.copied, tapped.outplaced) == (ref.copied, ref.outplaced)
     never = fxprobe.tap(scripted, ops=["bn"], copy="never")
     never(x)
     assert torch.equal(never.taps["bn"], x2)  # what a reference without the copy shows
     always = fxprobe.tap(scripted, ops=["lin", "bn"], copy="always")
     always(x)
     assert always.copied == {"lin", "bn"} and torch.equal(always.taps["bn"], bn)
+    assert not always.outplaced and not never.outplaced
 
 
 def test_write_through_a_view_and_functional_inplace() -> None:

@@ -63,6 +63,20 @@ class ViewWrite(nn.Module):
         return F.relu(y, inplace=True)
 
 
+class Looped(nn.Module):
+    """A real loop in the IR: its ops are not sites, and its in-place op runs every turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        y = self.fc(x)
+        for _ in range(n):
+            y.add_(1.0)
+        return y
+
+
 def _fx_values(model: nn.Module, *args: Any) -> tuple[Any, dict[str, Any]]:
     ref = fxprobe.tap(model)
     out = ref(*args)
@@ -364,3 +378,14 @@ def test_overloaded_forward_of_a_leaf_module_is_one_site() -> None:
     tapped(ids)
     _, hooked = hook_values(model, ["embed", "lstm", "head"], ids)
     assert all(same(tapped.taps[k], v) for k, v in hooked.items())
+
+
+def test_a_loop_keeps_its_inplace_op_and_the_value_is_copied() -> None:
+    torch.manual_seed(0)
+    model, x = Looped().eval(), torch.randn(2, 4)
+    scripted = torch.jit.script(model)
+    assert list(fxprobe.sites(scripted)) == ["x", "n", "fc"]  # nothing from the loop body
+    tapped = fxprobe.tap(scripted, ops="fc")
+    assert torch.equal(tapped(x, 3), model(x, 3))
+    assert torch.equal(tapped.taps["fc"], model.fc(x))
+    assert tapped.copied == {"fc"} and not tapped.outplaced

@@ -80,7 +80,7 @@ class Pipeline:
         if self.fn is not None:
             flow = self._intervene(name, value)
         if self.wants_grads:
-            self._watch(name, flow)
+            flow = self._watch(name, flow)
         return flow, self.keep(flow, copy)
 
     def inputs(self, args: tuple[Any, ...], copy: bool) -> tuple[Any, ...]:
@@ -104,14 +104,17 @@ class Pipeline:
             state.frame.replaced.add(name)
         return new
 
-    def _watch(self, name: str, value: Any) -> None:
+    def _watch(self, name: str, value: Any) -> Any:
+        """Hook the gradient of ``value``; return what flows on in its place."""
         if not (isinstance(value, torch.Tensor) and value.requires_grad):
-            return
+            return value
         frame = self.rec.state.frame
+        if value.grad_fn is None:
+            # A leaf (a parameter, an input): a hook on it would outlive this forward and fire
+            # in every later backward through it, the user's own included. An alias made here
+            # carries this forward's uses, and the hook goes on its node.
+            value = value.view_as(value)
         grad_fn = value.grad_fn
-        if grad_fn is None:  # a leaf: nothing can rebase its history
-            value.register_hook(lambda g: self._on_grad(frame, name, g))
-            return
         # The producing node, not the tensor: a later in-place op (ReLU(inplace=True)) rebases
         # the tensor onto its own node, and a tensor hook would see the gradient there.
         index = value.output_nr
@@ -128,6 +131,7 @@ class Pipeline:
             return tuple(out)
 
         grad_fn.register_prehook(prehook)
+        return value
 
     def _on_grad(self, frame: Frame, name: str, g: torch.Tensor) -> torch.Tensor | None:
         if self.options.grad:

@@ -3,7 +3,7 @@
 :func:`stats_vector` reduces a tensor to eight numbers with tensor ops only: no ``.item()``, no
 branching on values, nothing that waits for the device (on CUDA with Triton: one fused kernel,
 :mod:`fxprobe._stats_triton`). :func:`stats_vectors` reduces many tensors with few ops (small
-ones padded into one matrix per size class). :class:`StatsBatch` stacks the vectors
+ones of one size stacked into a matrix). :class:`StatsBatch` stacks the vectors
 of one forward and brings them to the host in a single transfer, the first time any is read.
 :class:`StatsLogger` does that every N steps of a training loop and logs a table.
 
@@ -101,17 +101,16 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
 
         if _stats_triton.available():
             return _stats_triton.stats_vector(x, dtype)
-    return _row_stats(x.reshape(1, -1).to(dtype), [numel])[0]
+    return _stats_of(x.to(dtype), None)
 
 
 def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The statistics of many tensors at once: row ``i`` is ``stats_vector(tensors[i])``.
 
-    Small tensors (up to 65,536 elements) are padded with NaN into one matrix per dtype and
-    power-of-two length and reduced row by row, so a forward's hundreds of small activations
-    cost a few dozen ops instead of a dozen each; padding is subtracted from the NaN counts.
-    Larger tensors go through :func:`stats_vector` one by one (a Triton kernel on CUDA). No
-    op waits for the device.
+    Small tensors (up to 65,536 elements) of the same size and dtype are stacked into one
+    matrix and reduced row by row, so a forward's hundreds of small activations cost a few
+    dozen ops instead of a couple of dozen each. Larger tensors go through
+    :func:`stats_vector` one by one (a Triton kernel on CUDA). No op waits for the device.
 
     Args:
         tensors: real tensors, all on one device, of any dtypes and shapes.
@@ -142,39 +141,22 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     out_dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
                  else torch.float32)
     rows: list[torch.Tensor | None] = [None] * len(tensors)
-    buckets: dict[tuple[torch.dtype, int], list[int]] = {}
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}
     for i, t in enumerate(tensors):
         n = t.numel()
-        if n > _SMALL:
+        if n > _SMALL or n == 0:
             rows[i] = stats_vector(t)
         else:
-            length = 1 << max(n - 1, 0).bit_length()
-            buckets.setdefault((_out_dtype(t), length), []).append(i)
-    for (dtype, length), members in buckets.items():
-        flats = [tensors[i].detach().reshape(-1).to(dtype) for i in members]
-        padded = torch.nn.utils.rnn.pad_sequence(flats, batch_first=True,
-                                                 padding_value=float("nan"))
-        if padded.shape[1] < length:  # keep one compiled shape per bucket
-            padded = torch.nn.functional.pad(padded, (0, length - padded.shape[1]),
-                                             value=float("nan"))
-        result = _row_stats(padded, [tensors[i].numel() for i in members])
+            groups.setdefault((_out_dtype(t), n), []).append(i)
+    for (dtype, n), members in groups.items():
+        if len(members) == 1:
+            rows[members[0]] = stats_vector(tensors[members[0]])
+            continue
+        stacked = torch.stack([tensors[i].detach().reshape(n) for i in members]).to(dtype)
+        result = _stats_of(stacked, 1)
         for j, i in enumerate(members):
             rows[i] = result[j]
     return torch.stack([r.to(out_dtype) for r in rows if r is not None])
-
-
-def _count_nonzero(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    # With a dim, count_nonzero is ``(x != 0).sum(dim)``: a temporary and a slow int64 sum.
-    if len(dims) == 1:
-        return torch.count_nonzero(x, dim=dims[0])
-    return torch.count_nonzero(x).reshape(1)
-
-
-def _aminmax(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(dims) == 1:
-        return torch.aminmax(x, dim=dims[0])
-    lo, hi = torch.aminmax(x)
-    return lo.reshape(1), hi.reshape(1)
 
 
 _SMALL = 1 << 16
@@ -195,43 +177,61 @@ def _out_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _row_stats(x: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
-    """Stats of each row of ``x`` (float32/64, ``(r, L)``); row ``i`` holds ``numels[i]``
-    elements followed by NaN padding. Returns ``(r, 8)``.
+def _stats_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The stats of ``x`` (float32/64): of all of it (``dim=None``, shape ``(8,)``) or of each
+    row of a 2-D ``x`` (``dim=1``, shape ``(r, 8)``).
 
     Every reduction runs over the finite values with non-finite ones replaced by a neutral
-    value, so nothing branches on data: zeros for the sum; after the mean is known, the
+    value, so nothing branches on data: zeros for the sum; once the mean is known, the
     deviations ``(x - mean) / s`` with 0 (the mean) in their place, which moves neither the
     min, the max nor the sum of squares. ``s`` is a power of two at least twice the largest
-    finite magnitude: the scaling is exact, and squares cannot overflow.
+    finite magnitude: the scaling is exact and the squares cannot overflow. Whole-tensor
+    reductions are used for one tensor: on a CPU they are several times faster than ``dim=``
+    ones (``count_nonzero(dim=)`` is a comparison plus an int64 sum, ``aminmax(dim=)`` is slow).
     """
-    length = x.shape[1]
-    # One row: whole-tensor reductions, several times faster on a CPU than dim=1 ones.
-    dims: tuple[int, ...] = (0, 1) if x.shape[0] == 1 else (1,)
-    pad = torch.tensor([length - n for n in numels], dtype=x.dtype, device=x.device)
-    numel = length - pad
+    numel = x.numel() if dim is None else x.shape[dim]
     buf = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # the one temporary
-    nonzero = _count_nonzero(x, dims)  # NaN and Inf (padding too) are not zero
-    nonfinite = (nonzero - _count_nonzero(buf, dims)).to(x.dtype) - pad
-    nan_count = _count_nonzero(x != x, dims).to(x.dtype) - pad
-    zero_frac = (length - nonzero).to(x.dtype) / numel
+    # NaN and Inf are not zero: nonzero(x) - nonzero(buf) counts the non-finite values.
+    counts = torch.stack([_count_nonzero(x, dim), _count_nonzero(buf, dim),
+                          _count_nonzero(x != x, dim)], dim=-1).to(x.dtype)
+    nonzero, nonfinite, nan_count = counts.unbind(-1)
+    nonfinite = nonzero - nonfinite
     n = numel - nonfinite
-    lo0, hi0 = _aminmax(buf, dims)
-    mean = buf.sum(dim=dims) / n  # 0/0 = NaN when nothing is finite
-    big = torch.maximum(lo0.abs(), hi0.abs())
-    scale = torch.where(big > 0, torch.exp2(torch.floor(torch.log2(big)) + 2), 1.0)
+    lo0, hi0 = _aminmax(buf, dim)
+    mean = _sum(buf, dim) / n  # 0/0 = NaN when nothing is finite
+    # A power of two >= 2 * the largest finite magnitude; NaN (and so every statistic but
+    # the counts) when nothing is finite.
+    big = torch.maximum(lo0.abs(), hi0.abs()).clamp_min(torch.finfo(x.dtype).tiny) + mean * 0
+    scale = torch.exp2(torch.floor(torch.log2(big)) + 2)
     inv = scale.reciprocal()
+    shift = -mean * inv
+    if dim is not None:
+        shift, inv = shift[:, None], inv[:, None]
     # buf := (x - mean) / scale in one pass (exact scaling), then 0 where x is not finite.
-    torch.addcmul((-mean * inv)[:, None], x, inv[:, None], out=buf)
+    torch.addcmul(shift, x, inv, out=buf)
     buf.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    lo_d, hi_d = _aminmax(buf, dims)
-    lo = torch.where(n > 0, lo_d * scale + mean, torch.nan)
-    hi = torch.where(n > 0, hi_d * scale + mean, torch.nan)
-    std = scale * torch.sqrt(buf.square_().sum(dim=dims) / (n - 1))  # NaN for one value
-    std = torch.where(n > 0, std, torch.nan)
+    lo_d, hi_d = _aminmax(buf, dim)
+    lo = lo_d * scale + mean
+    hi = hi_d * scale + mean
+    std = scale * torch.sqrt(_sum(buf.square_(), dim) / (n - 1))  # NaN for one value
     absmax = torch.maximum(lo.abs(), hi.abs())
-    return torch.stack([mean, std, lo, hi, absmax, zero_frac, nan_count, nonfinite - nan_count],
-                       dim=1)
+    return torch.stack([mean, std, lo, hi, absmax, (numel - nonzero) / numel, nan_count,
+                        nonfinite - nan_count], dim=-1)
+
+
+def _count_nonzero(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    return torch.count_nonzero(x) if dim is None else torch.count_nonzero(x, dim=dim)
+
+
+def _sum(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def _aminmax(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if dim is None:
+        lo, hi = torch.aminmax(x)
+        return lo, hi
+    return x.amin(dim=dim), x.amax(dim=dim)
 
 
 def sample_vector(t: torch.Tensor, k: int, seed: int | torch.Generator | None = None

@@ -214,7 +214,7 @@ def _time(runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
         c = timing.summarize(samples[f"compiled|{label}"], cuda)
         e = timing.summarize(samples[f"eager|{label}"], cuda)
         vs_floor = None
-        if floor is not None and label != "extractor":
+        if floor is not None and label not in ("extractor", "bare"):
             # Each side over its own neighbouring baseline slots, then the one over the other.
             vs_floor = float(np.median(samples[f"compiled|{label}"].ratios() / floor.ratios()))
         records[label] = replace(records[label], compiled_ms=c.treatment_ms,

@@ -132,7 +132,8 @@ def run(device: torch.device, rounds: int, sizes_kib: tuple[int, ...]) -> dict[s
         "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor()
         or platform.machine(),
         "torch_version": torch.__version__, "threads": torch.get_num_threads(),
-        "triton": triton, "rounds": rounds, "sizes": rows,
+        "triton": triton and _stats_triton.available(),
+        "triton_error": "; ".join(_stats_triton._broken), "rounds": rounds, "sizes": rows,
         "batch_200x16_us": {k: v * 1e6 for k, v in batch.items()},
     }
 
@@ -142,7 +143,8 @@ def markdown(res: dict[str, Any]) -> str:
     kinds = [k for k in ("stats_vector", "torch fallback", "before", "item hook")
              if k in res["sizes"][0]["us"]]
     lines = [f"stats_vector on {res['device']} ({res['device_name']}, torch "
-             f"{res['torch_version']}, {res['threads']} threads, Triton: {res['triton']}); "
+             f"{res['torch_version']}, {res['threads']} threads, Triton kernel used: "
+             f"{res['triton']}{' ' + res['triton_error'][:200] if res['triton_error'] else ''}); "
              f"medians of {res['rounds']} interleaved rounds, float32. "
              "Floor: the faster of one `sum` and one `amax` of the tensor.", "",
              "| size | floor us | " + " | ".join(f"{k} us (x floor)" for k in kinds) + " |",

@@ -92,15 +92,18 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
     _check(t)
     dtype = _out_dtype(t)
     numel = t.numel()  # metadata: reading it does not synchronise
-    if numel == 0:
-        nan = float("nan")
-        return torch.tensor([nan] * 6 + [0.0, 0.0], dtype=dtype, device=t.device)
+    if numel == 0:  # a fill, not torch.tensor([...]): a copy from the host would synchronise
+        empty = torch.full((len(FIELDS),), float("nan"), dtype=dtype, device=t.device)
+        empty[6:] = 0.0
+        return empty
     x = t.detach()
     if x.is_cuda and not torch.compiler.is_compiling():
         from . import _stats_triton
 
         if _stats_triton.available():
-            return _stats_triton.stats_vector(x, dtype)
+            fused = _stats_triton.try_stats_vector(x, dtype)
+            if fused is not None:
+                return fused
     return _stats_of(x.to(dtype), None)
 
 

@@ -17,6 +17,7 @@ by the host:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -27,14 +28,33 @@ _MAX_PROGRAMS = 1024
 """At most this many partial rows; ``_finalize`` merges them in one block."""
 
 
-@functools.cache
+_broken: list[str] = []
+"""The error of a kernel that failed to compile or launch; then the torch fallback is used."""
+
+
 def available() -> bool:
-    """Whether Triton imports (checked once)."""
+    """Whether Triton imports (checked once) and its kernels have not failed here."""
+    return not _broken and _importable()
+
+
+@functools.cache
+def _importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def try_stats_vector(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """:func:`stats_vector`, or None (with one warning) if the kernels fail in this setup."""
+    try:
+        return stats_vector(x, dtype)
+    except Exception as e:  # a Triton/driver mismatch must not break a forward
+        _broken.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"fxprobe: the Triton statistics kernel failed ({type(e).__name__}: "
+                      f"{str(e)[:300]}); using the torch fallback from now on", stacklevel=3)
+        return None
 
 
 @functools.cache

@@ -12,14 +12,21 @@
 #    process per model (each writes results.json as it goes, so a step cut by its time limit
 #    still leaves what it measured), then one merged report.
 #
-# Every step is bounded by `timeout`; the whole script stays under 8 minutes. A failed step is
+# $OUT receives at most 7 files (the device tool brings back 8): gpu_check.log,
+# stats_micro.{json,md}, $DEVICE-<model>.json per model, $DEVICE.md (the merged report); the
+# suite's own output folders stay in a scratch directory.
+# Every step is bounded by `timeout`; the whole script stays under 8 minutes (about 7 at most:
+# 120 s of tests, 90 s of microbenchmark, SUITE_BUDGET=300 s of suite, 20 s of report). A failed step is
 # reported and the next one runs; the exit status is the number of failed steps.
 # DEVICE=cpu SUITE_ARGS=--quick runs the same steps on a CPU (a check of the script itself).
 set -u
+export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-check-out}"
 DEVICE="${DEVICE:-cuda}"
+PY="${PYTHON:-python3}"  # on the lent machines, python3 is the one with torch
 read -r -a suite_args <<< "${SUITE_ARGS:-}"
+SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/fxprobe-gpu-check.XXXXXX")"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 failed=0
@@ -34,11 +41,11 @@ step() {  # step SECONDS NAME COMMAND...: run one bounded step, count its failur
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
 
-if ! python -c "import fxprobe" 2>/dev/null; then
-    pip install -q -e . || echo "pip install -e . failed"
+if ! "$PY" -c "import fxprobe" 2>/dev/null; then
+    "$PY" -m pip install -q -e . || echo "pip install -e . failed"
 fi
 nvidia-smi || echo "nvidia-smi failed"
-python - <<'EOF'
+"$PY" - <<'EOF'
 import importlib.util, subprocess, torch
 import fxprobe
 print("torch", torch.__version__, "cuda", torch.version.cuda,
@@ -49,19 +56,33 @@ print("commit", subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_
 EOF
 
 step 120 "stats tests on $DEVICE" env FXPROBE_TEST_DEVICE="$DEVICE" \
-    python -m pytest -q -p no:cacheprovider tests/test_stats.py
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_stats.py
 step 90 "stats microbenchmark on $DEVICE" \
-    python -m benchmarks.stats_micro --device "$DEVICE" --rounds 7 --out "$OUT/stats_micro"
+    "$PY" -m benchmarks.stats_micro --device "$DEVICE" --rounds 7 --out "$OUT"
+# The suite shares what is left of SUITE_BUDGET seconds (default 300) among the models still
+# to run, so a model that finishes early leaves its time to the next.
 jsons=()
-for model in chain gpt2 resnet50; do
-    step 65 "suite: $model" python -m benchmarks --device "$DEVICE" --models "$model" \
+models=(chain gpt2 resnet50)
+suite_start=$SECONDS
+for i in "${!models[@]}"; do
+    model=${models[$i]}
+    left=$(( ${SUITE_BUDGET:-300} - (SECONDS - suite_start) ))
+    limit=$(( left / (${#models[@]} - i) ))
+    [ "$limit" -ge 20 ] || limit=20
+    step "$limit" "suite: $model" "$PY" -m benchmarks --device "$DEVICE" --models "$model" \
         --modes reference,stats,offload --rounds 5 --no-compile --no-plot --quiet \
-        "${suite_args[@]}" --out "$OUT/$DEVICE-$model"
-    [ -f "$OUT/$DEVICE-$model/results.json" ] && jsons+=("$OUT/$DEVICE-$model/results.json")
+        "${suite_args[@]}" --out "$SCRATCH/$model"
+    # results.json is rewritten after every group: a step cut short still left one.
+    if [ -f "$SCRATCH/$model/results.json" ]; then
+        cp "$SCRATCH/$model/results.json" "$OUT/$DEVICE-$model.json"
+        jsons+=("$OUT/$DEVICE-$model.json")
+    fi
 done
 if [ ${#jsons[@]} -gt 0 ]; then
-    step 20 "merged report" python -m benchmarks --from-json "${jsons[@]}" --no-plot \
-        --out "$OUT/$DEVICE"
+    step 20 "merged report" "$PY" -m benchmarks --from-json "${jsons[@]}" --no-plot \
+        --quiet --out "$SCRATCH/merged"
+    cp "$SCRATCH/merged/results.md" "$OUT/$DEVICE.md" 2>/dev/null
 fi
 echo "=== done: $failed failed step(s); results under $OUT"
+sleep 1  # let tee write the last lines
 exit "$failed"

@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(map(str, SIZES_KIB)),
                    help="tensor sizes in KiB (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="directory for JSON and Markdown")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda but no GPU is available", file=sys.stderr)
         return 2

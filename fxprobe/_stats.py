@@ -331,10 +331,18 @@ class StatsBatch(Mapping[str, Stats]):
 
     @classmethod
     def from_tensors(cls, values: Mapping[str, torch.Tensor]) -> StatsBatch:
-        """Compute :func:`stats_vector` of each tensor, without synchronising."""
+        """The stats of each tensor (:func:`stats_vectors`, per device), without synchronising."""
         names = list(values)
         tensors = [values[n] for n in names]
-        return cls(names, [stats_vector(t) for t in tensors], [tuple(t.shape) for t in tensors],
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        vectors: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        for members in by_device.values():
+            rows = stats_vectors([tensors[i] for i in members])
+            for i, row in zip(members, rows.unbind(0), strict=True):
+                vectors[i] = row
+        return cls(names, vectors, [tuple(t.shape) for t in tensors],
                    [str(t.dtype) for t in tensors])
 
     @property

@@ -104,6 +104,8 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
             fused = _stats_triton.try_stats_vector(x, dtype)
             if fused is not None:
                 return fused
+    if numel <= _SMALL:  # launch-bound: float64 needs no overflow guard, so fewer ops
+        return _stats_of(x.reshape(-1).to(torch.float64), None, scaled=False).to(dtype)
     return _stats_of(x.reshape(-1).to(dtype), None)
 
 
@@ -155,8 +157,8 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(members) == 1:
             rows[members[0]] = stats_vector(tensors[members[0]])
             continue
-        stacked = torch.stack([tensors[i].detach().reshape(n) for i in members]).to(dtype)
-        result = _stats_of(stacked, 1)
+        stacked = torch.stack([tensors[i].detach().reshape(n) for i in members])
+        result = _stats_of(stacked.to(torch.float64), 1, scaled=False).to(dtype)
         for j, i in enumerate(members):
             rows[i] = result[j]
     return torch.stack([r.to(out_dtype) for r in rows if r is not None])
@@ -180,7 +182,7 @@ def _out_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _stats_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+def _stats_of(x: torch.Tensor, dim: int | None, scaled: bool = True) -> torch.Tensor:
     """The stats of ``x`` (float32/64): of all of it (``dim=None``, shape ``(8,)``) or of each
     row of a 2-D ``x`` (``dim=1``, shape ``(r, 8)``).
 
@@ -188,7 +190,9 @@ def _stats_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
     value, so nothing branches on data: zeros for the sum; once the mean is known, the
     deviations ``(x - mean) / s`` with 0 (the mean) in their place, which moves neither the
     min, the max nor the sum of squares. ``s`` is a power of two at least twice the largest
-    finite magnitude: the scaling is exact and the squares cannot overflow. Whole-tensor
+    finite magnitude: the scaling is exact and the squares cannot overflow (``scaled=False``
+    skips it: for small tensors computed in float64, where a dozen fewer tiny ops matter
+    more). Whole-tensor
     reductions are used for one tensor: on a CPU they are several times faster than ``dim=``
     ones (``count_nonzero(dim=)`` is a comparison plus an int64 sum, ``aminmax(dim=)`` is slow).
     """
@@ -200,22 +204,29 @@ def _stats_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
     nonzero, nonfinite, nan_count = counts.unbind(-1)
     nonfinite = nonzero - nonfinite
     n = numel - nonfinite
-    lo0, hi0 = _aminmax(buf, dim)
     mean = _sum(buf, dim) / n  # 0/0 = NaN when nothing is finite
-    # A power of two >= 2 * the largest finite magnitude; NaN (and so every statistic but
-    # the counts) when nothing is finite.
-    big = torch.maximum(lo0.abs(), hi0.abs()).clamp_min(torch.finfo(x.dtype).tiny) + mean * 0
-    scale = torch.exp2(torch.floor(torch.log2(big)) + 2)
-    inv = scale.reciprocal()
-    # buf := (x - mean) / scale (exact scaling), then 0 where x is not finite. A 1-element
-    # operand, not a 0-d one: on a CPU, ops with 0-d tensor operands take a slow path.
-    torch.sub(x, mean.reshape(-1, 1) if dim is not None else mean.reshape(1), out=buf)
-    buf.mul_(inv.reshape(-1, 1) if dim is not None else inv.reshape(1))
+    # A 1-element operand, not a 0-d one: on a CPU, ops with 0-d tensor operands are slow.
+    column = mean.reshape(-1, 1) if dim is not None else mean.reshape(1)
+    if scaled:
+        # A power of two >= 2 * the largest finite magnitude; NaN (and so every statistic but
+        # the counts) when nothing is finite.
+        lo0, hi0 = _aminmax(buf, dim)
+        big = (torch.maximum(lo0.abs(), hi0.abs()).clamp_min(torch.finfo(x.dtype).tiny)
+               + mean * 0)
+        scale = torch.exp2(torch.floor(torch.log2(big)) + 2)
+        inv = scale.reciprocal()
+    # buf := (x - mean) [/ scale, exact], then 0 (the mean) where x is not finite.
+    torch.sub(x, column, out=buf)
+    if scaled:
+        buf.mul_(inv.reshape(-1, 1) if dim is not None else inv.reshape(1))
     buf.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     lo_d, hi_d = _aminmax(buf, dim)
-    lo = lo_d * scale + mean
-    hi = hi_d * scale + mean
-    std = scale * torch.sqrt(_sum_of_squares(buf, dim) / (n - 1))  # NaN for one value
+    if scaled:
+        lo, hi = lo_d * scale + mean, hi_d * scale + mean
+        std = scale * torch.sqrt(_sum_of_squares(buf, dim) / (n - 1))  # NaN for one value
+    else:
+        lo, hi = lo_d + mean, hi_d + mean  # NaN when nothing is finite: mean is NaN
+        std = torch.sqrt(_sum(buf.square_(), dim) / (n - 1)) + mean * 0
     absmax = torch.maximum(lo.abs(), hi.abs())
     return torch.stack([mean, std, lo, hi, absmax, (numel - nonzero) / numel, nan_count,
                         nonfinite - nan_count], dim=-1)

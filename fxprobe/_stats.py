@@ -146,19 +146,19 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     out_dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
                  else torch.float32)
     rows: list[torch.Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple[torch.dtype, int], list[int]] = {}
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}  # same dtype and size: stackable
     for i, t in enumerate(tensors):
         n = t.numel()
         if n > _SMALL or n == 0:
             rows[i] = stats_vector(t)
         else:
-            groups.setdefault((_out_dtype(t), n), []).append(i)
-    for (dtype, n), members in groups.items():
+            groups.setdefault((t.dtype, n), []).append(i)
+    for (_, n), members in groups.items():
         if len(members) == 1:
             rows[members[0]] = stats_vector(tensors[members[0]])
             continue
         stacked = torch.stack([tensors[i].detach().reshape(n) for i in members])
-        result = _stats_of(stacked.to(torch.float64), 1, scaled=False).to(dtype)
+        result = _stats_of(stacked.to(torch.float64), 1, scaled=False)
         for j, i in enumerate(members):
             rows[i] = result[j]
     return torch.stack([r.to(out_dtype) for r in rows if r is not None])

@@ -160,3 +160,19 @@ def test_gradient_hooks_on_a_parameter_site_live_one_forward_and_not_on_the_mode
     # The model's own backward, after tapping, is not touched by fxprobe's gradient hooks.
     (plain,) = torch.autograd.grad(model(x).sum(), [model.weight])
     torch.testing.assert_close(plain, expected)
+
+
+def test_deferred_stats_of_small_values_are_those_of_the_values_as_produced() -> None:
+    from test_inplace import _hand_computed
+
+    model, (x,), _ = zoo.make("inplace")
+    tapped = fxprobe.tap(model, reduce="stats")
+    with torch.no_grad():
+        tapped(x)
+    expected = _hand_computed(model, x)
+    for name, value in expected.items():
+        got = tapped.taps[name]
+        v = value.double()
+        assert got.mean == pytest.approx(v.mean().item(), rel=1e-5, abs=1e-6), name
+        assert got.max == pytest.approx(v.max().item(), rel=1e-6), name
+        assert got.zero_frac == pytest.approx((v == 0).double().mean().item()), name

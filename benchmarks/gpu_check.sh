@@ -4,7 +4,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_check.sh      # $OUT defaults to ./gpu-check-out
 #
 # 1. installs fxprobe quietly (editable) if it does not import, prints nvidia-smi and versions;
-# 2. runs tests/test_stats.py on CUDA (FXPROBE_TEST_DEVICE=cuda: the Triton kernel where Triton
+# 2. runs tests/test_stats.py and tests/test_cuda.py on CUDA (FXPROBE_TEST_DEVICE=cuda: the Triton kernel where Triton
 #    is installed, its torch fallback, stats_vectors, no host sync, no graph break);
 # 3. the statistics microbenchmark on CUDA: stats_vector (Triton) and its torch fallback against
 #    one read of the tensor, 4 KiB .. 64 MiB, and the 97755d0 implementation;
@@ -55,8 +55,8 @@ print("commit", subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_
                                text=True).stdout.strip() or "unknown (no git)")
 EOF
 
-step 120 "stats tests on $DEVICE" env FXPROBE_TEST_DEVICE="$DEVICE" \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_stats.py
+step 120 "stats and CUDA-path tests on $DEVICE" env FXPROBE_TEST_DEVICE="$DEVICE" \
+    "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_stats.py tests/test_cuda.py
 step 90 "stats microbenchmark on $DEVICE" \
     "$PY" -m benchmarks.stats_micro --device "$DEVICE" --rounds 7 --out "$OUT"
 # The suite shares what is left of SUITE_BUDGET seconds (default 300) among the models still

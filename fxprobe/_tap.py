@@ -150,8 +150,12 @@ class TappedModule(nn.Module):
             if root is not None:
                 result = root.fn(root.holder, *args, **kwargs)
                 self._pipeline.store(root.names, result[1])
-                return result[0]
-            return own_forward(self._root)(*args, **kwargs)
+                out = result[0]
+            else:
+                out = own_forward(self._root)(*args, **kwargs)
+            if state.frame.deferred:
+                self._pipeline.finish(state.frame)
+            return out
         finally:
             state.active = False
 

@@ -9,7 +9,7 @@ shuffled order, ratio to the mean of the two baseline slots beside it, medians o
 
 - ``A/A control``: the untapped ScriptModule against itself (the noise floor);
 - ``taps``: reference capture (a copy only where a later in-place op overwrites a value);
-- ``taps, stats``: ``reduce="stats"``, statistics computed inside the TorchScript graph.
+- ``taps, stats``: ``reduce="stats"`` (statistics of the values the graph returns, read once).
 
 Forward hooks are not in the table: a ScriptModule has none to offer (Python hooks are refused
 on a scripted module), which is why the taps are compiled into the graph. Writes

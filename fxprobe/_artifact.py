@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._errors import ConfigError, RemovedError, UnsupportedModelError
 from ._options import TapOptions, make_options
@@ -100,6 +100,8 @@ class TappedArtifact:
         try:
             ran = [(n, v) for n, v in zip(self._names, values, strict=True) if v is not None]
             names, kept = tuple(n for n, _ in ran), tuple(v for _, v in ran)
+            if self._stats:
+                kept = _reduce_stats(kept)
             if rec.to is not None:
                 kept = rec.offload(state.frame, names, kept)
             if state.detach_now:
@@ -160,23 +162,61 @@ def _detach(v: Any) -> Any:
     return v.detach() if isinstance(v, torch.Tensor) else v
 
 
+class _Reduced:
+    """One tensor's statistics vector, with the shape and dtype a :class:`Stats` reports."""
+
+    __slots__ = ("vector", "shape", "dtype")
+
+    def __init__(self, vector: torch.Tensor, t: torch.Tensor) -> None:
+        self.vector, self.shape, self.dtype = vector, tuple(t.shape), str(t.dtype)
+
+
+def _reduce_stats(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Statistics of every tensor in ``values``, computed as the fx frontend computes them
+    (so the numbers are the same): a large tensor alone, the small ones of the forward
+    together, per device, in order."""
+    from ._stats import _SMALL, stats_vector, stats_vectors
+
+    flat = [tree_flatten(v) for v in values]
+    small: dict[torch.device, list[tuple[int, int]]] = {}
+    out: list[list[Any]] = []
+    for i, (leaves, _) in enumerate(flat):
+        row: list[Any] = list(leaves)
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.numel() > _SMALL:
+                    row[j] = _Reduced(stats_vector(leaf), leaf)
+                else:
+                    small.setdefault(leaf.device, []).append((i, j))
+        out.append(row)
+    for spots in small.values():
+        tensors = [flat[i][0][j] for i, j in spots]
+        for (i, j), t, vec in zip(spots, tensors, stats_vectors(tensors).unbind(0),
+                                  strict=True):
+            out[i][j] = _Reduced(vec, t)
+    return tuple(tree_unflatten(row, spec) for row, (_, spec) in zip(out, flat, strict=True))
+
+
 def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
-    """``(vector, shape, dtype code)`` triples -> :class:`Stats`, fetched in one transfer."""
-    from ._script_build import dtype_of_code
+    """Put a :class:`Stats` in place of each reduced tensor, fetched in one transfer."""
     from ._stats import StatsBatch
 
-    keys = [k for k, v in values.items() if isinstance(v, tuple) and len(v) == 3
-            and isinstance(v[0], torch.Tensor)]
+    flat = {name: tree_flatten(v) for name, v in values.items()}
+    keys, found = [], []
+    for name, (leaves, _) in flat.items():
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, _Reduced):
+                keys.append(f"{name}\0{j}")
+                found.append(leaf)
     if not keys:
         return values
-    batch = StatsBatch(keys, [values[k][0] for k in keys],
-                       [tuple(values[k][1]) for k in keys],
-                       [str(_dtype(values[k][2], dtype_of_code)) for k in keys]).fetch()
-    return {k: batch[k] if k in batch else v for k, v in values.items()}
-
-
-def _dtype(code: Any, lookup: Callable[[int], torch.dtype]) -> torch.dtype:
-    return code if isinstance(code, torch.dtype) else lookup(int(code))
+    batch = StatsBatch(keys, [r.vector for r in found], [r.shape for r in found],
+                       [r.dtype for r in found]).fetch()
+    result = {}
+    for name, (leaves, spec) in flat.items():
+        result[name] = tree_unflatten([batch[f"{name}\0{j}"] if isinstance(leaf, _Reduced)
+                                       else leaf for j, leaf in enumerate(leaves)], spec)
+    return result
 
 
 class TappedScript(TappedArtifact):
@@ -235,8 +275,7 @@ def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> 
         sg = ScriptGraph(model)
     chosen = select(sg.sites, as_selectors(ops), context=f"{model.original_name} (TorchScript)")
     index = {id(s): i for i, s in enumerate(sg.sites)}
-    rewritten = rewrite(sg, [index[id(s)] for s in chosen], copy=options.copy,
-                        stats=options.reduce == "stats")
+    rewritten = rewrite(sg, [index[id(s)] for s in chosen], copy=options.copy)
     module = build_module(model, rewritten, sg.sites, "stats" if options.reduce else "")
     tapped = TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied,
                           rewritten.outplaced)

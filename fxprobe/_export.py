@@ -344,15 +344,6 @@ class TappedExport(TappedArtifact):
         super().__init__(module, [s.name for s in sites], sites, options, stats, copied,
                          outplaced)
 
-    def _split(self, result: Any) -> tuple[Any, Sequence[Any]]:
-        out, values = result
-        if self._stats:  # computed here, from the values the program returns
-            from ._stats import stats_vector
-
-            values = [(stats_vector(v), tuple(v.shape), v.dtype)
-                      if isinstance(v, torch.Tensor) else v for v in values]
-        return out, values
-
     def exported(self) -> Any:
         """The tapped ``ExportedProgram`` (``torch.export.save(tapped.exported(), "t.pt2")``)."""
         return self._program

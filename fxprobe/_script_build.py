@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ._errors import UnsupportedModelError
 from ._ops import method_key, module_key
@@ -180,60 +180,6 @@ def _is_state(v: Value) -> bool:
 
 # -- the rewrite --------------------------------------------------------------------------------
 
-def _script_stats(t: Tensor) -> tuple[Tensor, list[int], torch.dtype]:
-    # The same ops, in the same order, as fxprobe.stats_vector: the same numbers.
-    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-    numel = t.numel()
-    if numel == 0:
-        nan = float("nan")
-        empty = torch.tensor([nan, nan, nan, nan, nan, nan, 0.0, 0.0], dtype=dtype,
-                             device=t.device)
-        return empty, t.shape, t.dtype  # type: ignore[return-value]
-    x = t.detach().reshape(-1).to(dtype)
-    finite = torch.isfinite(x)
-    n = finite.sum(dtype=dtype)
-    mean = torch.where(finite, x, 0).sum() / n
-    filled = torch.where(finite, x, mean)
-    lo, hi = torch.aminmax(filled)
-    dev = filled - mean
-    std = torch.sqrt(torch.dot(dev, dev) / (n - 1))
-    absmax = torch.maximum(lo.abs(), hi.abs())
-    zero_frac = (x == 0).sum(dtype=dtype) / numel
-    nan_count = torch.isnan(x).sum(dtype=dtype)
-    inf_count = numel - n - nan_count
-    vector = torch.stack([mean, std, lo, hi, absmax, zero_frac, nan_count, inf_count])
-    return vector, t.shape, t.dtype  # type: ignore[return-value]
-
-
-_scripted: dict[str, Any] = {}
-
-
-def _stats_graph() -> Graph:
-    fn = _scripted.get("stats")
-    if fn is None:
-        with quiet_jit():
-            fn = _scripted["stats"] = torch.jit.script(_script_stats)
-    return fn.graph
-
-
-def dtype_of_code(code: int) -> torch.dtype:
-    """The dtype TorchScript hands back as an int (``t.dtype`` in a graph)."""
-    table = _scripted.get("dtypes")
-    if table is None:
-        with quiet_jit():
-            probe = torch.jit.script(_dtype_code)
-        table = _scripted["dtypes"] = {}
-        for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-                  torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-                  torch.complex64, torch.complex128):
-            table[probe(torch.empty(0, dtype=d))] = d
-    return table[code]
-
-
-def _dtype_code(t: Tensor) -> torch.dtype:
-    return t.dtype
-
-
 def _is_tensor(v: Value) -> bool:
     return v.type().kind() == "TensorType"
 
@@ -277,10 +223,6 @@ def _lift(g: Graph, v: Value) -> Value:
         v = out
 
 
-def _insert_stats(g: Graph, v: Value) -> Value:
-    return g.insertGraph(_stats_graph(), [v])[0]
-
-
 def _insert_clone(g: Graph, v: Value) -> Value:
     out = g.insertNode(g.create("aten::clone", [v, g.insertConstant(None)])).output()
     out.setType(v.type())
@@ -298,13 +240,13 @@ class Rewritten:
     """Sites kept safe by running the one in-place op that would overwrite them out of place."""
 
 
-def rewrite(sg: ScriptGraph, selected: Sequence[int], *, copy: str, stats: bool) -> Rewritten:
+def rewrite(sg: ScriptGraph, selected: Sequence[int], *, copy: str) -> Rewritten:
     """Make ``sg.graph`` (in place) return the values of the sites at ``selected`` indices."""
     g = sg.graph
     values = {i: sg.values[i] for i in selected}
     uniq = {i: v.unique() for i, v in values.items()}  # a replaced Value cannot be asked
     outplaced: set[str] = set()
-    if copy == "auto" and not stats:
+    if copy == "auto":
         # Where one in-place op is all that overwrites a value, and nothing else sees it, run
         # it out of place (aten::relu_ -> aten::relu) instead of copying the value. Repeat:
         # `out += x; relu_(out)` frees `out` only once relu_ runs out of place.
@@ -325,23 +267,19 @@ def rewrite(sg: ScriptGraph, selected: Sequence[int], *, copy: str, stats: bool)
                 for i, u in list(uniq.items()):
                     if u == old:
                         values[i], uniq[i] = new, new.unique()
-    hazards = ScriptHazards(g) if copy == "auto" and not stats else None
+    hazards = ScriptHazards(g) if copy == "auto" else None
     risky = {i: hazards.at_risk(values[i]) for i in selected} if hazards else {}
     done: dict[tuple[int, str], Value] = {}
     outs, names, copied = [], [], set()
     for i in selected:
         site, v = sg.sites[i], values[i]
         how = "raw"
-        if _is_tensor(v) and stats:
-            how = "stats"
-        elif _is_tensor(v) and (copy == "always" or risky.get(i, False)):
+        if _is_tensor(v) and (copy == "always" or risky.get(i, False)):
             how = "clone"
         key = (v.unique(), how)
         new = done.get(key)
         if new is None:
-            if how == "stats":
-                new = _insert_after(g, v, partial(_insert_stats, g, v))
-            elif how == "clone":
+            if how == "clone":
                 new = _insert_after(g, v, partial(_insert_clone, g, v))
             else:
                 new = v
@@ -395,7 +333,7 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
     Attributes a loader can read: ``fxprobe_names`` (site names, in the order of the taps
     tuple), ``fxprobe_sites`` (name, kind, target, module path, type name, inlined "0"/"1" of
     each) and
-    ``fxprobe_reduce`` (``""``, or ``"stats"`` when each tap is ``(vector, shape, dtype)``).
+    ``fxprobe_reduce`` (``""``, or ``"stats"``: fxprobe reduces the values it reads back).
     """
     n = next(_counter)
     fn = torch._C._create_function_from_graph(f"__torch__.fxprobe.tapped_{n}.forward",

@@ -9,8 +9,11 @@ Example:
     torch.Size([2, 8])
 """
 
+from . import dist
+from ._disk import Captures, Disk, open_captures
 from ._errors import (
     ConfigError,
+    DiskError,
     FxProbeError,
     InterventionError,
     RemovedError,
@@ -32,7 +35,10 @@ from ._trace import Fallback
 from ._viz import RenderError, render, to_dot
 
 __all__ = [
+    "Captures",
     "ConfigError",
+    "Disk",
+    "DiskError",
     "Fallback",
     "FxProbeError",
     "Grads",
@@ -55,6 +61,7 @@ __all__ = [
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
+    "dist",
     "extractor",
     "render",
     "sample_vector",
@@ -62,6 +69,7 @@ __all__ = [
     "stats_table",
     "stats_vector",
     "summary",
+    "open_captures",
     "tap",
     "to_dot",
     "where",

@@ -47,3 +47,7 @@ class ConfigError(FxProbeError, ValueError):
 
 class InterventionError(FxProbeError, ValueError):
     """A callback (``fn=`` or ``grad_fn=``) returned a value that cannot replace the original."""
+
+
+class DiskError(FxProbeError, OSError):
+    """Captures could not be written to, or read from, a directory (``fxprobe.Disk``)."""

@@ -106,8 +106,9 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     They are combined exactly as if one rank had seen every rank's tensor concatenated along
     dim 0: element counts, NaN/Inf counts, zeros, min/max, and mean and variance by Chan's
     parallel formula from each rank's (count, mean, sum of squared deviations), never a mean
-    of means. One ``all_gather`` of a ``(leaves + 1) x 11`` float64 table per rank; the
-    result is the same on every rank.
+    of means. One ``all_gather`` of a ``(values + 1) x 11`` float64 table per rank; the
+    result is the same on every rank. The first call with a new set of sites first compares
+    the ranks' sites with a 2-float ``all_gather`` (a table of another size would abort gloo).
 
     Args:
         tapped: a tapped module (or DDP/FSDP wrapping one, or a ``{site: value}`` mapping).
@@ -137,34 +138,68 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
                 pending[(name, i)] = leaf
     fetched = StatsBatch.from_tensors({f"{n}\0{i}": t for (n, i), t in pending.items()}).fetch() \
         if pending else {}
-    slots: list[tuple[str, int, Stats]] = []
-    for name, (leaves, _) in flat.items():
+    # One row per leaf of every selected site, in site order, also for sites that did not run
+    # here (an empty row): the table has the same size on every rank that taps the same sites.
+    slots: list[tuple[str, int, Stats | None]] = []
+    for name in _site_names(tapped, values):
+        leaves = flat[name][0] if name in flat else [None]
         for i, leaf in enumerate(leaves):
-            s = leaf if isinstance(leaf, Stats) else fetched.get(f"{name}\0{i}")
-            if s is not None:
-                slots.append((name, i, s))
-    layout = repr([(name, i) for name, i, _ in slots]).encode()
-    header = [float(len(slots)), float(zlib.crc32(layout))] + [0.0] * (_COLS - 2)
-    table = torch.tensor([header] + [_row(s) for _, _, s in slots], dtype=torch.float64)
+            stats = leaf if isinstance(leaf, Stats) else fetched.get(f"{name}\0{i}")
+            slots.append((name, i, stats))
+    crc = float(zlib.crc32(repr([(n, i) for n, i, _ in slots]).encode()))
     device = _device(group)
     world = tdist.get_world_size(group)
+    key = (id(group), len(slots), crc)
+    if key not in _VERIFIED:
+        _verify(len(slots), crc, world, device, group)
+        _VERIFIED.add(key)
+    header = [float(len(slots)), crc] + [0.0] * (_COLS - 2)
+    table = torch.tensor([header] + [_row(s) if s is not None else [0.0] * _COLS
+                                     for _, _, s in slots], dtype=torch.float64)
     out = torch.empty((world * table.shape[0], _COLS), dtype=torch.float64, device=device)
     tdist.all_gather_into_tensor(out, table.to(device), group=group)  # the one collective
     per_rank = out.cpu().view(world, table.shape[0], _COLS)
-    differ = [r for r in range(world) if not torch.equal(per_rank[r, 0], per_rank[0, 0])]
-    if differ:
-        raise ConfigError(
-            f"fxprobe.dist.reduce_stats: ranks {differ} captured other sites than rank 0 "
-            f"(this rank has {len(slots)} values); every rank must tap the same model with "
-            "the same ops= and run the same sites"
-        )
+    if not all(torch.equal(per_rank[r, 0], per_rank[0, 0]) for r in range(world)):
+        raise ConfigError(_DIFFERENT_SITES)
     combined = {(name, i): _combine(per_rank[:, k + 1], s.shape, s.dtype)
-                for k, (name, i, s) in enumerate(slots)}
+                for k, (name, i, s) in enumerate(slots) if s is not None}
     result: dict[str, Any] = {}
     for name, (leaves, spec) in flat.items():
         new = [combined.get((name, i), leaf) for i, leaf in enumerate(leaves)]
         result[name] = tree_unflatten(new, spec)
     return result
+
+
+_VERIFIED: set[tuple[int, int, float]] = set()
+_DIFFERENT_SITES = (
+    "fxprobe.dist.reduce_stats: the ranks captured different sites; every rank must tap the "
+    "same model with the same ops= (and be in the same train/eval mode)"
+)
+
+
+def _site_names(source: Any, values: Mapping[str, Any]) -> list[str]:
+    """The selected sites of a tapped module (also inside DDP), else the values' names."""
+    for obj in (source, getattr(source, "module", None)):
+        if obj is not None and not isinstance(obj, Mapping) and hasattr(obj, "taps"):
+            names = [s.name for s in obj.sites]
+            return names + [n for n in values if n not in set(names)]  # hook calls: name_1
+    return list(values)
+
+
+def _verify(rows: int, crc: float, world: int, device: torch.device, group: Any) -> None:
+    """Compare the table layout of every rank once, with a fixed-size exchange.
+
+    Collectives of different sizes abort gloo (and hang NCCL), so a layout is checked once
+    before its first table is sent; later calls with a verified layout send the table alone.
+    """
+    mine = torch.tensor([float(rows), crc], dtype=torch.float64, device=device)
+    out = torch.empty(world * 2, dtype=torch.float64, device=device)
+    tdist.all_gather_into_tensor(out, mine, group=group)
+    layouts = out.cpu().view(world, 2).tolist()
+    differ = [r for r, layout in enumerate(layouts) if layout != layouts[0]]
+    if differ:
+        raise ConfigError(f"{_DIFFERENT_SITES} (ranks {differ} differ from rank 0; this rank "
+                          f"has {rows} values)")
 
 
 def gather(tapped: Any, names: Sequence[str] | str | None = None, dst: int = 0,

@@ -160,10 +160,13 @@ def reduce_stats(rank: int, tmp: Path) -> None:
 
     tdist.all_gather_into_tensor = counted
     try:
+        first = fxprobe.dist.reduce_stats(tapped)  # compares the ranks' sites, then reduces
+        calls.clear()
         got = fxprobe.dist.reduce_stats(tapped)
     finally:
         tdist.all_gather_into_tensor = real
     assert len(calls) == 1, f"{len(calls)} collectives"
+    assert first == got
     refs: dict[str, list[np.ndarray]] = {}
     for r in range(WORLD):  # every rank's tensors, recomputed here
         with torch.no_grad():
@@ -185,14 +188,16 @@ def reduce_stats(rank: int, tmp: Path) -> None:
     everyone: list[Any] = [None] * WORLD
     tdist.all_gather_object(everyone, got)
     assert everyone[0] == everyone[1], "ranks disagree"
-    # Ranks that captured different sites get an error on every rank, not a wrong table.
-    mine = {f"site{rank}": fxprobe.Stats((1,), "torch.float32", 1, *[0.0] * 6, 0, 0)}
-    try:
-        fxprobe.dist.reduce_stats(mine)
-    except fxprobe.ConfigError as e:
-        assert "other sites" in str(e)
-    else:
-        raise AssertionError("different sites were combined")
+    # Ranks that captured different sites get an error on every rank, neither a wrong table
+    # nor a collective of mismatched sizes (which aborts gloo).
+    one = fxprobe.Stats((1,), "torch.float32", 1, *[0.0] * 6, 0, 0)
+    for mine in ({f"site{rank}": one}, {f"site{i}": one for i in range(rank + 1)}):
+        try:
+            fxprobe.dist.reduce_stats(mine)
+        except fxprobe.ConfigError as e:
+            assert "different sites" in str(e)
+        else:
+            raise AssertionError("different sites were combined")
 
 
 def gather(rank: int, tmp: Path) -> None:
@@ -232,14 +237,17 @@ def stats_logger(rank: int, tmp: Path) -> None:
         return real(*a, **k)
 
     tdist.all_gather_into_tensor = counted
+    per_step = []
     try:
         for step in range(5):
             with torch.no_grad():
                 tapped(batch(rank, step))
             slog.step()
+            per_step.append(len(calls))
+            calls.clear()
     finally:
         tdist.all_gather_into_tensor = real
-    assert len(calls) == 3, f"{len(calls)} collectives in 5 steps"
+    assert per_step == [2, 0, 1, 0, 1], per_step  # the first also compares the ranks' sites
     assert len(records) == (3 if rank == 0 else 0)
     if rank == 0:
         assert "over 2 ranks, step 4" in records[-1].getMessage()

@@ -157,7 +157,7 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     table = torch.tensor([header] + [_row(s) if s is not None else [0.0] * _COLS
                                      for _, _, s in slots], dtype=torch.float64)
     out = torch.empty((world * table.shape[0], _COLS), dtype=torch.float64, device=device)
-    tdist.all_gather_into_tensor(out, table.to(device), group=group)  # the one collective
+    _all_gather(out, table.to(device), group)  # the one collective
     per_rank = out.cpu().view(world, table.shape[0], _COLS)
     if not all(torch.equal(per_rank[r, 0], per_rank[0, 0]) for r in range(world)):
         raise ConfigError(_DIFFERENT_SITES)
@@ -186,6 +186,12 @@ def _site_names(source: Any, values: Mapping[str, Any]) -> list[str]:
     return list(values)
 
 
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single.
+    fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
 def _verify(rows: int, crc: float, world: int, device: torch.device, group: Any) -> None:
     """Compare the table layout of every rank once, with a fixed-size exchange.
 
@@ -194,7 +200,7 @@ def _verify(rows: int, crc: float, world: int, device: torch.device, group: Any)
     """
     mine = torch.tensor([float(rows), crc], dtype=torch.float64, device=device)
     out = torch.empty(world * 2, dtype=torch.float64, device=device)
-    tdist.all_gather_into_tensor(out, mine, group=group)
+    _all_gather(out, mine, group)
     layouts = out.cpu().view(world, 2).tolist()
     differ = [r for r, layout in enumerate(layouts) if layout != layouts[0]]
     if differ:

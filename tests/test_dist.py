@@ -32,6 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fxprobe
 
 WORLD = 2
+# The collective reduce_stats makes (renamed in torch 2.13).
+GATHER = "all_gather_single" if hasattr(tdist, "all_gather_single") else "all_gather_into_tensor"
 DEADLINE_S = 120
 
 
@@ -152,19 +154,19 @@ def reduce_stats(rank: int, tmp: Path) -> None:
     with torch.no_grad():
         tapped(poisoned(rank))
     calls = []
-    real = tdist.all_gather_into_tensor
+    real = getattr(tdist, GATHER)
 
     def counted(*a: Any, **k: Any) -> Any:
         calls.append(1)
         return real(*a, **k)
 
-    tdist.all_gather_into_tensor = counted
+    setattr(tdist, GATHER, counted)
     try:
         first = fxprobe.dist.reduce_stats(tapped)  # compares the ranks' sites, then reduces
         calls.clear()
         got = fxprobe.dist.reduce_stats(tapped)
     finally:
-        tdist.all_gather_into_tensor = real
+        setattr(tdist, GATHER, real)
     assert len(calls) == 1, f"{len(calls)} collectives"
     assert first == got
     refs: dict[str, list[np.ndarray]] = {}
@@ -230,13 +232,13 @@ def stats_logger(rank: int, tmp: Path) -> None:
     log.addHandler(Keep())
     slog = fxprobe.dist.StatsLogger(tapped, every=2, logger=log)
     calls = []
-    real = tdist.all_gather_into_tensor
+    real = getattr(tdist, GATHER)
 
     def counted(*a: Any, **k: Any) -> Any:
         calls.append(1)
         return real(*a, **k)
 
-    tdist.all_gather_into_tensor = counted
+    setattr(tdist, GATHER, counted)
     per_step = []
     try:
         for step in range(5):
@@ -246,7 +248,7 @@ def stats_logger(rank: int, tmp: Path) -> None:
             per_step.append(len(calls))
             calls.clear()
     finally:
-        tdist.all_gather_into_tensor = real
+        setattr(tdist, GATHER, real)
     assert per_step == [2, 0, 1, 0, 1], per_step  # the first also compares the ranks' sites
     assert len(records) == (3 if rank == 0 else 0)
     if rank == 0:

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import resource
 import shutil
 import statistics
@@ -100,15 +101,30 @@ def forward_times(model: nn.Module, x: torch.Tensor, where: Path, rounds: int, p
         for v in variants.values():
             v(x)  # warm-up
         disk.flush()
+        rng = random.Random(0)
         for _ in range(rounds):
-            for key, v in variants.items():
+            keys = list(variants)
+            rng.shuffle(keys)
+            for key in keys:
                 for _ in range(per):
                     start = time.perf_counter()
-                    v(x)
+                    variants[key](x)
                     times[key].append(time.perf_counter() - start)
             disk.flush()  # untimed: the next round starts with an empty queue
     variants["to_disk"].remove()
     return times
+
+
+def peak_rss_kib() -> int:
+    """This process's peak RSS. /proc's VmHWM starts afresh at exec; ru_maxrss would carry
+    the peak of the (large) parent that forked this process."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def memory_child(path: str, queue: int, forwards: int, size_mib: int) -> None:
@@ -119,14 +135,14 @@ def memory_child(path: str, queue: int, forwards: int, size_mib: int) -> None:
                         queue_bytes="1TiB" if unbounded else "1GiB")
     numel = size_mib * MIB // 4
     torch.full((numel,), 1.0)  # allocator and page-fault warm-up
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss_kib()
     start = time.perf_counter()
     for i in range(forwards):
         disk.write({"value": torch.full((numel,), float(i))})
     handed = time.perf_counter() - start
     disk.close()
     total = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_rss_kib()
     print(json.dumps({"peak_growth_mib": (peak - base) / 1024, "handed_s": handed,
                       "total_s": total}))
 
@@ -145,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
     ap.add_argument("--side", type=int, default=112, help="image side (224: full ResNet-50)")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the throughput part")
+    ap.add_argument("--fwd-rounds", type=int, default=8, help="rounds of the forward part")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-child", nargs=4, metavar=("DIR", "QUEUE", "N", "MIB"))
     args = ap.parse_args(argv)
@@ -154,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_child(d, int(q), int(n), int(mib))
         return
     if args.quick:
-        args.side, args.batch, args.rounds = 32, 4, 2
+        args.side, args.batch, args.rounds, args.fwd_rounds = 32, 4, 2, 2
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fxprobe-disk-"))
     base.mkdir(parents=True, exist_ok=True)
     shard = 256 * MIB
@@ -171,7 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         total = per_forward * repeats
         raw_mbs = total / statistics.median(raw_s) / 1e6
         disk_mbs = total / statistics.median(disk_s) / 1e6
-        times = forward_times(model, x, base / "fwd", args.rounds, 1 if args.quick else 2)
+        load_before = os.getloadavg()
+        times = forward_times(model, x, base / "fwd", args.fwd_rounds, 1)
+        load_after = os.getloadavg()
         shutil.rmtree(base / "fwd")
         med = {k: statistics.median(v) for k, v in times.items()}
         n_mem, mib = (4, 8) if args.quick else (24, 64)
@@ -197,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         "forward_s": times,
         "forward_median_s": med,
         "disk_vs_cpu": med["to_disk"] / med["to_cpu"],
+        "disk_vs_cpu_per_round": [d / c for d, c in zip(times["to_disk"], times["to_cpu"],
+                                                        strict=True)],
+        "loadavg_before_after_forwards": [load_before, load_after],
         "cpu_vs_bare": med["to_cpu"] / med["bare"],
         "memory": {"forward_mib": mib, "forwards": n_mem, **mem},
         "quick": args.quick,
@@ -229,8 +251,12 @@ def markdown(r: dict[str, Any]) -> str:
         f"queue=4 | {mem['bounded_queue_4']['peak_growth_mib']:.0f} MiB |",
         f"| same, unbounded queue | {mem['unbounded']['peak_growth_mib']:.0f} MiB |",
         "",
-        f"Medians of {len(d['raw_s'])} interleaved rounds; raw s {fmt(d['raw_s'])}, "
-        f"Disk s {fmt(d['disk_s'])}.",
+        f"Throughput: medians of {len(d['raw_s'])} interleaved rounds; raw s "
+        f"{fmt(d['raw_s'])}, Disk s {fmt(d['disk_s'])}. Forwards: medians of "
+        f"{len(r['forward_s']['bare'])} rounds (shuffled order); `to=Disk` / `to=\"cpu\"` "
+        f"per round: {fmt(r['disk_vs_cpu_per_round'])}; load average before/after "
+        f"{r['loadavg_before_after_forwards'][0][0]:.1f}/"
+        f"{r['loadavg_before_after_forwards'][1][0]:.1f}.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -501,6 +501,17 @@ class Disk:
             forward = self._next_forward
             self._next_forward += 1
         job = _Encoder(protected, inputs, self.copy).job(forward, values)
+        if self._appending:
+            # The first forward of a run appending to earlier captures must be of the same
+            # model (same sites, structures, dtypes, shapes after dim 0): refused here, before
+            # anything is queued (and so is every later forward).
+            known = self._index["signature"]
+            if set(job.signature) != set(known) or any(
+                    known[n] != s for n, s in job.signature.items()):
+                with self._cond:
+                    self._next_forward -= 1
+                raise DiskError(_mismatch(self.path, known, job.signature))
+            self._appending = False
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -623,7 +634,7 @@ class Disk:
     def _write_job(self, job: _Job) -> None:
         if job.event is not None:
             job.event.synchronize()
-        self._check_signature(job)
+        self._add_sites(job)
         layout_json = json.dumps(job.layout, separators=(",", ":"))
         shard = self._shard
         if shard is not None and not shard.fits(job, layout_json):
@@ -644,16 +655,9 @@ class Disk:
         self._next_shard += 1
         return shard
 
-    def _check_signature(self, job: _Job) -> None:
+    def _add_sites(self, job: _Job) -> None:
         index = self._index
         known: dict[str, str] = index["signature"]
-        if self._appending:
-            # The first forward of a run appending to earlier captures must be of the same
-            # model: same sites, structures, dtypes, shapes after dim 0.
-            self._appending = False
-            if set(job.signature) != set(known) or any(
-                    known[n] != s for n, s in job.signature.items()):
-                raise DiskError(_mismatch(self.path, known, job.signature))
         for name, sig in job.signature.items():
             if name not in known:
                 known[name] = sig

@@ -204,10 +204,12 @@ def test_another_models_captures_are_refused_and_kept(tmp_path: Path) -> None:
     before = sorted(os.listdir(tmp_path))
     other = nn.Sequential(nn.Linear(4, 5), nn.ReLU())
     tapped = fxprobe.tap(other, to=fxprobe.Disk(tmp_path, mode="append"))
-    with torch.no_grad():
-        tapped(torch.randn(3, 4))  # the writer thread finds the mismatch
-    with pytest.raises(fxprobe.DiskError, match="another model.*site '0' differs"):
-        tapped.remove()
+    with pytest.raises(fxprobe.DiskError, match="another model.*site '0' differs"), \
+            torch.no_grad():
+        tapped(torch.randn(3, 4))  # refused at the first forward, before anything is queued
+    with pytest.raises(fxprobe.DiskError, match="another model"), torch.no_grad():
+        tapped(torch.randn(3, 4))  # and at every later one
+    tapped.remove()
     assert sorted(os.listdir(tmp_path)) == before
     check_same(expected, fxprobe.open_captures(tmp_path))
 
@@ -324,3 +326,19 @@ def test_exception_in_the_with_block_still_commits(tmp_path: Path) -> None:
     assert len(caps) == 3
     with torch.no_grad():
         assert torch.equal(caps.forward(2)[caps.names[-1]], model(xs[2]))
+
+
+def test_the_worked_example_in_the_docs_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    text = (ROOT / "docs/disk.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for code in blocks:
+        exec(compile(code, "docs/disk.md", "exec"), {"__name__": "__docs__"})
+    assert "('1',) 10" in capsys.readouterr().out

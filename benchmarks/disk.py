@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp directory)")
     ap.add_argument("--side", type=int, default=112, help="image side (224: full ResNet-50)")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the throughput part")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of the throughput part")
     ap.add_argument("--fwd-rounds", type=int, default=8, help="rounds of the forward part")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-child", nargs=4, metavar=("DIR", "QUEUE", "N", "MIB"))
@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> None:
         per_forward = sum(t.nbytes for t in values.values())
         repeats = max(2, (2 * 2**30) // per_forward) if not args.quick else 3
         raw_s, disk_s = [], []
-        for _ in range(args.rounds):
-            raw_s.append(raw_write(base / "raw", values, repeats, shard))
-            shutil.rmtree(base / "raw")
-            disk_s.append(disk_write(base / "disk", values, repeats, shard))
-            shutil.rmtree(base / "disk")
+        for r in range(args.rounds):  # ABBA: neither side always runs first
+            for kind in (("raw", "disk") if r % 2 == 0 else ("disk", "raw")):
+                if kind == "raw":
+                    raw_s.append(raw_write(base / "raw", values, repeats, shard))
+                else:
+                    disk_s.append(disk_write(base / "disk", values, repeats, shard))
+                shutil.rmtree(base / kind)
         total = per_forward * repeats
         raw_mbs = total / statistics.median(raw_s) / 1e6
         disk_mbs = total / statistics.median(disk_s) / 1e6
@@ -212,7 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         "bytes_per_forward": per_forward,
         "disk_bound": {"bytes": total, "raw_s": raw_s, "disk_s": disk_s,
                        "raw_MBps": raw_mbs, "disk_MBps": disk_mbs,
-                       "fraction_of_raw": disk_mbs / raw_mbs},
+                       "fraction_of_raw": disk_mbs / raw_mbs,
+                       "best_raw_MBps": total / min(raw_s) / 1e6,
+                       "best_disk_MBps": total / min(disk_s) / 1e6},
         "forward_s": times,
         "forward_median_s": med,
         "disk_vs_cpu": med["to_disk"] / med["to_cpu"],
@@ -241,9 +245,12 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         "| measurement | value |",
         "|---|---|",
-        f"| raw disk write (same bytes, fsync per 256 MiB) | {d['raw_MBps']:.0f} MB/s |",
-        f"| Disk, writer-bound (no model between writes) | {d['disk_MBps']:.0f} MB/s "
-        f"({100 * d['fraction_of_raw']:.0f}% of raw) |",
+        f"| raw disk write (same bytes, fsync per 256 MiB), median / best | "
+        f"{d['raw_MBps']:.0f} / {d['best_raw_MBps']:.0f} MB/s |",
+        f"| Disk, writer-bound (no model between writes), median / best | "
+        f"{d['disk_MBps']:.0f} / {d['best_disk_MBps']:.0f} MB/s "
+        f"({100 * d['fraction_of_raw']:.0f}% / "
+        f"{100 * d['best_disk_MBps'] / d['best_raw_MBps']:.0f}% of raw) |",
         f"| forward, bare model | {m['bare']:.2f} s |",
         f"| forward, `to=\"cpu\"` (in memory) | {m['to_cpu']:.2f} s |",
         f"| forward, `to=Disk` | {m['to_disk']:.2f} s ({r['disk_vs_cpu']:.3f}x `to=\"cpu\"`) |",

@@ -10,6 +10,9 @@ slowest rank's):
 - ``tapped``: ``DDP(fxprobe.tap(model, reduce="stats"))`` with nothing read;
 - ``local/N``: plus ``fxprobe.StatsLogger`` every N steps (this rank's statistics only);
 - ``dist/N``: plus ``fxprobe.dist.StatsLogger`` every N steps (all ranks', one collective).
+
+Then one read in isolation, interleaved: the first read of a forward's statistics on this
+rank (``tapped.taps``) against ``fxprobe.dist.reduce_stats`` (slowest rank's time).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
 WORLD = 2
 
 
-def worker(rank: int, port: int, out: str, rounds: int, steps: int, every: list[int]) -> None:
+def worker(rank: int, port: int, out: str, rounds: int, steps: int, every: list[int],
+           reads_n: int) -> None:
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=WORLD, timeout=datetime.timedelta(seconds=120))
@@ -96,8 +100,26 @@ def worker(rank: int, port: int, out: str, rounds: int, steps: int, every: list[
             order.reverse()
         for key in order:
             per_step[key].append(slot(key, steps))
+    # One read in isolation: a forward, then the first read of its statistics (which
+    # resolves them), this rank's alone or all ranks' (one collective), interleaved.
+    model, _ = configs["tapped"]
+    tapped = model.module
+    reads: dict[str, list[float]] = {"local_read": [], "cross_rank_read": []}
+    for i in range(2 * reads_n):
+        with torch.no_grad():
+            tapped(x)
+        key = "local_read" if i % 2 == 0 else "cross_rank_read"
+        tdist.barrier()
+        start = time.perf_counter()
+        if key == "local_read":
+            dict(tapped.taps.items())
+        else:
+            fxprobe.dist.reduce_stats(tapped)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
+        reads[key].append(float(elapsed))
     if rank == 0:
-        Path(out).write_text(json.dumps(per_step))
+        Path(out).write_text(json.dumps({**per_step, **reads}))
     tdist.destroy_process_group()
 
 
@@ -115,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         port = s.getsockname()[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"fxprobe-dist-bench-{os.getpid()}.json"
-    mp.start_processes(worker, args=(port, str(out), args.rounds, args.steps, every),
+    mp.start_processes(worker, args=(port, str(out), args.rounds, args.steps, every,
+                                     10 if args.quick else 200),
                        nprocs=WORLD, start_method="spawn")
     per_step = json.loads(out.read_text())
     out.unlink()
@@ -159,7 +182,10 @@ def markdown(r: dict[str, Any], every: list[int]) -> str:
         loc, dis = ms[f"local/{n}"], ms[f"dist/{n}"]
         lines.append(f"| {n} | {loc:.2f} ms | {dis:.2f} ms | {dis - loc:+.3f} ms |")
     lines += ["", f"Medians over {r['rounds']} interleaved rounds of {r['steps_per_slot']} "
-              "steps; a slot's time is the slower rank's."]
+              "steps; a slot's time is the slower rank's.", "",
+              f"One read after a forward, median of {len(r['per_step_s']['local_read'])} "
+              f"(interleaved): this rank's statistics {1e3 * m['local_read']:.3f} ms, all "
+              f"ranks' (`fxprobe.dist.reduce_stats`) {1e3 * m['cross_rank_read']:.3f} ms."]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,8 @@ Example:
 """
 
 from . import dist
-from ._disk import Captures, Disk, open_captures
+from ._captures import Captures, open_captures
+from ._disk import Disk
 from ._errors import (
     ConfigError,
     DiskError,

@@ -157,7 +157,11 @@ def test_the_forward_waits_only_when_the_queue_is_full(tmp_path: Path) -> None:
     try:
         t = threading.Thread(target=produce)
         t.start()
-        t.join(1.0)
+        for _ in range(200):  # until three forwards went through (bounded)
+            if len(done) >= 3:
+                break
+            t.join(0.05)
+        t.join(0.3)
         # One forward in the writer (held), two queued; the fourth waits for room.
         assert len(done) == 3 and t.is_alive()
         assert len(tapped._sink._jobs) == 2  # noqa: SLF001

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import difflib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -18,12 +19,6 @@ class InOut(NamedTuple):
 
     inputs: tuple[Any, ...]
     output: Any
-
-
-def detach_tree(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
 def _offload(value: Any, device: torch.device) -> Any:
@@ -41,72 +36,84 @@ def _offload(value: Any, device: torch.device) -> Any:
 
 
 class Frame:
-    """The values captured during one forward."""
+    """The values captured during one forward (and the gradients of its backward)."""
 
-    __slots__ = ("parts", "hooks", "hook_calls", "events", "replaced", "_cache")
+    __slots__ = ("parts", "hook_calls", "events", "replaced", "grads", "_cache")
 
     def __init__(self) -> None:
         self.parts: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
-        self.hooks: dict[str, Any] = {}
         self.hook_calls: dict[str, int] = {}
         self.events: dict[str, Any] = {}
         self.replaced: set[str] = set()
+        self.grads: dict[str, torch.Tensor] = {}
         self._cache: dict[str, Any] | None = None
 
 
+class ThreadState:
+    """One thread's view of a tapped module: its current frame, history and running regions."""
+
+    __slots__ = ("active", "frame", "history", "hook_paths", "detach_now", "pending", "running")
+
+    def __init__(self, keep: int | None) -> None:
+        self.active = False
+        self.frame = Frame()
+        self.history: collections.deque[Frame] = collections.deque(maxlen=keep)
+        self.hook_paths: frozenset[str] = frozenset()
+        self.detach_now = False
+        self.pending: dict[str, list[Any]] = {}
+        """Inputs kept by forward pre-hooks until the matching forward hook (a stack per
+        module, so that a module re-entered before it returns keeps each call's inputs)."""
+        self.running: dict[str, int] = {}
+        """How many calls of each traced region below untraced code are running."""
+
+
 class Recording:
-    """Where a tapped module's values go: frames, history, offload, gradients."""
+    """Where a tapped module's values go: per thread, one frame per forward and a history.
+
+    Every thread that runs the tapped module reads the values of its own last forward, so a
+    module served from several threads never mixes their values.
+    """
 
     def __init__(self, *, detach: bool, both: bool, keep: int | None = 1,
                  to: torch.device | None = None,
-                 finalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 grad_hook: Callable[[str, torch.Tensor], Any] | None = None) -> None:
-        self.active = False
+                 finalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         self.detach = detach
         self.both = both
+        self.keep = keep
         self.to = to
         self.finalize = finalize
-        self.grad_hook = grad_hook
-        self.detach_now = False
-        self.hook_paths: frozenset[str] = frozenset()
-        self.frame = Frame()
-        self.history: collections.deque[Frame] = collections.deque(maxlen=keep)
-        self.grads: dict[str, torch.Tensor] = {}
+        self._local = threading.local()
 
-    def begin(self, hook_paths: frozenset[str]) -> None:
-        self.frame = frame = Frame()
-        self.history.append(frame)
-        self.hook_paths = hook_paths
-        self.detach_now = self.detach and torch.is_grad_enabled()
-        if self.grad_hook is not None:
-            self.grads = {}
-        self.active = True
+    @property
+    def state(self) -> ThreadState:
+        try:
+            return self._local.state  # type: ignore[no-any-return]
+        except AttributeError:
+            state = self._local.state = ThreadState(self.keep)
+            return state
 
-    def add(self, names: tuple[str, ...], values: tuple[Any, ...],
-            flowing: tuple[Any, ...] | None = None) -> None:
-        if flowing is not None and self.grad_hook is not None:
-            self._watch_grads(names, flowing)
-        if self.to is not None:
-            values = self._offload_all(names, values)
-        if self.detach_now:
-            values = tuple(
-                v.detach() if isinstance(v, torch.Tensor) else detach_tree(v) for v in values
-            )
-        self.frame.parts.append((names, values))
+    @property
+    def frame(self) -> Frame:
+        return self.state.frame
 
-    def add_hook(self, path: str, value: Any) -> str:
-        frame = self.frame
-        calls = frame.hook_calls.get(path, 0)
-        frame.hook_calls[path] = calls + 1
-        name = f"{path}_{calls}" if calls else path
-        if self.to is not None:
-            (value,) = self._offload_all((name,), (value,))
-        if self.detach_now:
-            value = detach_tree(value)
-        frame.hooks[name] = value
-        return name
+    def begin(self, hook_paths: frozenset[str]) -> ThreadState:
+        state = self.state
+        state.frame = frame = Frame()
+        state.history.append(frame)
+        state.hook_paths = hook_paths
+        state.detach_now = self.detach and torch.is_grad_enabled()
+        state.active = True
+        return state
 
-    def _offload_all(self, names: tuple[str, ...], values: tuple[Any, ...]) -> tuple[Any, ...]:
+    def hook_name(self, path: str) -> str:
+        """``path`` for a hooked module's first call in this forward, ``path_1`` for the next."""
+        calls = self.state.frame.hook_calls
+        n = calls.get(path, 0)
+        calls[path] = n + 1
+        return f"{path}_{n}" if n else path
+
+    def offload(self, frame: Frame, names: tuple[str, ...], values: tuple[Any, ...]
+                ) -> tuple[Any, ...]:
         assert self.to is not None
         moved = tuple(_offload(v, self.to) for v in values)
         if torch.cuda.is_available() and any(
@@ -115,15 +122,8 @@ class Recording:
             for name in names:  # one event per site: reading waits for its own copy only
                 event = torch.cuda.Event()
                 event.record()
-                self.frame.events[name] = event
+                frame.events[name] = event
         return moved
-
-    def _watch_grads(self, names: tuple[str, ...], flowing: tuple[Any, ...]) -> None:
-        hook = self.grad_hook
-        assert hook is not None
-        for name, value in zip(names, flowing, strict=True):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(lambda g, name=name: hook(name, g))
 
     def values(self, frame: Frame | None = None) -> dict[str, Any]:
         frame = frame or self.frame
@@ -131,7 +131,6 @@ class Recording:
             d: dict[str, Any] = {}
             for names, vals in frame.parts:
                 d.update(zip(names, vals, strict=True))
-            d.update(frame.hooks)
             if self.both:
                 d = {k: InOut(*v) for k, v in d.items()}
             if self.finalize is not None:
@@ -148,12 +147,19 @@ class Taps(Mapping[str, Any]):
     :class:`~fxprobe.UnknownSiteError` with the closest names.
     """
 
+    _what = "value from the last forward"
+    _why = "a branch not taken, or no forward yet"
+
     def __init__(self, recording: Recording, order: dict[str, int],
-                 frame: Frame | None = None, what: str = "value") -> None:
+                 frame: Frame | None = None) -> None:
         self._rec = recording
         self._order = order
         self._frame = frame or recording.frame
-        self._what = what
+
+    @property
+    def replaced(self) -> frozenset[str]:
+        """The sites whose value ``fn=`` replaced in this forward."""
+        return frozenset(self._frame.replaced)
 
     def _values(self) -> dict[str, Any]:
         return self._rec.values(self._frame)
@@ -179,8 +185,8 @@ class Taps(Mapping[str, Any]):
             return vals[name]
         if name in self._order:
             raise SiteNotRunError(
-                f"site {name!r} is selected but has no {self._what} from the last forward "
-                "(a branch not taken, or no forward yet); the sites that have one are: "
+                f"site {name!r} is selected but has no {self._what} "
+                f"({self._why}); the sites that have one are: "
                 f"{', '.join(list(self._ordered())[:20]) or 'none'}"
             )
         close = difflib.get_close_matches(name, list(self._order), n=5, cutoff=0.5)
@@ -210,5 +216,8 @@ class Taps(Mapping[str, Any]):
 class Grads(Taps):
     """Gradients of the last backward with respect to each tapped value, by site name."""
 
+    _what = "gradient from the last backward"
+    _why = "no backward yet, a branch not taken, or a value the loss does not depend on"
+
     def _values(self) -> dict[str, Any]:
-        return self._rec.grads
+        return self._frame.grads

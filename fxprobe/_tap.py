@@ -3,61 +3,46 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
-from ._errors import ConfigError, RemovedError, UnsupportedModelError
+from ._errors import ConfigError, RemovedError
 from ._hooks import HookSet
-from ._mirror import drop_overrides, mirror
-from ._modes import Modes, make_modes
-from ._options import Reduce, TapOptions, check_choice, make_options
+from ._mirror import drop_overrides, install_override, mirror, own_forward
+from ._options import (
+    Capture,
+    CopyPolicy,
+    Reduce,
+    TapOptions,
+    TracerKind,
+    check_choice,
+    check_flag,
+    check_sequence,
+    make_options,
+)
+from ._pipeline import Pipeline
+from ._program import Program, SiteNames, View, build_program, check_model, list_sites
 from ._record import Grads, Recording, Taps
-from ._rewrite import Capture, Compiled, CopyPolicy, compile_region, instrument
-from ._select import Selector, as_selectors, select
+from ._select import Selector, as_selectors
 from ._site import Site
-from ._trace import Fallback, Plan, TracerKind, plan
+from ._trace import Fallback
 
 if TYPE_CHECKING:
     from ._disk import Disk
     from ._summary import Table
 
 
-@dataclass
-class Program:
-    """Everything one mode of a tapped module runs: compiled regions and hook sites."""
-
-    training: bool
-    plan: Plan
-    selected: tuple[Site, ...]
-    compiled: dict[str, Compiled]
-    hook_paths: frozenset[str]
-    order: dict[str, int]
-
-
-def check_model(model: Any) -> None:
-    if isinstance(model, torch.jit.ScriptModule):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is a TorchScript module, which fxprobe does not tap yet; "
-            "pass the original Python nn.Module (before torch.jit.script/trace) instead"
-        )
-    if not isinstance(model, nn.Module):
-        raise UnsupportedModelError(
-            f"fxprobe taps torch.nn.Module instances; got {type(model).__name__}. "
-            "Wrap a function in an nn.Module whose forward calls it."
-        )
-
-
 class TappedModule(nn.Module):
     """The model, rewritten so that the selected sites are captured at every forward.
 
-    It shares parameters and buffers with the model (training it trains the model) and leaves
-    the model object itself untouched. ``tapped.taps`` holds the last forward's values.
+    It shares parameters and buffers with the model (training it trains the model; converting
+    it with ``.double()``, ``.to(device)`` converts the model, and the other way round) and
+    leaves the model object itself untouched. ``tapped.taps`` holds the last forward's values
+    of the calling thread.
     """
 
     _root: nn.Module
@@ -65,10 +50,9 @@ class TappedModule(nn.Module):
     _options: TapOptions
     _model_name: str
     _rec: Recording
-    _modes: Modes
+    _pipeline: Pipeline
     _hookset: HookSet
     _programs: dict[bool, Program]
-    _site_by_name: dict[str, Site]
     _removed: bool
     _sink: Any
 
@@ -78,7 +62,7 @@ class TappedModule(nn.Module):
         root = mirror(model)
         d = self.__dict__
         d["_root"] = root
-        # Same containers as the copied root: state_dict keys and parameters are the model's.
+        # The copied root's containers: state_dict keys and parameters are the model's.
         d["_modules"] = root._modules
         d["_parameters"] = root._parameters
         d["_buffers"] = root._buffers
@@ -87,15 +71,14 @@ class TappedModule(nn.Module):
         d["_selectors"] = selectors
         d["_options"] = options
         d["_model_name"] = type(model).__name__
-        d["_site_by_name"] = {}
+        d["_programs"] = {}
         rec = Recording(detach=options.detach, both=options.capture == "both",
                         keep=options.keep, to=options.to)
-        modes = make_modes(options, rec, self._site_by_name.get)
-        rec.finalize, rec.grad_hook = modes.finalize, modes.grad_hook
+        pipeline = Pipeline(options, rec, self._site)
+        rec.finalize = pipeline.finalize
         d["_rec"] = rec
-        d["_modes"] = modes
-        d["_hookset"] = HookSet(rec, modes, capture=options.capture, copy=options.copy)
-        d["_programs"] = {}
+        d["_pipeline"] = pipeline
+        d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
         d["_sink"] = options.sink  # fxprobe.Disk: write(values) after each forward
         self._program(strict=True)
@@ -110,74 +93,48 @@ class TappedModule(nn.Module):
                 raise RemovedError(
                     "this tapped module was removed; call fxprobe.tap(model, ...) again"
                 )
-            prog = self._build(self.training, strict)
+            drop_overrides(self._root)
+            prog = build_program(self._root, self._selectors, self._options, self.training,
+                                 self._pipeline, model_name=self._model_name, strict=strict)
+            self._programs[self.training] = prog
+            self._install(prog)
         return prog
 
-    def _build(self, training: bool, strict: bool) -> Program:
-        opts = self._options
-        tracer, leaf_modules, autowrap = opts.tracer, opts.leaf_modules, opts.autowrap_functions
+    def _site(self, name: str) -> Site | None:
+        prog = self._programs.get(self.training)
+        return prog.site(name) if prog is not None else None
+
+    def _install(self, prog: Program) -> None:
         root = self._root
-        drop_overrides(root)
-        p = plan(root, tracer=tracer, leaf_modules=leaf_modules, autowrap_functions=autowrap)
-        mode = "train" if training else "eval"
-        context = f"{self._model_name} ({mode} mode)"
-        selectors = self._selectors
-        unmatched = [] if selectors is None else [
-            sel for sel in selectors if not any(sel(s) for s in p.sites)]
-        if unmatched and strict:
-            # A selector may name a site of the other mode only (dropout in training): fail
-            # only when it matches nothing in either mode.
-            other = mirror(root)
-            other.train(not training)
-            other_sites = plan(other, tracer=tracer, leaf_modules=leaf_modules,
-                               autowrap_functions=autowrap).sites
-            for sel in unmatched:
-                select(other_sites, [sel], context=f"{self._model_name} (train or eval mode)")
-        selected = select(p.sites, None if selectors is None else [
-            sel for sel in selectors if sel not in unmatched], context=context
-        ) if len(unmatched) < len(selectors or [None]) else []
-        names = {s.name for s in selected}
-        compiled: dict[str, Compiled] = {}
-        for path, region in p.regions.items():
-            region_names = names & set(region.names.values())
-            if not region_names:
-                continue  # nothing selected here: the module runs its own forward
-            graph, order, copied = instrument(
-                region, region_names, capture=opts.capture, copy=opts.copy,
-                reducer=self._modes.reduce, intervene=self._modes.intervene,
-                raw=self._modes.grad_hook is not None)
-            compiled[path] = compile_region(region, graph, order, copied)
-        hook_paths = frozenset(s.name for s in selected if s.how == "hook")
-        for s in selected:
-            if s.how == "hook":
-                self._hookset.ensure(s.name, root.get_submodule(s.name) if s.name else root)
-        if opts.fn is not None:
-            selected = [dataclasses.replace(s, replaced=True) for s in selected]
-        self._site_by_name.update((s.name, s) for s in selected)
-        prog = Program(training, p, tuple(selected), compiled, hook_paths,
-                       {s.name: i for i, s in enumerate(selected)})
-        self._programs[training] = prog
-        self._install_dispatch()
-        return prog
-
-    def _install_dispatch(self) -> None:
-        paths = {path for prog in self._programs.values() for path in prog.compiled if path}
+        for spec in prog.hooks:
+            module = root.get_submodule(spec.path) if spec.path else root
+            self._hookset.ensure(spec.name, module, spec.region)
+        paths = {path for p in self._programs.values() for path in p.compiled if path}
         for path in paths:
-            module = self._root.get_submodule(path)
-            object.__setattr__(module, "forward", self._dispatcher(module, path))
+            module = root.get_submodule(path)
+            install_override(module, self._dispatcher(module, path))
 
     def _dispatcher(self, module: nn.Module, path: str) -> Callable[..., Any]:
-        programs, rec = self._programs, self._rec
-        own_forward = type(module).forward
+        programs, rec, store = self._programs, self._rec, self._pipeline.store
+        own = own_forward(module)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             prog = programs.get(module.training)
             comp = prog.compiled.get(path) if prog is not None else None
-            if comp is None:
-                return own_forward(module, *args, **kwargs)
-            result = comp.fn(comp.holder, *args, **kwargs)
-            if rec.active:
-                rec.add(comp.names, *result[1:])
+            if prog is None or comp is None:
+                return own(*args, **kwargs)
+            state = rec.state
+            running = state.running
+            running[path] = running.get(path, 0) + 1
+            try:
+                result = comp.fn(comp.holder, *args, **kwargs)
+            finally:
+                running[path] -= 1
+            store(comp.names, result[1])
+            if state.active:
+                calls = state.frame.hook_calls
+                for name in prog.guarded.get(path, ()):
+                    calls[name] = calls.get(name, 0) + 1
             return result[0]
 
         return forward
@@ -187,20 +144,19 @@ class TappedModule(nn.Module):
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
         prog = self._programs.get(self.training) or self._program()
-        rec = self._rec
-        rec.begin(prog.hook_paths)
+        state = self._rec.begin(prog.hook_names)
         try:
             root = prog.compiled.get("")
             if root is not None:
                 result = root.fn(root.holder, *args, **kwargs)
-                rec.add(root.names, *result[1:])
+                self._pipeline.store(root.names, result[1])
                 out = result[0]
             else:
-                out = type(self._root).forward(self._root, *args, **kwargs)
+                out = own_forward(self._root)(*args, **kwargs)
         finally:
-            rec.active = False
+            state.active = False
         if self._sink is not None:
-            self._sink.write(rec.values())
+            self._sink.write(self._rec.values(state.frame))
         return out
 
     def train(self, mode: bool = True) -> TappedModule:
@@ -215,30 +171,31 @@ class TappedModule(nn.Module):
         return Taps(self._rec, self._program().order)
 
     @property
+    def options(self) -> TapOptions:
+        """The validated options this module was tapped with."""
+        return self._options
+
+    @property
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
         order = self._program().order
-        return [Taps(self._rec, order, frame) for frame in self._rec.history]
+        return [Taps(self._rec, order, frame) for frame in self._rec.state.history]
 
     @property
     def grads(self) -> Grads:
         """With ``grad=True``: the gradient of the last backward with respect to each value."""
         if not self._options.grad:
             raise ConfigError("tapped.grads needs fxprobe.tap(..., grad=True)")
-        return Grads(self._rec, self._program().order, what="gradient")
+        return Grads(self._rec, self._program().order)
 
     @property
     def sites(self) -> tuple[Site, ...]:
         """The selected sites (current mode), in execution order.
 
-        With ``fn=``, ``site.replaced`` marks the sites whose value ``fn`` replaced in the last
-        forward.
+        With ``fn=``, ``tapped.taps.replaced`` names the sites whose value ``fn`` replaced in
+        the last forward.
         """
-        prog = self._program()
-        if self._options.fn is None:
-            return prog.selected
-        done = self._rec.frame.replaced
-        return tuple(dataclasses.replace(s, replaced=s.name in done) for s in prog.selected)
+        return self._program().selected
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
@@ -249,6 +206,18 @@ class TappedModule(nn.Module):
     def graphs(self) -> dict[str, fx.Graph]:
         """The instrumented fx graph of each traced region with a tap, by module path."""
         return {path: c.graph for path, c in self._program().compiled.items()}
+
+    @property
+    def copied(self) -> frozenset[str]:
+        """The sites whose value is copied before a later in-place op overwrites it."""
+        return frozenset(n for c in self._program().compiled.values() for n in c.copied)
+
+    def _fxprobe_view(self) -> View:
+        prog = self._program()
+        frame = self._rec.frame
+        mode = "train" if self.training else "eval"
+        return View(f"{self._model_name} ({mode} mode)", prog.plan, self._root, prog.selected,
+                    self._options.capture, self.taps if frame.parts else None)
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.
@@ -356,37 +325,12 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         >>> tapped = fxprobe.tap(model, ops=[nn.Conv2d, torch.flatten])
         >>> out = tapped(x); tapped.taps["flatten"].shape
     """
-    check_model(model)
+    model = check_model(model)
     options = make_options(
         capture=capture, detach=detach, copy=copy, tracer=tracer, leaf_modules=leaf_modules,
         autowrap_functions=autowrap_functions, reduce=reduce, sample_size=sample_size, seed=seed,
         keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn)
     return TappedModule(model, as_selectors(ops), options)
-
-
-class SiteNames(tuple[str, ...]):
-    """Site names in execution order; ``.records`` holds the :class:`Site` of each."""
-
-    records: tuple[Site, ...]
-    fallbacks: tuple[Fallback, ...]
-
-    def __new__(cls, records: Sequence[Site], fallbacks: Sequence[Fallback]) -> SiteNames:
-        self = super().__new__(cls, (s.name for s in records))
-        self.records = tuple(records)
-        self.fallbacks = tuple(fallbacks)
-        return self
-
-    def table(self, fmt: str = "text") -> Table:
-        """A table of name, op, module path and how each site is reached.
-
-        ``fmt`` is ``"text"``, ``"github"`` (Markdown) or ``"html"``.
-
-        Example:
-            >>> print(fxprobe.sites(model).table())
-        """
-        from ._summary import summary
-
-        return summary(self, fmt)
 
 
 def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
@@ -401,10 +345,9 @@ def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
         >>> fxprobe.sites(model)[:3]
         ('x', 'conv1', 'bn1')
     """
-    check_model(model)
+    model = check_model(model, "fxprobe.sites")
     check_choice("tracer", tracer, TracerKind)
-    root = mirror(model)
-    root.train(train)
-    p = plan(root, tracer=tracer, leaf_modules=leaf_modules,
-             autowrap_functions=autowrap_functions)
-    return SiteNames(p.sites, p.fallbacks)
+    check_flag("train", train)
+    leaf_modules = check_sequence("leaf_modules", leaf_modules, "e.g. [MyBlock, 'encoder.0']")
+    return list_sites(model, train=train, tracer=tracer, leaf_modules=leaf_modules,
+                      autowrap_functions=autowrap_functions)

@@ -285,6 +285,31 @@ def test_a_crash_loses_at_most_the_unfinished_shard(tmp_path: Path) -> None:
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".partial")]
 
 
+def test_interpreter_exit_flushes_and_commits(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        import fxprobe
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        tapped = fxprobe.tap(model, to=fxprobe.Disk({str(tmp_path)!r}))
+        with torch.no_grad():
+            for i in range(5):
+                tapped(torch.full((2, 4), float(i)))
+        # no remove(), no close(): leaving the interpreter must commit the 5 forwards
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    caps = fxprobe.open_captures(tmp_path)
+    assert len(caps) == 5
+    with torch.no_grad():
+        for i in range(5):
+            assert torch.equal(caps.forward(i)["linear"], model(torch.full((2, 4), float(i))))
+
+
 def test_bad_directories_and_options(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

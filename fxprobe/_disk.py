@@ -147,6 +147,11 @@ class _Encoder:
                 f"site {name!r} captured a {t.dtype} tensor, which safetensors cannot hold; "
                 f"pass reduce= a function that converts it (e.g. torch.view_as_real)"
             )
+        if t.layout != torch.strided:
+            raise ConfigError(
+                f"site {name!r} captured a {t.layout} tensor, which fxprobe.Disk cannot write; "
+                "pass reduce= a function that converts it (e.g. lambda t: t.to_dense())"
+            )
         t = t.detach()
         if t.device.type != "cpu":
             dst = torch.empty(t.shape, dtype=t.dtype, device="cpu",

@@ -323,6 +323,12 @@ def test_bad_directories_and_options(tmp_path: Path) -> None:
     disk.close()
     with pytest.raises(fxprobe.ConfigError, match="closed"):
         fxprobe.tap(nn.Linear(2, 2), to=disk)
+    with fxprobe.Disk(tmp_path / "c") as odd:
+        odd_values = [(torch.eye(2).to_sparse(), "sparse"),
+                      (torch.ones(2, dtype=torch.cfloat), "complex"), (object(), "object")]
+        for value, what in odd_values:
+            with pytest.raises(fxprobe.ConfigError, match=what):
+                odd.write({"site": value})
     for bad in ({"mode": "w"}, {"queue": 0}, {"shard_size": "lots"}, {"rank": -1}):
         with pytest.raises(fxprobe.ConfigError):
             fxprobe.Disk(tmp_path / "b", **bad)

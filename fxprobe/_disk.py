@@ -484,10 +484,7 @@ class Disk:
             raise DiskError(f"this fxprobe.Disk ({str(self.path)!r}) is closed; create a new "
                             "one (mode='append' to add to the same captures)")
         protected, inputs = self._protected()
-        with self._cond:
-            forward = self._next_forward
-            self._next_forward += 1
-        job = _Encoder(protected, inputs, self.copy).job(forward, values)
+        job = _Encoder(protected, inputs, self.copy).job(-1, values)
         if self._appending:
             # The first forward of a run appending to earlier captures must be of the same
             # model (same sites, structures, dtypes, shapes after dim 0): refused here, before
@@ -495,8 +492,6 @@ class Disk:
             known = self._index["signature"]
             if set(job.signature) != set(known) or any(
                     known[n] != s for n, s in job.signature.items()):
-                with self._cond:
-                    self._next_forward -= 1
                 raise DiskError(_mismatch(self.path, known, job.signature))
             self._appending = False
         with self._cond:
@@ -509,6 +504,10 @@ class Disk:
                     or self._queued_bytes + job.nbytes > self.queue_bytes):
                 self._cond.wait()
             self._raise_if_failed()
+            # Numbered here, in queue order, so that the numbers of several threads' forwards
+            # follow the order they are written in, without gaps.
+            job.forward = self._next_forward
+            self._next_forward += 1
             self._jobs.append(job)
             self._queued_bytes += job.nbytes
             self._cond.notify_all()

@@ -329,6 +329,9 @@ def test_bad_directories_and_options(tmp_path: Path) -> None:
         for value, what in odd_values:
             with pytest.raises(fxprobe.ConfigError, match=what):
                 odd.write({"site": value})
+        odd.write({"site": torch.ones(2)})  # a refused value leaves no gap in the numbering
+    caps = fxprobe.open_captures(tmp_path / "c")
+    assert len(caps) == 1 and torch.equal(caps.forward(0)["site"], torch.ones(2))
     for bad in ({"mode": "w"}, {"queue": 0}, {"shard_size": "lots"}, {"rank": -1}):
         with pytest.raises(fxprobe.ConfigError):
             fxprobe.Disk(tmp_path / "b", **bad)
@@ -377,3 +380,23 @@ def test_the_worked_example_in_the_docs_runs(tmp_path: Path, monkeypatch: pytest
     for code in blocks:
         exec(compile(code, "docs/disk.md", "exec"), {"__name__": "__docs__"})
     assert "('1',) 10" in capsys.readouterr().out
+
+
+def test_forwards_from_several_threads_are_all_kept(tmp_path: Path) -> None:
+    disk = fxprobe.Disk(tmp_path, shard_size=200, queue=2)
+
+    def produce(k: int) -> None:
+        for i in range(6):
+            disk.write({"v": torch.full((3,), float(10 * k + i))})
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    disk.close()
+    caps = fxprobe.open_captures(tmp_path)
+    got = sorted(float(caps.forward(i)["v"][0]) for i in range(len(caps)))
+    assert got == sorted(float(10 * k + i) for k in range(3) for i in range(6))
+    by_thread = [[v for v in caps["v"][::3].tolist() if v // 10 == k] for k in range(3)]
+    assert all(vs == sorted(vs) for vs in by_thread)  # each thread's forwards in its order

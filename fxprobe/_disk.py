@@ -80,6 +80,8 @@ class _Job:
     nbytes: int
     signature: dict[str, str]
     """Site name -> structure with dtypes and trailing shapes: what must match to append."""
+    written: bool = False
+    """In the shard being written (committed with it, or lost with it)."""
 
 
 class _Encoder:
@@ -584,8 +586,7 @@ class Disk:
                 if item == "stop":
                     return
                 if self._error is not None:
-                    if isinstance(item, _Job):
-                        self._lost += 1
+                    pass  # dropped: _fail counted what was queued when it failed
                 elif item == "flush":
                     self._commit()
                 else:
@@ -601,18 +602,10 @@ class Disk:
                     self._cond.notify_all()
 
     def _fail(self, e: BaseException, item: Any) -> None:
-        shard = self._shard
-        self._shard = None
-        lost = 1 if isinstance(item, _Job) else 0
-        if shard is not None:
-            try:  # keep the forwards already in the shard: commit what is complete
-                if shard.forwards:
-                    self._record(shard.commit())
-                else:
-                    shard.abort()
-            except BaseException:  # noqa: BLE001 (the first error is the one to report)
-                lost += shard.forwards
-                shard.abort()
+        # A forward that failed half-way was cut back out of its shard: lost.
+        lost = 1 if isinstance(item, _Job) and not item.written else 0
+        with contextlib.suppress(BaseException):  # the first error is the one to report
+            self._commit()  # keep the complete forwards of the shard (counts what it loses)
         with self._cond:
             self._lost += lost + sum(isinstance(j, _Job) for j in self._jobs)
             self._error = e
@@ -629,6 +622,7 @@ class Disk:
         if shard is None:
             shard = self._shard = self._new_shard(job, layout_json)
         shard.add(job, layout_json)
+        job.written = True
         if shard.pos >= self.shard_size:
             self._commit()
 
@@ -656,7 +650,19 @@ class Disk:
         if not shard.forwards:
             shard.abort()
             return
-        self._record(shard.commit())
+        try:
+            entry = shard.commit()
+        except BaseException:
+            self._lost += shard.forwards
+            shard.abort()
+            raise
+        try:
+            self._record(entry)
+        except BaseException:  # renamed but not listed: not committed, so not kept
+            self._lost += shard.forwards
+            with contextlib.suppress(OSError):
+                shard.final.unlink()
+            raise
 
     def _record(self, entry: dict[str, Any]) -> None:
         index = self._index

@@ -235,17 +235,49 @@ def test_full_disk_keeps_what_was_written(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(_disk._Shard, "_append", append)
     ref = fxprobe.tap(model, keep="all")
     tapped = fxprobe.tap(model, to=fxprobe.Disk(tmp_path, shard_size=10_000))
+    handed = 0
     with pytest.raises(fxprobe.DiskError, match="No space left.*intact") as info:
+        with torch.no_grad():
+            for x in xs:
+                ref(x)
+                tapped(x)  # raises once the writer has failed, handing nothing over
+                handed += 1
+            tapped.remove()
+    assert isinstance(info.value, OSError)
+    caps = fxprobe.open_captures(tmp_path)
+    assert 0 < len(caps) < len(xs)
+    assert f"The {len(caps)} forwards" in str(info.value)
+    assert f"the {handed - len(caps)} forward(s) after them were lost" in str(info.value)
+    check_same([dict(f.items()) for f in ref.history][: len(caps)], caps)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".partial")]
+
+
+def test_a_failing_index_write_keeps_the_committed_forwards(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _disk._write_json
+    calls = [0]
+
+    def write_json(path: Path, data: Any, fsync: bool) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data, fsync)
+
+    monkeypatch.setattr(_disk, "_write_json", write_json)
+    model = nn.Linear(8, 8)
+    xs = inputs(5, (4, 8))
+    ref = fxprobe.tap(model, keep="all")
+    tapped = fxprobe.tap(model, to=fxprobe.Disk(tmp_path, shard_size=1))  # a shard a forward
+    with pytest.raises(fxprobe.DiskError, match=r"The 2 forwards .* intact.* 3 forward\(s\)"):
         with torch.no_grad():
             for x in xs:
                 ref(x)
                 tapped(x)
             tapped.remove()
-    assert isinstance(info.value, OSError)
     caps = fxprobe.open_captures(tmp_path)
-    assert 0 < len(caps) < len(xs)
-    check_same([dict(f.items()) for f in ref.history][: len(caps)], caps)
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".partial")]
+    check_same([dict(f.items()) for f in ref.history][:2], caps)
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("shard")) == [
+        "shard-000000.safetensors", "shard-000001.safetensors"]
 
 
 def test_a_crash_loses_at_most_the_unfinished_shard(tmp_path: Path) -> None:

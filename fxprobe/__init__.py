@@ -9,8 +9,12 @@ Example:
     torch.Size([2, 8])
 """
 
+from . import dist
+from ._captures import Captures, open_captures
+from ._disk import Disk
 from ._errors import (
     ConfigError,
+    DiskError,
     FxProbeError,
     InterventionError,
     RemovedError,
@@ -34,7 +38,10 @@ from ._trace import Fallback
 from ._viz import render, to_dot
 
 __all__ = [
+    "Captures",
     "ConfigError",
+    "Disk",
+    "DiskError",
     "Fallback",
     "FxProbeError",
     "Grads",
@@ -57,6 +64,7 @@ __all__ = [
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
+    "dist",
     "extractor",
     "render",
     "sample_vector",
@@ -64,6 +72,7 @@ __all__ = [
     "stats_table",
     "stats_vector",
     "summary",
+    "open_captures",
     "tap",
     "to_dot",
     "where",

@@ -9,9 +9,13 @@ Example:
     torch.Size([2, 8])
 """
 
+from . import dist
 from ._artifact import TappedArtifact, TappedScript
+from ._captures import Captures, open_captures
+from ._disk import Disk
 from ._errors import (
     ConfigError,
+    DiskError,
     FxProbeError,
     InterventionError,
     RemovedError,
@@ -36,7 +40,10 @@ from ._trace import Fallback
 from ._viz import render, to_dot
 
 __all__ = [
+    "Captures",
     "ConfigError",
+    "Disk",
+    "DiskError",
     "Fallback",
     "FxProbeError",
     "Grads",
@@ -62,6 +69,7 @@ __all__ = [
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
+    "dist",
     "extractor",
     "render",
     "sample_vector",
@@ -69,6 +77,7 @@ __all__ = [
     "stats_table",
     "stats_vector",
     "summary",
+    "open_captures",
     "tap",
     "to_dot",
     "where",

@@ -58,6 +58,10 @@ def artifact_options(kind: str, **kwargs: Any) -> TapOptions:
         if value is not default and value != default:
             what = "TorchScript modules" if kind == "script" else "torch.export programs"
             raise ConfigError(f"{key}={value!r} is not supported for {what}: {_WHY[key]}")
+    if options.sink is not None:
+        raise ConfigError(
+            "to=fxprobe.Disk(...) is not supported for TorchScript modules or torch.export "
+            "programs yet; pass to=None (or a device) and save tapped.taps after each forward")
     if options.reduce is not None and options.reduce != "stats":
         shown = getattr(options.reduce, "__name__", options.reduce)
         raise ConfigError(

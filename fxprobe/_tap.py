@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
     from ._artifact import TappedScript
+    from ._disk import Disk
     from ._export import TappedExport
     from ._summary import Table
 
@@ -58,6 +59,7 @@ class TappedModule(nn.Module):
     _hookset: HookSet
     _programs: dict[bool, Program]
     _removed: bool
+    _sink: Any
 
     def __init__(self, model: nn.Module, selectors: list[Selector] | None,
                  options: TapOptions) -> None:
@@ -83,7 +85,10 @@ class TappedModule(nn.Module):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
+        d["_sink"] = options.sink  # fxprobe.Disk: write(values) after each forward
         self._program(strict=True)
+        if options.sink is not None:
+            options.sink.attach(self)
 
     # -- building ---------------------------------------------------------------------------
     def _program(self, strict: bool = False) -> Program:
@@ -155,9 +160,11 @@ class TappedModule(nn.Module):
                 out = own_forward(self._root)(*args, **kwargs)
             if state.frame.deferred:
                 self._pipeline.finish(state.frame)
-            return out
         finally:
             state.active = False
+        if self._sink is not None:
+            self._sink.write(self._rec.values(state.frame))
+        return out
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)
@@ -252,6 +259,8 @@ class TappedModule(nn.Module):
         self._hookset.remove()
         drop_overrides(self._root)
         self.__dict__["_removed"] = True
+        if self._sink is not None:
+            self._sink.close()  # flushes what is queued; raises if the writer failed
 
     def __enter__(self) -> TappedModule:
         return self
@@ -287,7 +296,7 @@ def tap(  # type: ignore[overload-overlap]  # a ScriptModule is an nn.Module too
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
         leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | None = None,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
         grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedScript: ...
 
@@ -298,7 +307,7 @@ def tap(model: ExportedProgram, ops: Any = None, *,
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
         leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | None = None,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
         grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedExport: ...
 
@@ -309,7 +318,7 @@ def tap(model: nn.Module, ops: Any = None, *,
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
         leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | None = None,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
         grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule: ...
 
@@ -319,7 +328,7 @@ def tap(model: Any, ops: Any = None, *,
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
         leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | None = None,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
         grad_fn: Callable[[Site, torch.Tensor], Any] | None = None
         ) -> TappedModule | TappedArtifact:
@@ -346,7 +355,8 @@ def tap(model: Any, ops: Any = None, *,
         keep: ``"last"`` forward (default), a number N of forwards (``tapped.history``), or
             ``"all"`` (memory grows with every forward).
         to: copy captured values to this device without blocking (``"cpu"``: pinned memory);
-            reading a value waits for its own copy only.
+            reading a value waits for its own copy only. Or a :class:`fxprobe.Disk`: stream
+            every forward's values to files in the background (``docs/disk.md``).
         fn: ``fn(site, value)`` runs at each tap; returning a tensor replaces the value for
             every downstream consumer (``None`` observes).
         grad: after ``backward()``, ``tapped.grads[name]`` is the gradient with respect to

@@ -389,3 +389,9 @@ def test_a_loop_keeps_its_inplace_op_and_the_value_is_copied() -> None:
     assert torch.equal(tapped(x, 3), model(x, 3))
     assert torch.equal(tapped.taps["fc"], model.fc(x))
     assert tapped.copied == {"fc"} and not tapped.outplaced
+
+
+def test_disk_sink_is_refused(tmp_path: Path) -> None:
+    scripted = torch.jit.script(MLP().eval())
+    with pytest.raises(fxprobe.ConfigError, match="Disk"):
+        fxprobe.tap(scripted, to=fxprobe.Disk(tmp_path / "captures"))

@@ -102,7 +102,22 @@ class ExportGraph:
             site = Site(call_names[key], "export", "call_module", path, path, ptype,
                         module_key(ptype), inlined=not is_leaf_type(tname), type_name=tname)
             entries.append((position[outs[0]], 1000 - depth, site, outs[0]))
+        # Values from buffers (and constants) alone are no sites, as in the fx frontend:
+        # torchvision's tracer sees constants there. True: a buffer is among the sources.
+        sig = ep.graph_signature
+        static: dict[fx.Node, bool] = {}
         for n in nodes:
+            if n.op == "placeholder" and n.name in sig.inputs_to_buffers:
+                static[n] = True
+            elif n.op == "get_attr" or (
+                    n.op == "placeholder" and n.name in sig.inputs_to_lifted_tensor_constants):
+                static[n] = False
+            elif n.op == "call_function" and n.all_input_nodes and all(
+                    a in static for a in n.all_input_nodes):
+                static[n] = any(static[a] for a in n.all_input_nodes)
+        for n in nodes:
+            if static.get(n, False):
+                continue
             if n.op == "placeholder" and n.name in user_inputs:
                 site = Site(count(n.name), "export", "placeholder", n.name, "")
                 entries.append((position[n], 0, site, n))

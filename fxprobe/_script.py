@@ -67,9 +67,17 @@ def python_type(name: str) -> type[nn.Module] | None:
 
 
 def is_leaf_type(name: str) -> bool:
-    """fx's default leaves: ``torch.nn`` modules but the containers (Sequential, ModuleList)."""
+    """The fx frontend's leaves: ``torch.nn`` modules but the containers (Sequential,
+    ModuleList), and ``torchvision.ops`` modules (as torchvision's get_graph_node_names)."""
+    if name.startswith("torchvision.ops."):
+        return True
     return name.startswith(("torch.nn.", "torch.ao.nn.")) and not name.startswith(
         _CONTAINER_TYPES)
+
+
+def is_leaf_function(name: str) -> bool:
+    """Functions recorded as one site: torch's (``F.relu``) and ``torchvision.ops``'."""
+    return name.startswith(("torch.", "torchvision.ops."))
 
 
 def _join(prefix: str, name: str) -> str:
@@ -153,6 +161,8 @@ class ScriptGraph:
         self.values: list[Value] = []
         self._counts: dict[str, int] = {}
         self._moved: dict[int, tuple[int, Value]] = {}
+        self._static: dict[int, bool] = {}
+        """Values from constants and buffers alone: True when a buffer is among them."""
         inputs = list(self.graph.inputs())
         self.paths[inputs[0].unique()] = ""
         for v in inputs[1:]:
@@ -186,14 +196,17 @@ class ScriptGraph:
             full = _join(owner, attr)
             if full in self.modules and node.output().type().kind() == "ClassType":
                 self.paths[node.output().unique()] = full
-            elif not quiet and attr in dict(self.modules[owner].named_parameters(recurse=False)):
-                name = self._count(f"{ctx.path}.{attr}" if ctx.path else attr)
-                self._add(Site(name, "script", "get_attr", full, ctx.path), node.output())
+            elif attr in dict(self.modules[owner].named_parameters(recurse=False)):
+                if not quiet:
+                    name = self._count(f"{ctx.path}.{attr}" if ctx.path else attr)
+                    self._add(Site(name, "script", "get_attr", full, ctx.path), node.output())
+            elif node.output().type().kind() == "TensorType":  # a buffer
+                self._static[node.output().unique()] = True
         elif kind == "prim::CallMethod":
             self._call_method(node, ctx)
         elif kind == "prim::CallFunction":
             graph, qualname = _function_graph(node)
-            torch_fn = qualname.startswith("torch.")
+            torch_fn = is_leaf_function(qualname)
             site_name = None
             if torch_fn and not quiet:
                 site_name = self._count(_join(ctx.path, qualname.rpartition(".")[2]))
@@ -210,12 +223,32 @@ class ScriptGraph:
             for block in node.blocks():
                 for n in list(block.nodes()):
                     self._visit(n, ctx)
+            buffered = self._from_buffers(node)
             if kind.startswith("aten::") and not quiet and node.outputsSize() == 1:
                 out = node.output()
-                if out.type().kind() != "NoneType":
+                # Computed from buffers (and constants) alone: torchvision's tracer sees a
+                # constant there, and the fx frontend makes no site of it either.
+                if out.type().kind() != "NoneType" and not buffered:
                     name = self._count(_join(ctx.path, site_op_name(node)))
                     self._add(Site(name, "script", "call_function", kind, ctx.path,
                                    op_key=op_name(kind)), out)
+
+    def _from_buffers(self, node: Node) -> bool:
+        """Whether every input of ``node`` is a constant or computed from buffers alone, and
+        one is a buffer: then so are its outputs (recorded in ``_static``)."""
+        if node.kind() == "prim::Constant":
+            for o in node.outputs():
+                self._static[o.unique()] = False
+            return False
+        if node.inputsSize() == 0 or any(node.blocks()):
+            return False
+        known = [self._static.get(v.unique()) for v in node.inputs()]
+        if any(k is None for k in known):
+            return False
+        buffered = any(known)
+        for o in node.outputs():
+            self._static[o.unique()] = buffered
+        return buffered
 
     def _call_method(self, node: Node, ctx: _Ctx) -> None:
         path = self.paths.get(node.inputsAt(0).unique())

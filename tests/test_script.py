@@ -77,6 +77,19 @@ class Looped(nn.Module):
         return y
 
 
+class FromBuffer(nn.Module):
+    """An index computed from a buffer alone: a constant to torchvision's tracer, no site."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("idx", torch.arange(4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        i = self.idx.view(-1) + 1
+        return self.fc(x)[:, i - 1] * 2
+
+
 def _fx_values(model: nn.Module, *args: Any) -> tuple[Any, dict[str, Any]]:
     ref = fxprobe.tap(model)
     out = ref(*args)
@@ -395,3 +408,17 @@ def test_disk_sink_is_refused(tmp_path: Path) -> None:
     scripted = torch.jit.script(MLP().eval())
     with pytest.raises(fxprobe.ConfigError, match="Disk"):
         fxprobe.tap(scripted, to=fxprobe.Disk(tmp_path / "captures"))
+
+
+@pytest.mark.parametrize("how", ["script", "trace", "export"])
+def test_values_from_buffers_alone_are_no_sites(how: str) -> None:
+    torch.manual_seed(0)
+    model, x = FromBuffer().eval(), torch.randn(2, 4)
+    artifact: Any = (torch.jit.script(model) if how == "script" else
+                     torch.jit.trace(model, (x,)) if how == "trace" else
+                     torch.export.export(model, (x,)))
+    names = list(fxprobe.sites(artifact))
+    assert {"x", "fc", "mul"} <= set(names) and not {"view", "add", "sub"} & set(names)
+    tapped = fxprobe.tap(artifact, ops=["fc", "mul"])
+    tapped(x)
+    assert torch.equal(tapped.taps["mul"], model(x))

@@ -33,7 +33,7 @@ from ._artifact import TappedArtifact
 from ._errors import ConfigError, UnsupportedModelError
 from ._ops import method_key, module_key, op_key
 from ._options import TapOptions
-from ._script import is_leaf_type, python_type, spelled
+from ._script import is_block_type, is_leaf_type, python_type, spelled
 from ._select import as_selectors, select
 from ._site import Site
 
@@ -75,23 +75,32 @@ class ExportGraph:
         position = {n: i for i, n in enumerate(nodes)}
         user_inputs = set(ep.graph_signature.user_inputs)
         counts: dict[str, int] = {}
+        call_counts: dict[str, int] = {}  # calls fx traces through: a name space apart
 
-        def count(name: str) -> str:
-            c = counts.get(name, 0)
-            counts[name] = c + 1
+        def count(name: str, space: dict[str, int] | None = None) -> str:
+            space = counts if space is None else space
+            c = space.get(name, 0)
+            space[name] = c + 1
             return f"{name}_{c}" if c else name
 
         # Module calls: the nodes of each call (key), in the order calls start.
         calls: dict[str, list[fx.Node]] = {}
         info: dict[str, tuple[str, str, int]] = {}
+        in_block: dict[str, bool] = {}  # inside a torchvision.ops block: not listed
         for n in nodes:
-            for depth, (key, path, tname) in enumerate(_stack(n)):
+            stack = _stack(n)
+            for depth, (key, path, tname) in enumerate(stack):
                 calls.setdefault(key, []).append(n)
                 info.setdefault(key, (path, tname, depth))
+                in_block.setdefault(key, any(is_block_type(t) for _, _, t in stack[:depth]))
         entries: list[tuple[int, int, Site, fx.Node]] = []
-        call_names = {}
+        call_names, listed = {}, {}
         for key in calls:  # dicts keep insertion order: the order calls start
-            call_names[key] = count(info[key][0])
+            tname = info[key][1]
+            leaf = is_leaf_type(tname)
+            listed[key] = not in_block[key] and (leaf or is_block_type(tname))
+            node_name = leaf or (is_block_type(tname) and not in_block[key])
+            call_names[key] = count(info[key][0], counts if node_name else call_counts)
         for key, members in calls.items():
             inside = set(members)
             outs = [m for m in members if any(u not in inside for u in m.users)]
@@ -100,7 +109,8 @@ class ExportGraph:
             path, tname, depth = info[key]
             ptype = python_type(tname)
             site = Site(call_names[key], "export", "call_module", path, path, ptype,
-                        module_key(ptype), inlined=not is_leaf_type(tname), type_name=tname)
+                        module_key(ptype), inlined=not is_leaf_type(tname),
+                        listed=listed[key], type_name=tname)
             entries.append((position[outs[0]], 1000 - depth, site, outs[0]))
         # Values from buffers (and constants) alone are no sites, as in the fx frontend:
         # torchvision's tracer sees constants there. True: a buffer is among the sources.
@@ -128,7 +138,8 @@ class ExportGraph:
                 path = stack[-1][1] if stack else ""
                 short, target, okey = _op(n)
                 site = Site(count(f"{path}.{short}" if path else short), "export",
-                            "call_function", target, path, op_key=okey)
+                            "call_function", target, path, op_key=okey,
+                            listed=not any(is_block_type(t) for _, _, t in stack))
                 entries.append((position[n], 0, site, n))
         # Sites in the order their values exist; at one node, the op first, then the calls
         # that hand it back, innermost first.
@@ -215,7 +226,7 @@ def _nodes_in(value: Any) -> list[fx.Node]:
 
 def _row(site: Site) -> list[str]:
     return [site.name, site.kind, str(site.target), site.module_path, site.type_name or "",
-            str(int(site.inlined))]
+            str(int(site.inlined)), str(int(site.listed))]
 
 
 def _outplace_all(graph: fx.Graph, values: dict[int, fx.Node], names: dict[int, str]
@@ -334,12 +345,13 @@ def saved_taps(ep: Any) -> list[Site] | None:
     for t in tail:
         k = seen.get(t, 0)
         seen[t] = k + 1
-        name, kind, target, path, tname, inlined = t.meta["custom"][_TAG][k]
+        name, kind, target, path, tname, inlined, listed = t.meta["custom"][_TAG][k]
         ptype = python_type(tname) if tname else None
         key = method_key(target.split(".")[1]) if target.startswith("aten.") else (
             module_key(ptype))
         sites.append(Site(name, "export", kind, target, path, ptype, key,
-                          inlined=inlined == "1", type_name=tname or None))
+                          inlined=inlined == "1", listed=listed == "1",
+                          type_name=tname or None))
     return sites
 
 

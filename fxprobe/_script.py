@@ -13,11 +13,13 @@ loop as one value). ``_script_build`` rewrites the graph and builds the tapped S
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import linecache
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,12 +69,28 @@ def python_type(name: str) -> type[nn.Module] | None:
 
 
 def is_leaf_type(name: str) -> bool:
-    """The fx frontend's leaves: ``torch.nn`` modules but the containers (Sequential,
-    ModuleList), and ``torchvision.ops`` modules (as torchvision's get_graph_node_names)."""
-    if name.startswith("torchvision.ops."):
-        return True
+    """fx's default leaves: ``torch.nn`` modules but the containers (Sequential, ModuleList)."""
     return name.startswith(("torch.nn.", "torch.ao.nn.")) and not name.startswith(
         _CONTAINER_TYPES)
+
+
+def is_block_type(name: str) -> bool:
+    """A ``torchvision.ops`` module (``Conv2dNormActivation``, ``MLP``...), subclasses included
+    when torchvision is already imported: torchvision's get_graph_node_names keeps it whole,
+    so its call is listed in the place of the sites inside it (as in the fx frontend)."""
+    if name.startswith("torchvision.ops."):
+        return True
+    if not name.startswith("torchvision.") or "torchvision" not in sys.modules:
+        return False  # fxprobe never imports torchvision itself
+    module, _, cls = name.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), cls, None)
+    except ImportError:
+        return False
+    from ._trace import library_blocks
+
+    blocks = library_blocks()
+    return isinstance(found, type) and bool(blocks) and issubclass(found, blocks)
 
 
 def is_leaf_function(name: str) -> bool:
@@ -119,6 +137,8 @@ def spelled(op: str, frames: str, *, innermost_last: bool) -> str:
 class _Ctx(NamedTuple):
     path: str
     """Path of the module whose code runs."""
+    block: bool
+    """Inside a torchvision.ops block: sites here are not listed by ``fxprobe.sites``."""
     leaf: bool
     """Inside a leaf (a torch.nn module or a torch function): no sites here."""
     loop: bool
@@ -160,6 +180,7 @@ class ScriptGraph:
         self.sites: list[Site] = []
         self.values: list[Value] = []
         self._counts: dict[str, int] = {}
+        self._call_counts: dict[str, int] = {}  # calls fx traces through: a name space apart
         self._moved: dict[int, tuple[int, Value]] = {}
         self._static: dict[int, bool] = {}
         """Values from constants and buffers alone: True when a buffer is among them."""
@@ -168,17 +189,20 @@ class ScriptGraph:
         for v in inputs[1:]:
             base = v.debugName().split(".")[0]
             self._add(Site(self._count(base), "script", "placeholder", base, ""), v)
-        root = _Ctx("", False, False)
+        root = _Ctx("", False, False, False)
         for node in list(self.graph.nodes()):
             self._visit(node, root)
         self.graph.lint()
 
-    def _count(self, name: str) -> str:
-        count = self._counts.get(name, 0)
-        self._counts[name] = count + 1
+    def _count(self, name: str, counts: dict[str, int] | None = None) -> str:
+        counts = self._counts if counts is None else counts
+        count = counts.get(name, 0)
+        counts[name] = count + 1
         return f"{name}_{count}" if count else name
 
-    def _add(self, site: Site, value: Value) -> None:
+    def _add(self, site: Site, value: Value, ctx: _Ctx | None = None) -> None:
+        if ctx is not None and ctx.block:  # inside a block torchvision keeps whole
+            site = dataclasses.replace(site, listed=False)
         self.sites.append(site)
         self.values.append(value)
 
@@ -199,7 +223,8 @@ class ScriptGraph:
             elif attr in dict(self.modules[owner].named_parameters(recurse=False)):
                 if not quiet:
                     name = self._count(f"{ctx.path}.{attr}" if ctx.path else attr)
-                    self._add(Site(name, "script", "get_attr", full, ctx.path), node.output())
+                    self._add(Site(name, "script", "get_attr", full, ctx.path), node.output(),
+                              ctx)
             elif node.output().type().kind() == "TensorType":  # a buffer
                 self._static[node.output().unique()] = True
         elif kind == "prim::CallMethod":
@@ -214,7 +239,7 @@ class ScriptGraph:
             if site_name is not None and len(outs) == 1:
                 short = qualname.rpartition(".")[2]
                 self._add(Site(site_name, "script", "call_function", qualname, ctx.path,
-                               op_key=method_key(short)), outs[0])
+                               op_key=method_key(short)), outs[0], ctx)
         elif kind == "prim::Loop":
             for block in node.blocks():
                 for n in list(block.nodes()):
@@ -231,7 +256,7 @@ class ScriptGraph:
                 if out.type().kind() != "NoneType" and not buffered:
                     name = self._count(_join(ctx.path, site_op_name(node)))
                     self._add(Site(name, "script", "call_function", kind, ctx.path,
-                                   op_key=op_name(kind)), out)
+                                   op_key=op_name(kind)), out, ctx)
 
     def _from_buffers(self, node: Node) -> bool:
         """Whether every input of ``node`` is a constant or computed from buffers alone, and
@@ -258,17 +283,22 @@ class ScriptGraph:
         callee = self.modules[path]._c._get_method(method).graph
         # An overloaded forward (nn.LSTM) is compiled as forward__0, forward__1...
         is_call = path != ctx.path and (method == "forward" or method.startswith("forward__"))
-        site_name, inner, tname = None, ctx, None
+        site_name, inner, tname, listed = None, ctx, None, True
         if is_call:
             tname = self._type_of(path)
-            inner = _Ctx(path, ctx.leaf or is_leaf_type(tname), ctx.loop)
+            leaf = ctx.leaf or is_leaf_type(tname)
+            block = not leaf and is_block_type(tname)
+            inner = _Ctx(path, ctx.block or block, leaf, ctx.loop)
+            # A leaf call is a node; a call traced through is listed only for a block.
+            listed = not ctx.block and (leaf or block)
             if not (ctx.leaf or ctx.loop):
-                site_name = self._count(path)
+                site_name = self._count(path, None if leaf or listed else self._call_counts)
         outs = self._inline(node, callee, inner, 0)
         if site_name is not None and len(outs) == 1:
             ptype = python_type(tname or "")
             self._add(Site(site_name, "script", "call_module", path, path, ptype,
-                           module_key(ptype), inlined=not inner.leaf, type_name=tname), outs[0])
+                           module_key(ptype), inlined=not inner.leaf, listed=listed,
+                           type_name=tname), outs[0])
 
     def _inline(self, call: Node, callee: Graph, ctx: _Ctx,
                 skip: int) -> list[Value]:

@@ -331,8 +331,8 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
     """A new ScriptModule: ``model`` (the user's, shared) and a forward returning the taps.
 
     Attributes a loader can read: ``fxprobe_names`` (site names, in the order of the taps
-    tuple), ``fxprobe_sites`` (name, kind, target, module path, type name, inlined "0"/"1" of
-    each) and
+    tuple), ``fxprobe_sites`` (name, kind, target, module path, type name, inlined and listed
+    "0"/"1" of each) and
     ``fxprobe_reduce`` (``""``, or ``"stats"``: fxprobe reduces the values it reads back).
     """
     n = next(_counter)
@@ -363,7 +363,8 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
                             "fxprobe_reduce": str},
     })
     by_name = {s.name: s for s in sites}
-    rows = [[s.name, s.kind, str(s.target), s.module_path, s.type_name or "", str(int(s.inlined))]
+    rows = [[s.name, s.kind, str(s.target), s.module_path, s.type_name or "",
+             str(int(s.inlined)), str(int(s.listed))]
             for s in (by_name[name] for name in rewritten.names)]
     # A fresh Python wrapper of the same C++ module (shared state): a frozen module's own
     # wrapper lacks the concrete type that scripting a module around it needs.
@@ -375,13 +376,14 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
 def saved_sites(module: torch.jit.ScriptModule) -> list[Site]:
     """The sites a tapped ScriptModule (made by fxprobe, maybe saved and loaded) records."""
     sites = []
-    for name, kind, target, path, tname, inlined in module.fxprobe_sites:
+    for name, kind, target, path, tname, inlined, listed in module.fxprobe_sites:
         ptype = python_type(tname) if tname else None
         key = op_name(target) if "::" in target else (
             method_key(target.rpartition(".")[2]) if kind == "call_function"
             else module_key(ptype))
         sites.append(Site(name, "script", kind, target, path, ptype, key,
-                          inlined=inlined == "1", type_name=tname or None))
+                          inlined=inlined == "1", listed=listed == "1",
+                          type_name=tname or None))
     return sites
 
 

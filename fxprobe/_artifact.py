@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._errors import ConfigError, RemovedError, UnsupportedModelError
 from ._options import TapOptions, make_options
+from ._pipeline import Pipeline
 from ._record import Recording, Taps
 from ._select import as_selectors, select
 from ._site import Site
@@ -75,14 +75,13 @@ class TappedArtifact:
     """A tapped deployed artifact: call it like the model; ``taps`` holds the last forward."""
 
     def __init__(self, run: Callable[..., Any], names: Sequence[str], sites: Sequence[Site],
-                 options: TapOptions, stats: bool, copied: frozenset[str] = frozenset(),
+                 options: TapOptions, copied: frozenset[str] = frozenset(),
                  outplaced: frozenset[str] = frozenset()) -> None:
         self._run = run
         self._names = tuple(names)
         by_name = {s.name: s for s in sites}
         self._sites = tuple(by_name[n] for n in self._names)
         self._options = options
-        self._stats = stats
         self.copied = copied
         """Names of the sites copied before a later in-place op overwrites them."""
         self.outplaced = outplaced
@@ -90,7 +89,11 @@ class TappedArtifact:
         would overwrite them (``aten::relu_`` as ``aten::relu``): no copy needed."""
         self._order = {n: i for i, n in enumerate(self._names)}
         self._rec = Recording(detach=options.detach, both=False, keep=options.keep,
-                              to=options.to, finalize=_resolve_stats if stats else None)
+                              to=options.to)
+        # The fx frontend's pipeline, after the graph: what the artifact hands back is kept
+        # (reduced, offloaded, detached) exactly as a traced region's tuple is.
+        self._pipeline = Pipeline(options, self._rec, by_name.get)
+        self._rec.finalize = self._pipeline.finalize
         self._removed = False
         self.source: Any = None
         """The artifact that was tapped, when fxprobe made this one from it (for drawing)."""
@@ -99,18 +102,15 @@ class TappedArtifact:
         if self._removed:
             raise RemovedError("this tapped artifact was removed; call fxprobe.tap(...) again")
         out, values = self._split(self._run(*args, **kwargs))
-        rec = self._rec
-        state = rec.begin(frozenset())
+        pipeline = self._pipeline
+        state = self._rec.begin(frozenset())
         try:
             ran = [(n, v) for n, v in zip(self._names, values, strict=True) if v is not None]
-            names, kept = tuple(n for n, _ in ran), tuple(v for _, v in ran)
-            if self._stats:
-                kept = _reduce_stats(kept)
-            if rec.to is not None:
-                kept = rec.offload(state.frame, names, kept)
-            if state.detach_now:
-                kept = tuple(tree_map(_detach, v) for v in kept)
-            state.frame.parts.append((names, kept))
+            names = tuple(n for n, _ in ran)
+            # The graph copied what a later in-place op would overwrite: no copy here.
+            pipeline.store(names, tuple(pipeline.keep(v, False) for _, v in ran))
+            if state.frame.deferred:
+                pipeline.finish(state.frame)
         finally:
             state.active = False
         return out
@@ -162,67 +162,6 @@ class TappedArtifact:
         return f"{type(self).__name__}(sites={len(self._names)})"
 
 
-def _detach(v: Any) -> Any:
-    return v.detach() if isinstance(v, torch.Tensor) else v
-
-
-class _Reduced:
-    """One tensor's statistics vector, with the shape and dtype a :class:`Stats` reports."""
-
-    __slots__ = ("vector", "shape", "dtype")
-
-    def __init__(self, vector: torch.Tensor, t: torch.Tensor) -> None:
-        self.vector, self.shape, self.dtype = vector, tuple(t.shape), str(t.dtype)
-
-
-def _reduce_stats(values: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Statistics of every tensor in ``values``, computed as the fx frontend computes them
-    (so the numbers are the same): a large tensor alone, the small ones of the forward
-    together, per device, in order."""
-    from ._stats import _SMALL, stats_vector, stats_vectors
-
-    flat = [tree_flatten(v) for v in values]
-    small: dict[torch.device, list[tuple[int, int]]] = {}
-    out: list[list[Any]] = []
-    for i, (leaves, _) in enumerate(flat):
-        row: list[Any] = list(leaves)
-        for j, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                if leaf.numel() > _SMALL:
-                    row[j] = _Reduced(stats_vector(leaf), leaf)
-                else:
-                    small.setdefault(leaf.device, []).append((i, j))
-        out.append(row)
-    for spots in small.values():
-        tensors = [flat[i][0][j] for i, j in spots]
-        for (i, j), t, vec in zip(spots, tensors, stats_vectors(tensors).unbind(0),
-                                  strict=True):
-            out[i][j] = _Reduced(vec, t)
-    return tuple(tree_unflatten(row, spec) for row, (_, spec) in zip(out, flat, strict=True))
-
-
-def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
-    """Put a :class:`Stats` in place of each reduced tensor, fetched in one transfer."""
-    from ._stats import StatsBatch
-
-    flat = {name: tree_flatten(v) for name, v in values.items()}
-    keys, found = [], []
-    for name, (leaves, _) in flat.items():
-        for j, leaf in enumerate(leaves):
-            if isinstance(leaf, _Reduced):
-                keys.append(f"{name}\0{j}")
-                found.append(leaf)
-    if not keys:
-        return values
-    batch = StatsBatch(keys, [r.vector for r in found], [r.shape for r in found],
-                       [r.dtype for r in found]).fetch()
-    result = {}
-    for name, (leaves, spec) in flat.items():
-        result[name] = tree_unflatten([batch[f"{name}\0{j}"] if isinstance(leaf, _Reduced)
-                                       else leaf for j, leaf in enumerate(leaves)], spec)
-    return result
-
-
 class TappedScript(TappedArtifact):
     """A tapped TorchScript module (``fxprobe.tap(script_module)``).
 
@@ -235,8 +174,7 @@ class TappedScript(TappedArtifact):
                  copied: frozenset[str] = frozenset(),
                  outplaced: frozenset[str] = frozenset()) -> None:
         names = list(module.fxprobe_names)
-        stats = module.fxprobe_reduce == "stats"
-        super().__init__(module, names, sites, options, stats, copied, outplaced)
+        super().__init__(module, names, sites, options, copied, outplaced)
         self._module = module
         self._graph = graph
 

@@ -367,8 +367,7 @@ class TappedExport(TappedArtifact):
                  outplaced: frozenset[str] = frozenset()) -> None:
         self._program = program
         module = program.module()
-        stats = options.reduce == "stats"
-        super().__init__(module, [s.name for s in sites], sites, options, stats, copied,
+        super().__init__(module, [s.name for s in sites], sites, options, copied,
                          outplaced)
 
     def exported(self) -> Any:

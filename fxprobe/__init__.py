@@ -26,6 +26,7 @@ from ._extract import extractor
 from ._program import SiteNames
 from ._record import Grads, InOut, Taps
 from ._select import Selector, where
+from ._sinks import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
 from ._site import Site
 from ._stats import Stats, StatsBatch, StatsLogger, sample_vector, stats_table, stats_vector
 from ._summary import Table, summary
@@ -34,6 +35,7 @@ from ._trace import Fallback
 from ._viz import render, to_dot
 
 __all__ = [
+    "CallbackSink",
     "ConfigError",
     "Fallback",
     "FxProbeError",
@@ -53,14 +55,17 @@ __all__ = [
     "StatsLogger",
     "Table",
     "Taps",
+    "TensorBoardSink",
     "TappedModule",
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
     "extractor",
+    "lightning_callback",
     "render",
     "sample_vector",
     "sites",
+    "stats_scalars",
     "stats_table",
     "stats_vector",
     "summary",

@@ -243,7 +243,7 @@ def test_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"    {command}" in top
     for command, options in (("sites", ["--ops", "--tracer", "--train", "--format", "module:"]),
                              ("graph", ["--ops", "-o", "--depth", "--input", "--rankdir",
-                                        "function:torch.add", "MODEL is"]),
+                                        "--show-plumbing", "function:torch.add", "MODEL is"]),
                              ("demo", ["-o", "--format"])):
         with pytest.raises(SystemExit):
             _cli.main([command, "--help"])

@@ -23,6 +23,7 @@ from ._errors import (
     UnsupportedModelError,
 )
 from ._extract import extractor
+from ._features import Features, features
 from ._program import SiteNames
 from ._record import Grads, InOut, Taps
 from ._select import Selector, where
@@ -38,6 +39,7 @@ __all__ = [
     "CallbackSink",
     "ConfigError",
     "Fallback",
+    "Features",
     "FxProbeError",
     "Grads",
     "InOut",
@@ -61,6 +63,7 @@ __all__ = [
     "UnknownSiteError",
     "UnsupportedModelError",
     "extractor",
+    "features",
     "lightning_callback",
     "render",
     "sample_vector",

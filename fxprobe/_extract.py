@@ -216,7 +216,8 @@ def prune(graph: fx.Graph, modules: Callable[[str], nn.Module]) -> bool:
     Here an op that writes in place (per ``_inplace``, which counts code it cannot see into as
     a writer) is kept when a kept op reads the written storage after it. The output itself does
     not count as such a reader: a returned value that a kept write overwrites is copied by the
-    caller. Placeholders stay (the signature does not change).
+    caller. Side-effectful calls (``torch._assert``) before the last kept op are kept.
+    Placeholders stay (the signature does not change).
     """
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -235,6 +236,12 @@ def prune(graph: fx.Graph, modules: Callable[[str], nn.Module]) -> bool:
 
     for n in nodes:
         if n.op in ("output", "placeholder"):
+            keep(n)
+    # Checks and other side-effectful calls (torch._assert on the input's shape) that run
+    # before the last kept op still run, as in torchvision's extractor; later ones do not.
+    last = max((order[n] for n in live if n.op not in ("output", "placeholder")), default=-1)
+    for n in nodes:
+        if n.op == "call_function" and order[n] < last and n.is_impure():
             keep(n)
     changed = True
     while changed:

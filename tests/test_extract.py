@@ -504,6 +504,26 @@ def test_return_nodes_stops_computing_after_the_last_requested_value() -> None:
     assert model.head.calls == 0
 
 
+class _Checked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._assert(x.shape[1] == 4, "x must have 4 features")
+        y = self.a(x)
+        torch._assert(x.shape[0] < 100, "at most 99 rows")  # after the requested value
+        return self.b(y)
+
+
+def test_return_nodes_keeps_checks_before_the_last_requested_value() -> None:
+    ex = extractor(_Checked(), return_nodes=["a"])
+    assert torch.equal(ex(torch.ones(2, 4))["a"], ex.a(torch.ones(2, 4)))
+    with pytest.raises(AssertionError, match="4 features"):
+        ex(torch.ones(2, 5))
+    ex(torch.ones(200, 4))  # the later check is pruned with what follows it
+
+
 def test_return_nodes_keeps_an_inplace_write_a_kept_op_reads() -> None:
     # InplaceZoo: y.relu_() and y.add_(1.0) return nothing used, yet sigmoid(y.view(-1)) reads
     # what they wrote; a plain dead-code elimination would drop them.

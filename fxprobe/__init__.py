@@ -9,8 +9,13 @@ Example:
     torch.Size([2, 8])
 """
 
+from . import dist
+from ._artifact import TappedArtifact, TappedScript
+from ._captures import Captures, open_captures
+from ._disk import Disk
 from ._errors import (
     ConfigError,
+    DiskError,
     FxProbeError,
     InterventionError,
     RemovedError,
@@ -22,6 +27,7 @@ from ._errors import (
     UnknownSiteError,
     UnsupportedModelError,
 )
+from ._export import TappedExport
 from ._extract import extractor
 from ._features import Features, features
 from ._program import SiteNames
@@ -37,7 +43,10 @@ from ._viz import render, to_dot
 
 __all__ = [
     "CallbackSink",
+    "Captures",
     "ConfigError",
+    "Disk",
+    "DiskError",
     "Fallback",
     "Features",
     "FxProbeError",
@@ -57,11 +66,15 @@ __all__ = [
     "StatsLogger",
     "Table",
     "Taps",
-    "TensorBoardSink",
+    "TappedArtifact",
+    "TappedExport",
     "TappedModule",
+    "TappedScript",
+    "TensorBoardSink",
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
+    "dist",
     "extractor",
     "features",
     "lightning_callback",
@@ -72,6 +85,7 @@ __all__ = [
     "stats_table",
     "stats_vector",
     "summary",
+    "open_captures",
     "tap",
     "to_dot",
     "where",

@@ -65,3 +65,7 @@ class RenderError(FxProbeError, RuntimeError):
 
 class UsageError(FxProbeError, ValueError):
     """What was typed on the command line cannot be used; the message says how to fix it."""
+
+
+class DiskError(FxProbeError, OSError):
+    """Captures could not be written to, or read from, a directory (``fxprobe.Disk``)."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import fx, nn
 
+from ._artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from ._errors import ConfigError, RemovedError
 from ._hooks import HookSet
 from ._mirror import drop_overrides, install_override, mirror, own_forward
@@ -32,6 +33,11 @@ from ._site import Site
 from ._trace import Fallback
 
 if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+    from ._artifact import TappedScript
+    from ._disk import Disk
+    from ._export import TappedExport
     from ._summary import Table
 
 
@@ -53,6 +59,7 @@ class TappedModule(nn.Module):
     _hookset: HookSet
     _programs: dict[bool, Program]
     _removed: bool
+    _sink: Any
 
     def __init__(self, model: nn.Module, selectors: list[Selector] | None,
                  options: TapOptions) -> None:
@@ -78,7 +85,10 @@ class TappedModule(nn.Module):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
+        d["_sink"] = options.sink  # fxprobe.Disk: write(values) after each forward
         self._program(strict=True)
+        if options.sink is not None:
+            options.sink.attach(self)
 
     # -- building ---------------------------------------------------------------------------
     def _program(self, strict: bool = False) -> Program:
@@ -145,10 +155,16 @@ class TappedModule(nn.Module):
             if root is not None:
                 result = root.fn(root.holder, *args, **kwargs)
                 self._pipeline.store(root.names, result[1])
-                return result[0]
-            return own_forward(self._root)(*args, **kwargs)
+                out = result[0]
+            else:
+                out = own_forward(self._root)(*args, **kwargs)
+            if state.frame.deferred:
+                self._pipeline.finish(state.frame)
         finally:
             state.active = False
+        if self._sink is not None:
+            self._sink.write(self._rec.values(state.frame))
+        return out
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)
@@ -243,6 +259,8 @@ class TappedModule(nn.Module):
         self._hookset.remove()
         drop_overrides(self._root)
         self.__dict__["_removed"] = True
+        if self._sink is not None:
+            self._sink.close()  # flushes what is queued; raises if the writer failed
 
     def __enter__(self) -> TappedModule:
         return self
@@ -271,17 +289,54 @@ class TappedModule(nn.Module):
         return f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks}, hook={hooks})"
 
 
-def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detach: bool = True,
+@overload
+def tap(  # type: ignore[overload-overlap]  # a ScriptModule is an nn.Module too
+        model: torch.jit.ScriptModule, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
         leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | None = None,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule:
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedScript: ...
+
+
+@overload
+def tap(model: ExportedProgram, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
+        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
+        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
+        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedExport: ...
+
+
+@overload
+def tap(model: nn.Module, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
+        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
+        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
+        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule: ...
+
+
+def tap(model: Any, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
+        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
+        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
+        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None
+        ) -> TappedModule | TappedArtifact:
     """Tap ``model`` at the sites ``ops`` selects; run the result like the model.
 
     Args:
-        model: any ``nn.Module``; it is never modified.
+        model: any ``nn.Module``, a TorchScript module (scripted, traced or loaded) or a
+            ``torch.export`` ExportedProgram; it is never modified. See docs/artifacts.md.
         ops: ``None`` (every site), a selector, or a list of selectors (their union): an
             ``nn.Module`` type, a function or operator, a glob on site names, a ``re.Pattern``,
             or ``fxprobe.where(predicate)``.
@@ -300,7 +355,8 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         keep: ``"last"`` forward (default), a number N of forwards (``tapped.history``), or
             ``"all"`` (memory grows with every forward).
         to: copy captured values to this device without blocking (``"cpu"``: pinned memory);
-            reading a value waits for its own copy only.
+            reading a value waits for its own copy only. Or a :class:`fxprobe.Disk`: stream
+            every forward's values to files in the background (``docs/disk.md``).
         fn: ``fn(site, value)`` runs at each tap; returning a tensor replaces the value for
             every downstream consumer (``None`` observes).
         grad: after ``backward()``, ``tapped.grads[name]`` is the gradient with respect to
@@ -308,37 +364,49 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         grad_fn: ``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it.
 
     Returns:
-        A :class:`TappedModule`.
+        A :class:`TappedModule`; a :class:`TappedScript` for a ScriptModule, a
+        :class:`TappedExport` for an ExportedProgram.
 
     Raises:
         SelectorError: a selector matches no site. SelectorTypeError: a selector of unknown
         type. TraceError: ``tracer="fx"`` and part of the model cannot be traced.
-        UnsupportedModelError: not an ``nn.Module``, or a TorchScript module.
+        UnsupportedModelError: not an ``nn.Module``. ConfigError: an option a deployed
+        artifact cannot honour (``fn=``, ``grad=``, ``capture="input"``, ...).
 
     Example:
         >>> tapped = fxprobe.tap(model, ops=[nn.Conv2d, torch.flatten])
         >>> out = tapped(x); tapped.taps["flatten"].shape
     """
-    model = check_model(model)
-    options = make_options(
+    kwargs: dict[str, Any] = dict(
         capture=capture, detach=detach, copy=copy, tracer=tracer, leaf_modules=leaf_modules,
         autowrap_functions=autowrap_functions, reduce=reduce, sample_size=sample_size, seed=seed,
         keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn)
-    return TappedModule(model, as_selectors(ops), options)
+    if artifact_kind(model) is not None:  # a ScriptModule or an ExportedProgram
+        return tap_artifact(model, ops, **kwargs)
+    model = check_model(model)
+    return TappedModule(model, as_selectors(ops), make_options(**kwargs))
 
 
-def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
+def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
           leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = ()
           ) -> SiteNames:
     """Every tappable site name of ``model``, in execution order (eval mode unless ``train``).
 
     Names follow torchvision's ``get_graph_node_names``; inside modules that cannot be traced,
     module calls are listed by path in registration order. The model is not modified.
+    A ScriptModule or an ExportedProgram is read from its graph (``train`` and the tracing
+    arguments do not apply; see docs/artifacts.md).
 
     Example:
         >>> fxprobe.sites(model)[:3]
         ('x', 'conv1', 'bn1')
     """
+    if artifact_kind(model) is not None:
+        given = {k: v for k, v in (("train", train), ("tracer", tracer),
+                                   ("leaf_modules", list(leaf_modules)),
+                                   ("autowrap_functions", list(autowrap_functions)))
+                 if v not in (False, "auto", [])}  # anything but the defaults
+        return SiteNames(artifact_sites(model, **given), ())
     model = check_model(model, "fxprobe.sites")
     check_choice("tracer", tracer, TracerKind)
     check_flag("train", train)

@@ -8,19 +8,25 @@ their own, and its leaf children are reached by hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import linecache
+import math
 import os
 import re
+import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ._errors import TracedStateError, TraceError
+from ._inplace import OUT_OF_PLACE
 from ._mirror import guard_state, has_patched_forward
 from ._ops import method_key, module_key, op_key
 from ._options import TracerKind
@@ -98,15 +104,28 @@ class SiteTracer(fx.Tracer):
 
     Buffers are traced as graph values (``proxy_buffer_attributes``): otherwise a forward that
     updates a buffer in place (a counter, a running statistic) would write into the model's
-    real buffer once while tracing and be missing from the graph. A call of a module that fx
-    traces through gets a site too (its path, ``inlined=True``) on the call's last node.
+    real buffer once while tracing and be missing from the graph. A buffer, and a value computed
+    from buffers alone, is no site: torchvision's tracer sees constants there. A call of a
+    module that fx traces through gets a site too (its path, ``inlined=True``) on the call's
+    last node.
+
+    torchvision's ``get_graph_node_names`` keeps ``torchvision.ops`` modules whole
+    (:func:`library_blocks`: ``Conv2dNormActivation``, ``MLP``...) and names one node per call.
+    This tracer traces through them, so that their convolutions and activations stay sites, but
+    lists the call (its path, ``listed=True``) in their place and the sites inside them with
+    ``listed=False``: ``fxprobe.sites(model)`` then equals torchvision's names. It records
+    ``torchvision.ops`` functions as single calls (:func:`autowrap_modules`), as torchvision
+    does.
     """
 
     proxy_buffer_attributes = True
 
     def __init__(self, prefix: str, leaf_types: tuple[type, ...], leaf_paths: frozenset[str],
-                 opaque: set[str], autowrap_functions: tuple[Callable[..., Any], ...]) -> None:
-        super().__init__(autowrap_functions=autowrap_functions)
+                 opaque: set[str], autowrap_functions: tuple[Callable[..., Any], ...],
+                 blocks: tuple[type, ...] = ()) -> None:
+        # fx annotates autowrap_modules as a 1-tuple; it takes any number of modules.
+        super().__init__(autowrap_modules=autowrap_modules(),  # type: ignore[arg-type]
+                         autowrap_functions=autowrap_functions)
         self.prefix = prefix
         self.leaf_types = leaf_types
         self.leaf_paths = leaf_paths
@@ -116,6 +135,9 @@ class SiteTracer(fx.Tracer):
         self.node_names = Namer()
         self.call_names = Namer()
         self.taken: set[str] = set()
+        self.buffer_values: set[fx.Node] = set()
+        self.blocks = blocks
+        self.inside_blocks = 0
 
     def absolute(self, path: str) -> str:
         return _join(self.prefix, path)
@@ -134,25 +156,37 @@ class SiteTracer(fx.Tracer):
             if self.is_leaf_module(m, path):
                 return self.create_proxy("call_module", path, args, kwargs)
             before = self.graph._root.prev  # the last node so far (the root sentinel if none)
+            block = bool(path) and bool(self.blocks) and isinstance(m, self.blocks)
+            self.inside_blocks += block
             try:
                 out = forward(*args, **kwargs)
             except Exception:
                 if self.failed_path is None:  # the innermost module sees the error first
                     self.failed_path = path
                 raise
-            if path and isinstance(out, fx.Proxy):
-                first = before.next if before.next is not self.graph._root else out.node
-                self._name_call(m, path, out.node, args, first)
+            finally:
+                self.inside_blocks -= block
+            listed = block and not self.inside_blocks
+            last = out.node if isinstance(out, fx.Proxy) else None
+            if last is None and listed and _holds_proxy(out):
+                # A block that returns a nest (an FPN's dict) is one node in torchvision's
+                # graph: one node that hands the nest on stands for it here.
+                last = self.graph.create_node("call_function", _nest, (_nodes_of(out),), {})
+            if path and last is not None:
+                first = before.next if before.next is not self.graph._root else last
+                self._name_call(m, path, last, args, first, listed=listed)
             return out
         finally:
             self.current = old
 
     def _name_call(self, m: nn.Module, path: str, last: fx.Node, args: tuple[Any, ...],
-                   first: fx.Node) -> None:
+                   first: fx.Node, listed: bool) -> None:
         target = self.absolute(path)
-        name = self._unique(self.call_names.next(target))
+        # A listed block call is a node of torchvision's graph: it counts among the nodes.
+        namer = self.node_names if listed else self.call_names
+        name = self._unique(namer.next(target))
         attach(last, Site(name, "fx", "call_module", target, target, type(m), None,
-                          inlined=True))
+                          inlined=True, listed=listed))
         arg_nodes = tuple(a.node if isinstance(a, fx.Proxy) else a for a in args)
         last.meta.setdefault(CALL_ARGS, {})[name] = (arg_nodes, first)
 
@@ -162,12 +196,24 @@ class SiteTracer(fx.Tracer):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest)
         node = proxy.node
         if kind == "get_attr" and self._is_buffer(str(target)):
+            self.buffer_values.add(node)
             return proxy  # torchvision's tracer makes no named node for a buffer
+        inputs = node.all_input_nodes
+        if kind in ("call_function", "call_method") and inputs and all(
+                n in self.buffer_values for n in inputs):
+            # torchvision's tracer sees a buffer as a constant tensor: what is computed from
+            # buffers alone (maxvit's relative_position_index.view(-1)) runs eagerly there and
+            # is no node, so it is no site here either (and takes no name from later nodes).
+            self.buffer_values.add(node)
+            return proxy
         module_path = self.absolute(self.current)
         qual = module_path
         if node.op != "call_module":
             qual = _join(qual, node.name)
-        attach(node, self._site(self._unique(self.node_names.next(qual)), node, module_path))
+        site = self._site(self._unique(self.node_names.next(qual)), node, module_path)
+        if self.inside_blocks:
+            site = dataclasses.replace(site, listed=False)
+        attach(node, site)
         return proxy
 
     def _site(self, name: str, node: fx.Node, module_path: str) -> Site:
@@ -201,6 +247,30 @@ class SiteTracer(fx.Tracer):
         return attr in module._buffers
 
 
+def _nest(value: Any) -> Any:
+    """What a block returned, as it is (the node a nest-returning block's site sits on)."""
+    return value
+
+
+setattr(_nest, OUT_OF_PLACE, True)  # writes nothing (for the in-place analysis)
+
+
+def _holds_proxy(value: Any) -> bool:
+    found = False
+
+    def visit(v: Any) -> Any:
+        nonlocal found
+        found = found or isinstance(v, fx.Proxy)
+        return v
+
+    fx.node.map_aggregate(value, visit)
+    return found
+
+
+def _nodes_of(value: Any) -> Any:
+    return fx.node.map_aggregate(value, lambda v: v.node if isinstance(v, fx.Proxy) else v)
+
+
 class Namer:
     """torchvision's ``get_graph_node_names`` naming: fx's global ``_N`` suffix is replaced by a
     count local to the name (``layer1.0.relu``, ``layer1.0.relu_1``)."""
@@ -224,13 +294,42 @@ class Namer:
 
 def is_leaf(m: nn.Module, path: str, leaf_types: tuple[type, ...],
             leaf_paths: frozenset[str]) -> bool:
-    """fx's default leaves (torch.nn modules but Sequential) plus the user's ``leaf_modules``."""
+    """fx's default leaves (torch.nn modules but Sequential) plus the user's ``leaf_modules``
+    (``leaf_types`` and ``leaf_paths``)."""
     if path in leaf_paths or (leaf_types and isinstance(m, leaf_types)):
         return True
     mod = type(m).__module__
     return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(
         m, nn.Sequential
     )
+
+
+def autowrap_modules() -> tuple[ModuleType, ...]:
+    """Modules whose functions fx records as single calls: fx's ``math`` and, as torchvision's
+    ``get_graph_node_names`` does, ``torchvision.ops`` (``stochastic_depth``, ``nms``...)."""
+    ops = _torchvision_ops()
+    return (math,) if ops is None else (math, ops)
+
+
+def _torchvision_ops() -> ModuleType | None:
+    # A model holding a torchvision ops module or calling one of its functions has imported
+    # torchvision.ops already; fxprobe never imports torchvision itself.
+    return sys.modules.get("torchvision.ops")
+
+
+def library_blocks() -> tuple[type, ...]:
+    """The ``nn.Module`` classes that ``torchvision.ops`` exports (``Conv2dNormActivation``,
+    ``MLP``, ``SqueezeExcitation``, ``StochasticDepth``, ``Permute``...), subclasses included
+    (vit's ``MLPBlock``): torchvision's ``get_graph_node_names`` keeps them whole.
+
+    Call it before tracing: while fx traces, ``autowrap_modules`` has replaced these classes in
+    ``torchvision.ops`` by wrapper functions.
+    """
+    ops = _torchvision_ops()
+    if ops is None:
+        return ()
+    return tuple(obj for _, obj in inspect.getmembers(ops)
+                 if inspect.isclass(obj) and issubclass(obj, nn.Module))
 
 
 def failure_location(exc: BaseException, module: nn.Module | None = None) -> str:
@@ -265,7 +364,9 @@ def _join(prefix: str, name: str) -> str:
 
 class _Planner:
     def __init__(self, tracer: TracerKind, leaf_types: tuple[type, ...],
-                 leaf_paths: frozenset[str], autowrap: tuple[Callable[..., Any], ...]) -> None:
+                 leaf_paths: frozenset[str], autowrap: tuple[Callable[..., Any], ...],
+                 blocks: tuple[type, ...] = ()) -> None:
+        self.blocks = blocks
         self.tracer = tracer
         self.leaf_types = leaf_types
         self.leaf_paths = leaf_paths
@@ -290,7 +391,8 @@ class _Planner:
                 opaque.add(rel)
                 errors[rel] = Fallback(_join(path, rel), type(m), _PATCHED, "")
         while True:
-            tracer = SiteTracer(path, self.leaf_types, self.leaf_paths, opaque, self.autowrap)
+            tracer = SiteTracer(path, self.leaf_types, self.leaf_paths, opaque, self.autowrap,
+                                self.blocks)
             try:
                 with guard_state(module, functools.partial(_path_in, tracer)):
                     graph = tracer.trace(module)
@@ -368,6 +470,7 @@ def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (
     """Trace ``root`` (fxprobe's copy of the user's model, already in the wanted mode)."""
     leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
     leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
-    planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions))
+    planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions),
+                       library_blocks())
     root_region = planner.visit(root, "")
     return Plan(root_region, planner.regions, planner.fallbacks, planner.sites)

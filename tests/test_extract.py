@@ -584,7 +584,9 @@ def test_return_nodes_with_ops_is_refused() -> None:
         extractor(model, ops=nn.Conv2d, return_nodes=["layer1"])
 
 
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON", "/work/venv-tv/bin/python"))
+# As tests/test_torchvision.py finds it: FXPROBE_TV_PYTHON, else the venv .ci/tv-env makes.
+TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
+    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
 _TV_SCRIPT = textwrap.dedent("""
     import torch
     from torchvision.models import resnet18

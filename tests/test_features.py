@@ -136,7 +136,9 @@ def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
         fxprobe.features(_ViT(), **kwargs)  # type: ignore[arg-type]
 
 
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON", "/work/venv-tv/bin/python"))
+# As tests/test_torchvision.py finds it: FXPROBE_TV_PYTHON, else the venv .ci/tv-env makes.
+TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
+    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
 _TIMM_SCRIPT = textwrap.dedent("""
     import torch, timm, fxprobe
     torch.manual_seed(0)

@@ -29,9 +29,11 @@ from ._errors import (
 )
 from ._export import TappedExport
 from ._extract import extractor
+from ._features import Features, features
 from ._program import SiteNames
 from ._record import Grads, InOut, Taps
 from ._select import Selector, where
+from ._sinks import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
 from ._site import Site
 from ._stats import Stats, StatsBatch, StatsLogger, sample_vector, stats_table, stats_vector
 from ._summary import Table, summary
@@ -40,11 +42,13 @@ from ._trace import Fallback
 from ._viz import render, to_dot
 
 __all__ = [
+    "CallbackSink",
     "Captures",
     "ConfigError",
     "Disk",
     "DiskError",
     "Fallback",
+    "Features",
     "FxProbeError",
     "Grads",
     "InOut",
@@ -66,14 +70,18 @@ __all__ = [
     "TappedExport",
     "TappedModule",
     "TappedScript",
+    "TensorBoardSink",
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
     "dist",
     "extractor",
+    "features",
+    "lightning_callback",
     "render",
     "sample_vector",
     "sites",
+    "stats_scalars",
     "stats_table",
     "stats_vector",
     "summary",

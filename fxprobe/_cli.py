@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "inputs. Floats are random normal, integers and bools zero.")
     p.add_argument("--rankdir", choices=("TB", "LR"), default="TB",
                    help="layout direction: top to bottom (default) or left to right")
+    p.add_argument("--show-plumbing", action="store_true",
+                   help="draw shape ops (size, shape, getitem on sizes), attributes and "
+                        "submodule inputs with defaults as nodes; by default they are folded "
+                        "into the ops they feed")
     p.set_defaults(command="graph", handler=cmd_graph)
 
     p = sub.add_parser(
@@ -248,7 +252,8 @@ def cmd_graph(args: argparse.Namespace) -> int:
         raise UsageError(f"-o {str(out)!r}: the folder {str(out.parent)!r} does not exist; "
                          "create it first or name a file in an existing folder")
     render(model, out, example_input=inputs or None, ops=selectors, depth=args.depth,
-           tracer=args.tracer, train=args.train, rankdir=args.rankdir)
+           tracer=args.tracer, train=args.train, rankdir=args.rankdir,
+           show_plumbing=args.show_plumbing)
     print(f"wrote {out}")
     return 0
 

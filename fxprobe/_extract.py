@@ -10,16 +10,18 @@ it whole. It is built from the same tracing, site names, selectors and in-place 
 
 from __future__ import annotations
 
+import difflib
 import operator
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from ._errors import ConfigError, TraceError, UnsupportedModelError
+from ._errors import ConfigError, SelectorError, TraceError, UnsupportedModelError
 from ._inplace import Hazards
+from ._inplace import _effects as effects  # what a node writes; shared with Hazards
 from ._mirror import mirror
 from ._ops import (
     PASS_THROUGH,
@@ -34,15 +36,19 @@ from ._pipeline import clone_tree
 from ._program import check_model
 from ._rewrite import copy_graph
 from ._select import as_selectors, select
-from ._site import sites_of
+from ._site import Site, sites_of
 from ._trace import Fallback, Region, plan
 
 
 def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
               leaf_modules: Sequence[Any] = (),
               autowrap_functions: Sequence[Callable[..., Any]] = (),
-              train: bool = False) -> fx.GraphModule:
+              train: bool = False,
+              return_nodes: Sequence[str] | Mapping[str, str] | None = None) -> fx.GraphModule:
     """A module whose forward returns ``(model output, {site name: value})``, side-effect free.
+
+    With ``return_nodes`` (torchvision's ``create_feature_extractor`` argument) it returns only
+    ``{name: value}`` instead, and computes nothing after the last requested value.
 
     The result is an ``fx.GraphModule`` traced once, in eval mode unless ``train``. It shares
     every parameter and buffer with ``model`` (training it trains the model) and leaves the model
@@ -63,6 +69,12 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
         train: trace the training-mode forward (and return the module in training mode).
             The graph's control flow is fixed at trace time; ``.train()``/``.eval()`` on the
             result only switches what leaf modules such as BatchNorm and Dropout do.
+        return_nodes: instead of ``ops``, exact site names as torchvision spells them: a list
+            (``["layer1", "layer2.0.relu"]``) or a dict renaming them
+            (``{"layer1": "feat1"}``). A module path such as ``"layer1"`` is that module's
+            output. The forward then returns ``{name: value}`` in the order given, and the graph
+            is pruned: ops that no requested value depends on are dropped (the model's head is
+            not run), except in-place writes that a kept op still reads.
 
     Returns:
         An ``fx.GraphModule`` named like the model's class.
@@ -70,14 +82,19 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
     Raises:
         TraceError: part of the model cannot be traced; the message names each such module.
         SelectorError: a selector matches no site. SelectorTypeError: a selector of unknown
-        type. ConfigError: ``tracer`` is not ``"fx"``. UnsupportedModelError: not an
+        type, or a ``return_nodes`` name that is no site. ConfigError: ``tracer`` is not
+        ``"fx"``, both ``ops`` and ``return_nodes`` given, or ``return_nodes`` malformed
+        (not strings, two names renamed alike). UnsupportedModelError: not an
         ``nn.Module``, a TorchScript module, or a container without a forward.
 
     Example:
         >>> ex = fxprobe.extractor(model, ops=[nn.Conv2d, "layer1.*"])
         >>> out, feats = torch.compile(ex, fullgraph=True)(x)
+        >>> body = fxprobe.extractor(model, return_nodes={"layer2": "feat"})
+        >>> body(x)["feat"].shape  # layer3, layer4 and the head do not run
     """
     model = check_model(model, "fxprobe.extractor")
+    renames = _return_nodes(return_nodes, ops)
     if tracer != "fx":
         raise ConfigError(
             f"extractor(tracer={tracer!r}) is not accepted: an extractor is one fx graph of the "
@@ -99,9 +116,13 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
             "whose forward runs it (for an nn.ModuleList, the module that iterates over it)"
         )
     mode = "train" if train else "eval"
-    selected = select(p.sites, selectors, context=f"{type(model).__name__} ({mode} mode)",
-                      fallbacks=p.fallbacks)
-    graph = build_graph(region, {s.name for s in selected})
+    context = f"{type(model).__name__} ({mode} mode)"
+    if renames is not None:
+        _check_names(renames, p.sites, context)
+        graph = build_features_graph(region, renames)
+    else:
+        selected = select(p.sites, selectors, context=context, fallbacks=p.fallbacks)
+        graph = build_graph(region, {s.name for s in selected})
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     gm.train(train)
     return gm
@@ -145,6 +166,98 @@ def build_graph(region: Region, selected: set[str]) -> fx.Graph:
     graph.output((result, values))  # untyped: the model's return annotation no longer holds
     graph.lint()
     return graph
+
+
+def build_features_graph(region: Region, renames: Mapping[str, str]) -> fx.Graph:
+    """Copy the region's graph; return ``{new name: value}`` only, pruned, copying at risk.
+
+    The requested values become the output before anything is copied, so that the pruning sees
+    what is needed: ``prune`` drops every op they do not depend on, and only then is the
+    in-place analysis run, on the pruned graph (a value overwritten only by code that no longer
+    runs needs no copy).
+    """
+    graph = copy_graph(region.graph)
+    (out,) = (n for n in graph.nodes if n.op == "output")
+    graph.erase_node(out)
+    _resolve_placeholder_types(graph, region.module)
+    produced: dict[str, fx.Node] = {}
+    for n in graph.nodes:
+        for site in sites_of(n):
+            if site.name in renames:
+                produced[site.name] = n
+    graph.output({new: produced[name] for name, new in renames.items()})
+    prune(graph, region.module.get_submodule)
+    (out,) = (n for n in graph.nodes if n.op == "output")
+    hazards = Hazards(graph, region.module.get_submodule)
+    tensors = known_tensors(graph, region.module)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in dict.fromkeys(out.args[0].values()):
+        if node.op == "get_attr" or not hazards.output_at_risk(node):
+            continue
+        after = placeholders[-1] if node.op == "placeholder" else node
+        with graph.inserting_after(after):
+            if node in tensors:
+                copies[node] = graph.call_method("clone", (node,))
+            else:
+                copies[node] = graph.call_function(copy_tree, (node,))
+        if node.op == "placeholder":
+            placeholders.append(copies[node])
+    out.args = ({k: copies.get(v, v) for k, v in out.args[0].items()},)
+    graph.lint()
+    return graph
+
+
+def prune(graph: fx.Graph, modules: Callable[[str], nn.Module]) -> bool:
+    """Drop the nodes the output does not need; return whether any was dropped.
+
+    ``Graph.eliminate_dead_code`` alone is not enough: it keeps no in-place method call whose
+    result is unused (``x.relu_()``), although a kept op that reads ``x`` later needs the write.
+    Here an op that writes in place (per ``_inplace``, which counts code it cannot see into as
+    a writer) is kept when a kept op reads the written storage after it. The output itself does
+    not count as such a reader: a returned value that a kept write overwrites is copied by the
+    caller. Side-effectful calls (``torch._assert``) before the last kept op are kept.
+    Placeholders stay (the signature does not change).
+    """
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    hazards = Hazards(graph, modules)
+    writes = {n: effects(n, modules)[1] for n in nodes}
+    live: set[fx.Node] = set()
+
+    def keep(n: fx.Node) -> None:
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            if m in live:
+                continue
+            live.add(m)
+            stack.extend(m.all_input_nodes)
+
+    for n in nodes:
+        if n.op in ("output", "placeholder"):
+            keep(n)
+    # Checks and other side-effectful calls (torch._assert on the input's shape) that run
+    # before the last kept op still run, as in torchvision's extractor; later ones do not.
+    last = max((order[n] for n in live if n.op not in ("output", "placeholder")), default=-1)
+    for n in nodes:
+        if n.op == "call_function" and order[n] < last and n.is_impure():
+            keep(n)
+    changed = True
+    while changed:
+        changed = False
+        for w in nodes:
+            if w in live or not writes[w]:
+                continue
+            if any(order[u] > order[w] and u.op != "output"
+                   for target in writes[w] for m in hazards.members(target)
+                   for u in m.users if u in live):
+                keep(w)
+                changed = True
+    dropped = [n for n in reversed(nodes) if n not in live]
+    for n in dropped:
+        graph.erase_node(n)
+    return bool(dropped)
 
 
 def known_tensors(graph: fx.Graph, root: nn.Module) -> set[fx.Node]:
@@ -197,6 +310,61 @@ def known_tensors(graph: fx.Graph, root: nn.Module) -> set[fx.Node]:
             if isinstance(m, TENSOR_MODULES) and getattr(m, "inplace", False) is True:
                 known.add(target)
     return known
+
+
+def _return_nodes(return_nodes: Any, ops: Any) -> dict[str, str] | None:
+    """``{site name: output name}`` from torchvision's list or dict form, validated."""
+    if return_nodes is None:
+        return None
+    if ops is not None:
+        raise ConfigError(
+            "extractor() got both ops= and return_nodes=: pass one. return_nodes (exact site "
+            "names, torchvision's form) returns only the requested values and prunes the graph; "
+            "ops (selectors) returns (output, values)"
+        )
+    if isinstance(return_nodes, Mapping):
+        pairs = list(return_nodes.items())
+    elif isinstance(return_nodes, (list, tuple)):
+        pairs = [(n, n) for n in return_nodes]
+    else:
+        raise ConfigError(
+            f"return_nodes={return_nodes!r} is a {type(return_nodes).__name__}; pass a list of "
+            "site names (['layer1', 'layer2']) or a dict renaming them ({'layer1': 'feat1'})"
+        )
+    if not pairs:
+        raise ConfigError("return_nodes is empty: name at least one site (fxprobe.sites(model))")
+    renames: dict[str, str] = {}
+    for name, new in pairs:
+        if not isinstance(name, str) or not isinstance(new, str):
+            raise ConfigError(
+                f"return_nodes entry {name!r}: {new!r} is not a pair of strings; site names and "
+                "output names are strings (a train/eval pair of lists is not supported: build "
+                "one extractor per mode with train=)")
+        if name in renames:
+            raise ConfigError(f"return_nodes names site {name!r} twice")
+        renames[name] = new
+    news = list(renames.values())
+    twice = sorted({n for n in news if news.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"return_nodes renames several sites to {', '.join(map(repr, twice))}: output names "
+            "must be unique")
+    return renames
+
+
+def _check_names(renames: Mapping[str, str], sites: Sequence[Site], context: str) -> None:
+    known = [s.name for s in sites]
+    names = set(known)
+    for name in renames:
+        if name in names:
+            continue
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        hint = f" Closest site names: {', '.join(close)}." if close else ""
+        raise SelectorError(
+            f"return_nodes names {name!r}, which is no site of {context}.{hint} Site names are "
+            "torchvision's (get_graph_node_names), module paths included; run "
+            "fxprobe.sites(model) for the node names and fxprobe.sites(model).modules for the "
+            "module paths.")
 
 
 def _get_attr(root: nn.Module, target: str) -> Any:

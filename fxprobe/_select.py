@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -181,6 +182,22 @@ def select(sites: Sequence[Site], selectors: list[Selector] | None, *, context: 
     return [s for s in sites if any(sel(s) for sel in matched)]
 
 
+def _may_hide(probe: str, fallback: Any) -> bool:
+    """Whether a module that runs as written may hold what ``probe`` (a pattern or an op name)
+    names: the pattern is under its path, or its forward's source mentions the op's name."""
+    path = getattr(fallback, "path", "")
+    if path and (probe == path or probe.startswith(path + ".")):
+        return True
+    name = probe.rsplit(".", 1)[-1].strip("*()")
+    if not name.isidentifier():
+        return False
+    try:
+        source = inspect.getsource(fallback.module_type.forward)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return re.search(rf"\b{re.escape(name)}\b", source) is not None
+
+
 def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
                      fallbacks: Sequence[Any] = ()) -> str:
     sites = list(sites)
@@ -194,11 +211,17 @@ def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
     ops = sorted({s.op for s in sites if s.kind != "placeholder"})
     hidden = ""
     if fallbacks:
-        shown = "; ".join(str(f) for f in fallbacks[:3])
+        likely = [f for f in fallbacks if _may_hide(probe, f)]
+        ranked = likely + [f for f in fallbacks if f not in likely]
+        shown = "; ".join(str(f) for f in ranked[:3])
         more = f" (and {len(fallbacks) - 3} more)" if len(fallbacks) > 3 else ""
         hidden = (f" {len(fallbacks)} module(s) run as written because torch.fx could not trace "
                   f"them, so only their submodule calls are sites, not their functional ops: "
                   f"{shown}{more}.")
+        if likely:
+            hidden += (f" What {sel.description} names is probably inside "
+                       f"{', '.join(f.what for f in likely[:3])}: make it traceable, or select "
+                       "its submodule calls (a module type or path), which hooks reach.")
     return (
         f"selector {sel.description} matches no site in {context}.{hint}{hidden} "
         f"Ops present: {', '.join(ops[:12])}{' ...' if len(ops) > 12 else ''}. "

@@ -72,10 +72,28 @@ def propagate(p: Plan, source: nn.Module, args: Sequence[Any],
         raise ConfigError(
             f"the example input ({shown}) does not run through {type(source).__name__}: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
-            "pass inputs its forward accepts (a tensor, or a tuple of positional arguments)"
+            + (_token_id_hint(source, args) or
+               "pass inputs its forward accepts (a tensor, or a tuple of positional arguments)")
         ) from e
     note("/output", out)
     return infos
+
+
+def _token_id_hint(source: nn.Module, args: Sequence[Any]) -> str | None:
+    """How to give token ids, when a float input met a model that embeds them."""
+    floats = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    embeddings = [(path, m) for path, m in source.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    if not floats or not embeddings:
+        return None
+    path, emb = embeddings[0]
+    shape = tuple(floats[0].shape)
+    size = "x".join(map(str, shape)) or "1"
+    return (f"{type(source).__name__} looks like it takes token ids: {path!r} is an "
+            f"nn.{type(emb).__name__}, which needs integer indices, and the example input is "
+            f"{str(floats[0].dtype).removeprefix('torch.')}. Give int64 ids: on the command "
+            f"line --input {size}:int64 (ids 0), in Python "
+            f"torch.randint(0, {emb.num_embeddings}, {shape})")
 
 
 def _noting_module(region: Region, module: nn.Module, note: Any) -> fx.GraphModule:

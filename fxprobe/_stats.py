@@ -462,7 +462,8 @@ class StatsLogger:
     ``with stats_logger:``. On steps 0, N, 2N, ... it reads the source and logs
     :func:`stats_table` through :mod:`logging`; on the other steps it does nothing at all, so
     the device is never waited for in between. Nothing is read when the logger would drop the
-    record anyway.
+    record anyway and there is no ``sink``. A ``sink`` (:class:`fxprobe.TensorBoardSink`,
+    :class:`fxprobe.CallbackSink`, or any ``sink(step, stats)``) also receives the stats.
 
     ``source`` is an object with a ``taps`` mapping (a tapped module) or a zero-argument callable
     returning one. Its values may be :class:`Stats` or tensors; tensors are summarised with
@@ -476,7 +477,8 @@ class StatsLogger:
     """
 
     def __init__(self, source: Any, every: int = 100, logger: logging.Logger | None = None,
-                 level: int = logging.INFO, fmt: str = "simple") -> None:
+                 level: int = logging.INFO, fmt: str = "simple",
+                 sink: Callable[[int, Mapping[str, Stats]], Any] | None = None) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigError(f"StatsLogger(every={every!r}): every must be a positive int")
         # getattr_static: a ``taps`` property must not run (and maybe synchronise) here.
@@ -493,6 +495,9 @@ class StatsLogger:
         self.logger = logger if logger is not None else logging.getLogger("fxprobe")
         self.level = level
         self.fmt = fmt
+        self.sink = sink
+        """Also called as ``sink(step, stats)`` on logging steps (``fxprobe.TensorBoardSink``,
+        ``fxprobe.CallbackSink``), whether or not ``logger`` is enabled."""
         self.count = 0
         """How many steps have been taken."""
         self.last: Mapping[str, Stats] | None = None
@@ -502,12 +507,18 @@ class StatsLogger:
         """Count one step; on every ``every``-th (from the first) log and return the stats."""
         index = self.count
         self.count += 1
-        if index % self.every or not self.logger.isEnabledFor(self.level):
+        if index % self.every:
+            return None
+        log = self.logger.isEnabledFor(self.level)
+        if not log and self.sink is None:
             return None
         stats = collect(self._read())
         self.last = stats
-        self.logger.log(self.level, "fxprobe activation stats, step %d:\n%s", index,
-                        stats_table(stats, self.fmt))
+        if log:
+            self.logger.log(self.level, "fxprobe activation stats, step %d:\n%s", index,
+                            stats_table(stats, self.fmt))
+        if self.sink is not None:
+            self.sink(index, stats)
         return stats
 
     __call__ = step

@@ -69,6 +69,10 @@ class _Item:
     site: Site | None = None
     members: list[_Item] = field(default_factory=list)
     """For a collapsed module: the items it stands for."""
+    folded: list[str] = field(default_factory=list)
+    """Sites folded into this one: shape plumbing that feeds it, or optional inputs."""
+    constants: list[str] = field(default_factory=list)
+    """Attributes (parameters, buffers, constants) read by this op, drawn in its label."""
 
 
 @dataclass
@@ -90,7 +94,7 @@ class _Scene:
 def to_dot(obj: nn.Module, example_input: Any = None, *,
            example_kwargs: Mapping[str, Any] | None = None, ops: Any = None,
            depth: int | None = None, tracer: TracerKind = "auto", train: bool | None = None,
-           rankdir: str = "TB") -> graphviz.Digraph:
+           rankdir: str = "TB", show_plumbing: bool = False) -> graphviz.Digraph:
     """Draw a tapped module, or a model, as a ``graphviz.Digraph``.
 
     Nodes are sites (name, op and, when known, dtype and shape); edges are data flow inside
@@ -111,6 +115,13 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
         tracer: for a plain model, as in ``fxprobe.tap``.
         train: for a plain model, draw its train-mode graph (default: its current mode).
         rankdir: Graphviz layout direction, ``"TB"`` (top to bottom) or ``"LR"``.
+        show_plumbing: draw shape plumbing as nodes of its own. By default the ops that only
+            compute sizes (``x.size()``, ``x.shape``, ``getitem`` and arithmetic on them, the
+            tuples built for ``view``) are folded into the op they feed (listed in its
+            tooltip; their inputs are linked to it), the attributes an op reads (``weight``,
+            ``bias`` of a ``Conv1D``) are named in its label, and the inputs of a submodule
+            traced on its own that have a default (``attn_mask=None``, ``is_causal=False``)
+            are listed in one small node without edges. A tapped site is always drawn.
 
     Returns:
         A ``graphviz.Digraph``; ``.source`` is the DOT text, ``.pipe("svg")`` renders it.
@@ -139,7 +150,7 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
             infos = propagate(scene.plan, scene.root, args, dict(example_kwargs or {}))
         scene.infos.update(infos)
         scene.ran = True
-    return _draw(graphviz, scene, depth, rankdir)
+    return _draw(graphviz, scene, depth, rankdir, show_plumbing)
 
 
 def render(obj: nn.Module, path: str | Path, **kwargs: Any) -> Path:
@@ -315,7 +326,37 @@ def _inside(path: str, scope: str) -> bool:
     return scope == "" or path == scope or path.startswith(scope + ".")
 
 
-def _items(p: Plan) -> tuple[list[_Item], list[tuple[str, str]]]:
+_SIZE_METHODS = frozenset({"size", "dim", "numel", "ndimension", "nelement"})
+_SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda"})
+# Optional inputs whose default is one of these are drawn compactly.
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def plumbing(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes that only compute sizes: ``x.size()``, ``x.shape`` and what Python operators
+    and builtins make of them (``getitem``, ``+``, ``//``, tuples for ``view``), never a
+    tensor op (``torch.zeros(x.size(0))`` is not plumbing)."""
+    found: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_method" and n.target in _SIZE_METHODS:
+            found.add(n)
+        elif n.op == "call_function" and n.target is getattr and len(n.args) > 1 \
+                and n.args[1] in _SIZE_ATTRS:
+            found.add(n)
+        elif n.op == "call_function" and getattr(n.target, "__module__", None) in (
+                "_operator", "operator", "builtins") and n.all_input_nodes \
+                and all(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
+def _optional_input(node: fx.Node) -> bool:
+    return node.op == "placeholder" and len(node.args) > 0 and isinstance(node.args[0],
+                                                                           _CONSTANTS)
+
+
+def _items(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool = True
+           ) -> tuple[list[_Item], list[tuple[str, str]]]:
     """Items in site order, and the data-flow edges between them (by item id)."""
     items: list[_Item] = []
     edges: list[tuple[str, str]] = []
@@ -328,7 +369,44 @@ def _items(p: Plan) -> tuple[list[_Item], list[tuple[str, str]]]:
     node_ids: dict[tuple[str, fx.Node], str] = {}
 
     def add_region(region: Region) -> None:
+        optional: list[fx.Node] = []
+        folded: set[fx.Node] = set()
+        if not show_plumbing:
+            shape_ops = plumbing(region.graph)
+            for node in region.graph.nodes:
+                own = node_site(node)
+                if own is not None and own.name in tapped:
+                    continue  # a tapped site is always drawn
+                # The model's own inputs stay: the user passes them (with other values).
+                if own is not None and region.path and _optional_input(node):
+                    optional.append(node)
+                    folded.add(node)
+                elif node in shape_ops or (node.op == "get_attr" and own is not None):
+                    folded.add(node)
+        sources: dict[fx.Node, list[str]] = {}  # what a folded node stands for, by item id
+        names: dict[fx.Node, list[str]] = {}  # the folded sites behind a folded node
+
+        def source_ids(n: fx.Node) -> list[str]:
+            sid = node_ids.get((region.path, n))
+            if sid is not None:
+                return [sid]
+            return sources.get(n, [])
+
+        if optional:
+            shown = [f"{str(n.target).lstrip('*')} (default {n.args[0]!r})" for n in optional]
+            items.append(_Item(f"{region.path}/optional", "optional", region.path,
+                               folded=shown))
         for node in region.graph.nodes:
+            if node in folded and node.op == "get_attr":
+                continue  # drawn in the label of each op that reads it
+            if node in folded:
+                if node not in optional:
+                    ids = [i for a in node.all_input_nodes for i in source_ids(a)]
+                    sources[node] = list(dict.fromkeys(ids))
+                    own = node_site(node)
+                    behind = [x for a in node.all_input_nodes for x in names.get(a, [])]
+                    names[node] = behind + ([own.name] if own is not None else [])
+                continue
             if node.op == "output":
                 oid = "/output" if not region.path else f"{region.path}/return"
                 role = "output" if not region.path else "return"
@@ -346,10 +424,22 @@ def _items(p: Plan) -> tuple[list[_Item], list[tuple[str, str]]]:
                 items.append(_Item(name, role, owner, module, site))
                 placed.add(name)
                 node_ids[(region.path, node)] = name
-            for src in node.all_input_nodes:
+            target = node_ids.get((region.path, node))
+            if target is None:
+                continue
+            direct = [src for src in node.all_input_nodes if src not in folded]
+            for src in direct:
                 sid = node_ids.get((region.path, src))
                 if sid is not None:
-                    edges.append((sid, node_ids[(region.path, node)]))
+                    edges.append((sid, target))
+            for src in node.all_input_nodes:
+                if src in folded and src.op == "get_attr":
+                    items[-1].constants.append(str(src.target).rpartition(".")[2])
+                elif not direct:  # only shape ops feed it: link what they measured
+                    edges.extend((sid, target) for sid in source_ids(src))
+                for name in names.get(src, []):
+                    if name not in items[-1].folded:
+                        items[-1].folded.append(name)
 
     if p.root_region is None:
         items.append(_Item("/input", "input", ""))
@@ -415,9 +505,11 @@ def _cluster_of(item: _Item, drawn: list[_Item]) -> str:
     return _parent(m)
 
 
-def _draw(graphviz: Any, scene: _Scene, depth: int | None, rankdir: str) -> Any:
+def _draw(graphviz: Any, scene: _Scene, depth: int | None, rankdir: str,
+          show_plumbing: bool = True) -> Any:
     p = scene.plan
-    items, edges = _items(p)
+    items, edges = _items(p, scene.tapped, show_plumbing)
+    folded = len({name for it in items if it.role != "optional" for name in it.folded})
     rep = _collapse(items, depth)
     drawn: list[_Item] = []
     seen: set[str] = set()
@@ -433,7 +525,7 @@ def _draw(graphviz: Any, scene: _Scene, depth: int | None, rankdir: str) -> Any:
     root_fallback = "" in fallbacks
 
     dot = graphviz.Digraph(name=_text(scene.title), graph_attr={**_GRAPH_ATTR,
-                           "rankdir": rankdir, "label": _caption(scene, depth)},
+                           "rankdir": rankdir, "label": _caption(scene, depth, folded)},
                            node_attr=_NODE_ATTR, edge_attr=_EDGE_ATTR)
     dot.comment = "fxprobe.to_dot"
     first: dict[str, int] = {}  # clusters in the order their first item is drawn
@@ -525,7 +617,7 @@ def _order_edges(scene: _Scene, drawn: list[_Item], clusters: Mapping[str, list[
     return out
 
 
-def _caption(scene: _Scene, depth: int | None) -> str:
+def _caption(scene: _Scene, depth: int | None, folded: int = 0) -> str:
     p = scene.plan
     nodes = [s for s in p.sites if not s.inlined]
     hooks = sum(1 for s in nodes if s.how == "hook")
@@ -538,6 +630,8 @@ def _caption(scene: _Scene, depth: int | None) -> str:
         line = f"{scene.title}: {len(nodes)} sites, {len(tapped)} tapped"
     if depth is not None:
         line += f", modules nested deeper than {depth} drawn as one node"
+    if folded:
+        line += f", {folded} shape ops folded into the ops they feed (show_plumbing=True)"
     return _text(line) + "\\l" + _text(_LEGEND) + "\\l"
 
 
@@ -568,6 +662,13 @@ def _node_attrs(it: _Item, scene: _Scene, fallbacks: Mapping[str, Any],
         elif s.kind == "placeholder":
             attrs["shape"] = "invhouse"
             tip.append(f"input of the traced module {s.module_path}")
+    elif it.role == "optional":
+        tapped = False
+        lines = ["inputs with defaults:", *it.folded]
+        tip = [f"inputs of {it.owner} that have a default, drawn without edges "
+               "(show_plumbing=True draws them as inputs)", *it.folded]
+        attrs.update(shape="note", fontsize="7", height="0.2", style="filled",
+                     fillcolor=_IO_FILL)
     else:
         tapped = False
         if it.role == "module":
@@ -597,6 +698,11 @@ def _node_attrs(it: _Item, scene: _Scene, fallbacks: Mapping[str, Any],
     elif scene.ran and it.site is not None:
         lines.append("not run")
         tip.append("did not run with the example input")
+    if it.constants:
+        lines.insert(2, "uses " + ", ".join(it.constants))
+        tip.append("reads attributes: " + ", ".join(it.constants))
+    if it.folded and it.role != "optional":
+        tip.append("shape ops folded in: " + ", ".join(it.folded))
     if fallback is not None:
         lines.append("runs as written")
         tip += _fallback_tip(fallback)

@@ -34,6 +34,9 @@ MODELS = textwrap.dedent("""\
     def good():
         return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Gate())
 
+    def lm():
+        return nn.Sequential(nn.Embedding(30, 4), nn.Linear(4, 3))
+
     def not_module():
         return [1, 2]
 
@@ -154,6 +157,9 @@ def test_sites_and_graph_commands(models: Path, capsys: pytest.CaptureFixture[st
     (["sites", "models.py:good", "--ops", "re:("], "not a regular expression"),
     (["graph", "models.py:good", "--input", "2x5"], "does not run through Sequential"),
     (["graph", "models.py:good", "--input", "2x4:complex7"], "unknown dtype 'complex7'"),
+    (["graph", "models.py:lm", "--input", "1x16"],
+     "'0' is an nn.Embedding, which needs integer indices, and the example input is float32. "
+     "Give int64 ids: on the command line --input 1x16:int64"),
     (["graph", "models.py:good", "-o", "g.jpeg"], "cannot tell the format"),
     (["sites", "models.py:good", "--tracer", "fx"], "could not trace"),
 ])
@@ -171,6 +177,11 @@ def test_missing_dot_program_exits_1_with_hint(models: Path, monkeypatch: pytest
     assert "install Graphviz" in capsys.readouterr().err
     assert _cli.main(["graph", "models.py:good", "-o", "g.dot"]) == 0
     assert (models / "g.dot").read_text().startswith("// fxprobe.to_dot")
+
+
+def test_token_ids_as_the_hint_says(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["graph", "models.py:lm", "--input", "1x16:int64", "-o", "lm.dot"]) == 0
+    assert "int64 [1, 16]" in (models / "lm.dot").read_text()
 
 
 def test_model_specs_that_work(models: Path) -> None:
@@ -232,7 +243,7 @@ def test_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"    {command}" in top
     for command, options in (("sites", ["--ops", "--tracer", "--train", "--format", "module:"]),
                              ("graph", ["--ops", "-o", "--depth", "--input", "--rankdir",
-                                        "function:torch.add", "MODEL is"]),
+                                        "--show-plumbing", "function:torch.add", "MODEL is"]),
                              ("demo", ["-o", "--format"])):
         with pytest.raises(SystemExit):
             _cli.main([command, "--help"])

@@ -115,3 +115,46 @@ def test_no_match_says_which_fallback_hid_the_op() -> None:
         fxprobe.tap(model, ops=torch.sum)
     text = str(err.value)
     assert "run as written" in text and "gate" in text and "control flow" in text
+
+
+class _Branchy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.sum() > 0 else -x  # data-dependent: runs as written
+
+
+class _FlattenGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.flatten(x, 1)
+        return self.pos(y) if y.sum() > 0 else -y
+
+
+class _ManyFallbacks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = _Branchy(), _Branchy(), _Branchy()
+        self.gate = _FlattenGate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.c(self.b(self.a(x))))
+
+
+@pytest.mark.parametrize("ops", [torch.flatten, "gate.flatten", "gate.*.add"])
+def test_no_match_names_the_fallback_that_hid_it_first(ops: object) -> None:
+    # Four modules run as written; the message lists three, so the one that holds the op
+    # (its forward calls torch.flatten; the pattern is under its path) must come first.
+    with pytest.raises(fxprobe.SelectorError) as err:
+        fxprobe.tap(_ManyFallbacks(), ops=ops)
+    text = str(err.value)
+    assert "4 module(s) run as written" in text and "(and 1 more)" in text
+    assert text.index("gate: TraceError") < text.index("a: TraceError")
+    assert "is probably inside module 'gate' (_FlattenGate)" in text
+
+
+def test_no_match_with_no_likely_fallback_guesses_none() -> None:
+    with pytest.raises(fxprobe.SelectorError) as err:
+        fxprobe.tap(_ManyFallbacks(), ops=torch.tanh)
+    assert "run as written" in str(err.value) and "probably inside" not in str(err.value)

@@ -151,7 +151,7 @@ def test_every_site_is_a_node_and_tapped_ones_are_marked() -> None:
         listing = fxprobe.sites(model)
         tapped = fxprobe.tap(model, ops=fxprobe.where(
             lambda s: s.module_type in (nn.Linear, nn.Conv2d) or s.op_key == "add"))
-        nodes, _ = parse_dot(fxprobe.to_dot(tapped).source)
+        nodes, _ = parse_dot(fxprobe.to_dot(tapped, show_plumbing=True).source)
         assert set(listing) <= set(nodes), name
         chosen = {s.name for s in listing.records
                   if s.module_type in (nn.Linear, nn.Conv2d) or s.op_key == "add"}
@@ -417,3 +417,86 @@ def test_doc_examples_run(doc: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
             exec(compile(code, f"{doc}[{i}]", "exec"), scope)
         except Exception as e:
             raise AssertionError(f"{doc} example {i} failed: {e!r}\n{code}") from e
+
+
+# -- shape plumbing and inputs with defaults ------------------------------------------------
+
+def _is_plumbing_value(v: Any) -> bool:
+    return isinstance(v, (int, torch.Size, torch.device, torch.dtype)) or (
+        isinstance(v, (tuple, list)) and all(isinstance(x, int) for x in v))
+
+
+def _gpt2_like() -> tuple[nn.Module, torch.Tensor]:
+    from benchmarks.models import GPT2
+
+    torch.manual_seed(0)
+    return GPT2(vocab=50, max_len=16, d_model=16, n_heads=2, n_layers=1).eval(), \
+        torch.randint(0, 50, (1, 8))
+
+
+def test_shape_plumbing_is_folded_by_default_and_shown_on_request() -> None:
+    model, ids = _gpt2_like()
+    # Reference: a stock fx trace run by an Interpreter; plumbing = nodes that produce sizes.
+    gm = fx.symbolic_trace(model)
+    values: list[Any] = []
+
+    class Record(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if n.op != "output":
+                values.append(out)
+            return out
+
+    Record(gm).run(ids)
+    names = list(fxprobe.sites(model))  # one per fx node, in graph order
+    assert len(names) == len(values)
+    plumbing = {n for n, v in zip(names, values, strict=True) if _is_plumbing_value(v)}
+    assert {"h.0.attn.size", "h.0.attn.floordiv"} <= plumbing  # the model has some
+    folded, folded_edges = parse_dot(fxprobe.to_dot(model, ids).source)
+    shown, _ = parse_dot(fxprobe.to_dot(model, ids, show_plumbing=True).source)
+    assert plumbing <= set(shown)
+    assert not plumbing & set(folded)
+    assert set(names) - plumbing <= set(folded)  # everything else is still drawn
+    tips = " ".join(a.get("tooltip", "") for a in folded.values())
+    assert "shape ops folded in: h.0.attn.size" in tips
+    # The data flow between drawn nodes is kept: q's view still comes from the split.
+    assert ("h.0.attn.getitem", "h.0.attn.view") in folded_edges
+    # A tapped plumbing site is drawn even when folding.
+    tapped, _ = parse_dot(fxprobe.to_dot(model, ids, ops="h.0.attn.floordiv").source)
+    assert "h.0.attn.floordiv" in tapped and "h.0.attn.size" not in tapped
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, attn_mask: Any = None, is_causal: bool = False
+                ) -> torch.Tensor:
+        return self.lin(x) + is_causal  # attn_mask is unused, yet still a placeholder
+
+
+class _Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x) if x.sum() > 0 else b(-x)  # data-dependent: each block is traced alone
+        return x
+
+
+def test_inputs_with_defaults_are_drawn_compactly() -> None:
+    model, x = _Router(), torch.randn(2, 4)
+    folded, edges = parse_dot(fxprobe.to_dot(model, x).source)
+    shown, shown_edges = parse_dot(fxprobe.to_dot(model, x, show_plumbing=True).source)
+    optional = [f"blocks.{i}.{n}" for i in range(3) for n in ("attn_mask", "is_causal")]
+    assert set(optional) <= set(shown)
+    assert not set(optional) & set(folded)
+    notes = [n for n, a in folded.items() if a.get("label", "").startswith("inputs with defaults")]
+    assert notes == [f"blocks.{i}/optional" for i in range(3)]
+    assert all("attn_mask (default None)" in folded[n]["label"]
+               and "is_causal (default False)" in folded[n]["label"] for n in notes)
+    assert not [e for e in edges if e[0] in notes or e[1] in notes]
+    assert len(edges) < len(shown_edges)

@@ -1,0 +1,187 @@
+"""Tests of fxprobe.features against hand computations and (in the torchvision venv) timm.
+
+References: block outputs computed by running the model's own layers by hand, laid out with
+indexing written independently of the implementation; forward hooks; timm's
+``forward_intermediates`` on the same model.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import zoo
+from torch import nn
+
+import fxprobe
+from fxprobe._errors import ConfigError
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class _ViT(nn.Module):
+    """A ViT layout: patches, a class token, blocks; the head must not run for features."""
+
+    def __init__(self, d: int = 8, depth: int = 4, prefix: int = 1) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, 4, stride=4)
+        self.cls = nn.Parameter(torch.randn(1, prefix, d))
+        self.blocks = nn.Sequential(*(_Block(d) for _ in range(depth)))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.head(self.blocks(x)[:, 0])
+
+
+def _by_hand(model: _ViT, x: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        p = model.patch(x)  # (B, C, H, W)
+        b, c, h, w = p.shape
+        tokens = torch.cat([model.cls.expand(b, -1, -1), p.flatten(2).transpose(1, 2)], 1)
+        outs = []
+        for blk in model.blocks:
+            tokens = blk(tokens)
+            outs.append(tokens)
+    return outs
+
+
+def _as_map(tokens: torch.Tensor, prefix: int, h: int, w: int) -> torch.Tensor:
+    # Token i (after the prefix) is pixel (i // w, i % w), as flatten(2) made it.
+    b, _, c = tokens.shape
+    out = torch.empty(b, c, h, w)
+    for i in range(h * w):
+        out[:, :, i // w, i % w] = tokens[:, prefix + i]
+    return out
+
+
+def test_vit_blocks_as_nchw_maps_prefix_dropped() -> None:
+    torch.manual_seed(0)
+    model, x = _ViT().eval(), torch.randn(2, 3, 16, 12)  # a 4x3 grid: not square
+    want = _by_hand(model, x)
+    feats = fxprobe.features(model, [1, -1], grid=(4, 3))(x)
+    assert [f.shape for f in feats] == [torch.Size([2, 8, 4, 3])] * 2
+    assert torch.equal(feats[0], _as_map(want[1], 1, 4, 3))
+    assert torch.equal(feats[1], _as_map(want[3], 1, 4, 3))
+
+
+def test_vit_formats_prefix_tokens_and_last_n() -> None:
+    torch.manual_seed(1)
+    model, x = _ViT(prefix=1).eval(), torch.randn(2, 3, 16, 16)  # 4x4: inferred
+    want = _by_hand(model, x)
+    nhwc = fxprobe.features(model, 2, output_fmt="NHWC")(x)
+    assert len(nhwc) == 2
+    for got, ref in zip(nhwc, want[2:], strict=True):
+        assert torch.equal(got, _as_map(ref, 1, 4, 4).permute(0, 2, 3, 1))
+    nlc = fxprobe.features(model, [0], output_fmt="NLC")(x)[0]
+    assert torch.equal(nlc, want[0][:, 1:])
+    (spatial, prefix), = fxprobe.features(model, [3], return_prefix_tokens=True)(x)
+    assert torch.equal(prefix, want[3][:, :1])
+    assert torch.equal(spatial, _as_map(want[3], 1, 4, 4))
+    everything = fxprobe.features(model)(x)
+    assert len(everything) == 4 and torch.equal(everything[0], _as_map(want[0], 1, 4, 4))
+
+
+def test_register_tokens_need_prefix_tokens() -> None:
+    torch.manual_seed(2)
+    model, x = _ViT(prefix=5).eval(), torch.randn(1, 3, 16, 16)  # 16 + 5 tokens
+    with pytest.raises(ConfigError, match="prefix_tokens="):
+        fxprobe.features(model, [0])(x)
+    got = fxprobe.features(model, [0], prefix_tokens=5)(x)[0]
+    assert torch.equal(got, _as_map(_by_hand(model, x)[0], 5, 4, 4))
+
+
+def test_cnn_stages_by_name_equal_hooks() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    seen: dict[str, torch.Tensor] = {}
+    handles = [getattr(model, n).register_forward_hook(
+        lambda m, i, o, n=n: seen.__setitem__(n, o.clone())) for n in ("layer1", "layer2")]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    f = fxprobe.features(model, ["layer1", "layer2"])
+    got = f(x)
+    assert torch.equal(got[0], seen["layer1"]) and torch.equal(got[1], seen["layer2"])
+    nhwc = fxprobe.features(model, ["layer2"], output_fmt="NHWC")(x)[0]
+    assert torch.equal(nhwc, seen["layer2"].permute(0, 2, 3, 1))
+    with pytest.raises(ConfigError, match="no tokens"):
+        fxprobe.features(model, ["layer2"], return_prefix_tokens=True)(x)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"indices": [0], "blocks": "layers"}, "blocks='layers' is no module.*candidates: blocks"),
+    ({"indices": [7]}, "block index 7 is out of range: 'blocks' holds 4"),
+    ({"indices": 0}, "last n blocks, 1 to 4"),
+    ({"indices": [0], "output_fmt": "NCL"}, "output_fmt='NCL'"),
+    ({"indices": "blocks.0"}, "pass None, an int"),
+])
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        fxprobe.features(_ViT(), **kwargs)  # type: ignore[arg-type]
+
+
+# As tests/test_torchvision.py finds it: FXPROBE_TV_PYTHON, else the venv .ci/tv-env makes.
+TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
+    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
+_TIMM_SCRIPT = textwrap.dedent("""
+    import torch, timm, fxprobe
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
+                            patch_size=8, depth=4, num_classes=10, reg_tokens=2).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        for fmt in ("NCHW", "NLC"):
+            want = vit.forward_intermediates(x, indices=[1, 3], output_fmt=fmt,
+                                             intermediates_only=True)
+            got = fxprobe.features(vit, [1, 3], output_fmt=fmt)(x)
+            assert len(want) == len(got) == 2
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), fmt
+        want = vit.forward_intermediates(x, indices=2, return_prefix_tokens=True,
+                                         intermediates_only=True)
+        got = fxprobe.features(vit, 2, return_prefix_tokens=True)(x)
+        assert all(torch.equal(a, c) and torch.equal(b, d)
+                   for (a, b), (c, d) in zip(want, got)), "prefix"
+        print("vit equal", vit.num_prefix_tokens)
+    from torchvision.models.vision_transformer import VisionTransformer
+    from torchvision.models.feature_extraction import create_feature_extractor
+    tv = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                           hidden_dim=16, mlp_dim=32).eval()
+    with torch.no_grad():
+        tokens = create_feature_extractor(tv, ["encoder.layers.encoder_layer_1"])(x)
+        t = tokens["encoder.layers.encoder_layer_1"]
+        want = t[:, 1:].reshape(2, 4, 4, 16).permute(0, 3, 1, 2)
+        got = fxprobe.features(tv, [1], blocks="encoder.layers")(x)[0]
+    assert torch.equal(want, got)
+    print("torchvision vit equal")
+""")
+
+
+@pytest.mark.skipif(not TV_PYTHON.exists(),
+                    reason=f"no venv with timm at {TV_PYTHON} (timm does not install beside "
+                           "torch 2.13 here; set FXPROBE_TV_PYTHON to a python with timm)")
+def test_equals_timm_forward_intermediates_and_torchvision_tokens() -> None:
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([str(TV_PYTHON), "-c", _TIMM_SCRIPT],
+                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                         text=True, timeout=300)
+    if run.returncode != 0 and "No module named 'timm'" in run.stderr:
+        pytest.skip(f"{TV_PYTHON} has no timm (pip install timm into it)")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "vit equal 3" in run.stdout and "torchvision vit equal" in run.stdout

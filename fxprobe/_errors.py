@@ -47,3 +47,7 @@ class ConfigError(FxProbeError, ValueError):
 
 class InterventionError(FxProbeError, ValueError):
     """A callback (``fn=`` or ``grad_fn=``) returned a value that cannot replace the original."""
+
+
+class CaptureError(FxProbeError, RuntimeError):
+    """torch dynamo ran a module without fxprobe's graphs, so nothing in it was tapped."""

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-How = Literal["fx", "hook"]
+How = Literal["fx", "hook", "dynamo"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class Site:
     name: str
     """Qualified site name, as torchvision's ``get_graph_node_names`` spells it."""
     how: How
-    """``"fx"`` when a tap node in the traced graph captures it, ``"hook"`` for a module hook."""
+    """``"fx"`` when a tap node in the traced graph captures it, ``"hook"`` for a module hook,
+    ``"dynamo"`` for a node of a graph that torch dynamo captured."""
     kind: str
     """The fx node kind: placeholder, get_attr, call_module, call_function or call_method."""
     target: Any = field(compare=False)

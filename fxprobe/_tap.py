@@ -5,23 +5,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
-from ._errors import ConfigError, RemovedError, UnsupportedModelError
+from ._dynamo import CaptureInfo, DynamoRegion
+from ._errors import ConfigError, RemovedError, SelectorError, UnsupportedModelError
 from ._hooks import HookSet
 from ._mirror import drop_overrides, mirror
 from ._modes import Modes, make_modes
 from ._options import Reduce, TapOptions, check_choice, make_options
 from ._record import Grads, Recording, Taps
 from ._rewrite import Capture, Compiled, CopyPolicy, compile_region, instrument
-from ._select import Selector, as_selectors, select
+from ._select import Selector, as_selectors, no_match_message, select
 from ._site import Site
-from ._trace import Fallback, Plan, TracerKind, plan
+from ._trace import Fallback, Plan, TracerKind, is_leaf, plan
 
 if TYPE_CHECKING:
     from ._summary import Table
@@ -37,6 +38,12 @@ class Program:
     compiled: dict[str, Compiled]
     hook_paths: frozenset[str]
     order: dict[str, int]
+    dynamo: dict[str, DynamoRegion] = field(default_factory=dict)
+    """Modules run under torch dynamo, by path; their sites are found as they first run."""
+    dynamo_selected: list[Site] = field(default_factory=list)
+    """The selected sites found in dynamo graphs so far."""
+    unchecked: list[Selector] = field(default_factory=list)
+    """Selectors that matched no site before the first forward (checked after it)."""
 
 
 def check_model(model: Any) -> None:
@@ -119,7 +126,7 @@ class TappedModule(nn.Module):
         selectors = self._selectors
         unmatched = [] if selectors is None else [
             sel for sel in selectors if not any(sel(s) for s in p.sites)]
-        if unmatched and strict:
+        if unmatched and strict and not p.dynamo:
             # A selector may name a site of the other mode only (dropout in training): fail
             # only when it matches nothing in either mode.
             other = mirror(root)
@@ -151,12 +158,57 @@ class TappedModule(nn.Module):
         self._site_by_name.update((s.name, s) for s in selected)
         prog = Program(training, p, tuple(selected), compiled, hook_paths,
                        {s.name: i for i, s in enumerate(selected)})
+        if p.dynamo:
+            prog.unchecked = list(unmatched)
+            for target in p.dynamo:
+                prog.dynamo[target.path] = self._dynamo_region(prog, target.path)
         self._programs[training] = prog
         self._install_dispatch()
         return prog
 
+    def _dynamo_region(self, prog: Program, path: str) -> DynamoRegion:
+        opts, selectors = self._options, self._selectors
+        leaf_types = tuple(t for t in opts.leaf_modules if isinstance(t, type))
+        leaf_paths = frozenset(p for p in opts.leaf_modules if isinstance(p, str))
+
+        def choose(found: Sequence[Site]) -> list[Site]:
+            if selectors is None:
+                return list(found)
+            return [s for s in found if any(sel(s) for sel in selectors)]
+
+        def on_sites(new: list[Site], chosen: list[Site]) -> None:
+            if opts.fn is not None:
+                chosen = [dataclasses.replace(s, replaced=True) for s in chosen]
+            for s in chosen:
+                if s.name not in prog.order:
+                    prog.order[s.name] = len(prog.order)
+                    prog.dynamo_selected.append(s)
+                    self._site_by_name[s.name] = s
+
+        module = self._root.get_submodule(path) if path else self._root
+        return DynamoRegion(
+            path, module, rec=self._rec, modes=self._modes, capture=opts.capture,
+            copy=opts.copy, is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths),
+            choose=choose, on_sites=on_sites)
+
+    def _check_selectors(self, prog: Program) -> None:
+        """After a forward: each selector must have matched a site (dynamo sites included)."""
+        found = list(prog.plan.sites) + [
+            s for region in prog.dynamo.values() for s in region.sites.values()]
+        missing = [sel for sel in prog.unchecked if not any(sel(s) for s in found)]
+        if missing:
+            mode = "train" if prog.training else "eval"
+            raise SelectorError(no_match_message(
+                missing[0], found, f"{self._model_name} ({mode} mode, sites found by its "
+                "first forward: the dynamo frontend discovers sites as graphs are captured)"))
+        prog.unchecked = []
+
     def _install_dispatch(self) -> None:
-        paths = {path for prog in self._programs.values() for path in prog.compiled if path}
+        paths = {path for prog in self._programs.values()
+                 for path in (*prog.compiled, *prog.dynamo) if path}
+        if any("" in prog.dynamo for prog in self._programs.values()):
+            # model.generate() and other methods call the model itself: one frame per call.
+            object.__setattr__(self._root, "forward", self._root_dispatcher())
         for path in paths:
             module = self._root.get_submodule(path)
             object.__setattr__(module, "forward", self._dispatcher(module, path))
@@ -169,11 +221,29 @@ class TappedModule(nn.Module):
             prog = programs.get(module.training)
             comp = prog.compiled.get(path) if prog is not None else None
             if comp is None:
+                dyn = prog.dynamo.get(path) if prog is not None else None
+                if dyn is not None:
+                    return dyn(*args, **kwargs)
                 return own_forward(module, *args, **kwargs)
             result = comp.fn(comp.holder, *args, **kwargs)
             if rec.active:
                 rec.add(comp.names, *result[1:])
             return result[0]
+
+        return forward
+
+    def _root_dispatcher(self) -> Callable[..., Any]:
+        rec = self._rec
+        own_forward = type(self._root).forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            prog = self._programs.get(self._root.training)
+            dyn = prog.dynamo.get("") if prog is not None else None
+            if dyn is None:
+                return own_forward(self._root, *args, **kwargs)
+            if rec.active:
+                return dyn(*args, **kwargs)
+            return self.forward(*args, **kwargs)
 
         return forward
 
@@ -186,13 +256,34 @@ class TappedModule(nn.Module):
         rec.begin(prog.hook_paths)
         try:
             root = prog.compiled.get("")
+            dyn = prog.dynamo.get("")
             if root is not None:
                 result = root.fn(root.holder, *args, **kwargs)
                 rec.add(root.names, *result[1:])
-                return result[0]
-            return type(self._root).forward(self._root, *args, **kwargs)
+                out = result[0]
+            elif dyn is not None:
+                out = dyn(*args, **kwargs)
+            else:
+                out = type(self._root).forward(self._root, *args, **kwargs)
         finally:
             rec.active = False
+        if prog.unchecked:
+            self._check_selectors(prog)
+        return out
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``generate`` (HuggingFace), tapped: one frame per forward it makes.
+
+        Example:
+            >>> tapped = fxprobe.tap(model, ops=F.softmax, keep="all")
+            >>> tokens = tapped.generate(input_ids, max_new_tokens=5)
+            >>> len(tapped.history)  # the prompt, then one forward per new token
+        """
+        gen = getattr(type(self._root), "generate", None)
+        if gen is None:
+            raise AttributeError(f"{self._model_name} has no generate() method")
+        self._program()
+        return gen(self._root, *args, **kwargs)
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)
@@ -226,10 +317,21 @@ class TappedModule(nn.Module):
         forward.
         """
         prog = self._program()
+        selected = prog.selected + tuple(prog.dynamo_selected)
         if self._options.fn is None:
-            return prog.selected
+            return selected
         done = self._rec.frame.replaced
-        return tuple(dataclasses.replace(s, replaced=s.name in done) for s in prog.selected)
+        return tuple(dataclasses.replace(s, replaced=s.name in done) for s in selected)
+
+    @property
+    def captures(self) -> tuple[CaptureInfo, ...]:
+        """For each module run under torch dynamo: graphs captured, graph breaks, sites found.
+
+        Example:
+            >>> out = tapped(input_ids=ids); print(*tapped.captures)
+            <model>: 1 graph(s) captured by dynamo, 0 graph break(s) in the last forward, ...
+        """
+        return tuple(region.info for region in self._program().dynamo.values())
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
@@ -293,7 +395,10 @@ class TappedModule(nn.Module):
         if prog is None or self._removed:
             return "removed" if self._removed else ""
         hooks = sum(1 for s in prog.selected if s.how == "hook")
-        return f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks}, hook={hooks})"
+        text = f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks}, hook={hooks})"
+        if prog.dynamo:
+            text += f", dynamo={len(prog.dynamo_selected)} found so far"
+        return text
 
 
 def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detach: bool = True,

@@ -12,7 +12,7 @@ import contextlib
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -21,7 +21,7 @@ from torch import fx, nn
 from ._errors import TraceError
 from ._site import Site, method_key, op_key
 
-TracerKind = Literal["auto", "fx", "hooks"]
+TracerKind = Literal["auto", "fx", "hooks", "dynamo", "fx+dynamo"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -46,6 +46,18 @@ class Fallback:
         return f"{where}: {self.error}{loc}"
 
 
+@dataclass(frozen=True)
+class DynamoTarget:
+    """A module that runs under torch dynamo: its graphs are tapped when it first runs."""
+
+    path: str
+    """Qualified path of the module ('' for the top-level model)."""
+    module_type: type[nn.Module]
+    """Its class."""
+    reason: str
+    """Why: the torch.fx error, one line, or that ``tracer="dynamo"`` asked for it."""
+
+
 @dataclass
 class Region:
     """A module traced into one fx graph (named nodes, before any tap is inserted)."""
@@ -65,6 +77,8 @@ class Plan:
     regions: dict[str, Region]
     fallbacks: list[Fallback]
     sites: list[Site]
+    dynamo: list[DynamoTarget] = field(default_factory=list)
+    """Modules captured by torch dynamo (their sites are known after the first forward)."""
 
 
 class SiteTracer(fx.Tracer):
@@ -226,11 +240,17 @@ class _Planner:
         self.regions: dict[str, Region] = {}
         self.fallbacks: list[Fallback] = []
         self.sites: list[Site] = []
+        self.dynamo: list[DynamoTarget] = []
+        # "fx+dynamo": what fx cannot trace goes to dynamo ("dynamo" sends everything there).
+        self.use_dynamo = tracer == "fx+dynamo"
 
     def visit(self, module: nn.Module, path: str) -> Region | None:
         """Trace ``module`` (marking untraceable descendants opaque) or make it opaque."""
         if self.tracer == "hooks" or isinstance(module, _CONTAINERS):
             self.open_up(module, path)
+            return None
+        if self.tracer == "dynamo":
+            self.dynamo.append(DynamoTarget(path, type(module), "tracer='dynamo'"))
             return None
         opaque: set[str] = set()
         errors: dict[str, BaseException] = {}
@@ -244,6 +264,9 @@ class _Planner:
                 rel = tracer.failed_path or ""
                 if self.tracer == "fx":
                     raise _trace_error(module, path, rel, e) from e
+                if (rel == "" or rel in opaque) and self.use_dynamo:
+                    self.dynamo.append(DynamoTarget(path, type(module), one_line(e)))
+                    return None
                 if rel == "" or rel in opaque:
                     self.fallbacks.append(Fallback(path, type(module), one_line(e),
                                                    failure_location(e)))
@@ -260,6 +283,10 @@ class _Planner:
                 sub_path = _join(path, str(node.target))
                 sub = module.get_submodule(str(node.target))
                 err = errors[str(node.target)]
+                if self.use_dynamo:
+                    self.dynamo.append(DynamoTarget(sub_path, type(sub), one_line(err)))
+                    self.sites.append(self.fx_site(region, node))
+                    continue
                 self.fallbacks.append(Fallback(sub_path, type(sub), one_line(err),
                                                failure_location(err)))
                 self.open_up(sub, sub_path)
@@ -321,4 +348,4 @@ def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (
     leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
     planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions))
     root_region = planner.visit(root, "")
-    return Plan(root_region, planner.regions, planner.fallbacks, planner.sites)
+    return Plan(root_region, planner.regions, planner.fallbacks, planner.sites, planner.dynamo)

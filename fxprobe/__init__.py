@@ -9,7 +9,9 @@ Example:
     torch.Size([2, 8])
 """
 
+from ._dynamo import CaptureInfo, attention_probs
 from ._errors import (
+    CaptureError,
     ConfigError,
     FxProbeError,
     InterventionError,
@@ -32,6 +34,8 @@ from ._trace import Fallback
 from ._viz import RenderError, render, to_dot
 
 __all__ = [
+    "CaptureError",
+    "CaptureInfo",
     "ConfigError",
     "Fallback",
     "FxProbeError",
@@ -55,6 +59,7 @@ __all__ = [
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
+    "attention_probs",
     "extractor",
     "render",
     "sample_vector",

@@ -83,7 +83,8 @@ class CaptureInfo:
     graphs: int
     """Graphs captured so far: one per frame and graph break, plus one per recompilation."""
     breaks: int
-    """Graph breaks in the last forward (graphs it ran, minus one)."""
+    """Graph breaks in the last forward: the distinct graphs it ran, minus one (as
+    ``torch._dynamo.explain`` counts them)."""
     sites: int
     """Sites discovered so far in these graphs."""
 
@@ -96,9 +97,10 @@ class CaptureInfo:
 class _Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
-    __slots__ = ("fn", "holder", "names")
+    __slots__ = ("fn", "holder", "names", "graph")
 
     def __init__(self, compiled: Compiled) -> None:
+        self.graph = compiled.graph
         self.fn = compiled.fn
         self.holder = compiled.holder
         self.names = compiled.names
@@ -111,22 +113,25 @@ class _Captured:
                  example_inputs: Sequence[Any]) -> None:
         self.region = region
         self.gm = gm
-        # A parameter the graph receives, to tell which module instance runs the frame.
+        # A parameter the graph receives, to tell which module instance runs the frame:
+        # preferably one reached from the frame's ``self``.
         self.anchor: int | None = None
         self.anchor_rel = ""
-        for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-            arg = node.meta.get("grapharg")
-            source = getattr(getattr(arg, "source", None), "name", None)
-            if not isinstance(source, str) or i >= len(example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders[: len(example_inputs)]):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = getattr(source, "name", None)
+            name = name() if callable(name) else name
+            if not isinstance(name, str) or not isinstance(example_inputs[i], nn.Parameter):
                 continue
-            if not isinstance(example_inputs[i], nn.Parameter):
-                continue
-            rel = param_path(source() if callable(source) else source)
-            if rel is not None:
+            rel = param_path(name)
+            if rel is not None and (self.anchor is None or name.startswith("L['self']")):
                 self.anchor, self.anchor_rel = i, rel
-                break
+                if name.startswith("L['self']"):
+                    break
+        self.captured_prefix = self.prefix_of(example_inputs)
         self.versions: dict[int, _Instrumented] = {}
-        self.default: _Instrumented | None = None
+        self.stamp = -1
 
     def prefix_of(self, args: Sequence[Any]) -> str:
         if self.anchor is None:
@@ -141,7 +146,8 @@ class _Captured:
         key = id(args[self.anchor]) if self.anchor is not None else 0
         found = self.versions.get(key)
         if found is None:
-            found = self.versions[key] = self.region.instrument(self.gm, self.prefix_of(args))
+            found = self.versions[key] = self.region.instrument(
+                self.gm, self.captured_prefix, self.prefix_of(args))
         return found
 
     def __call__(self, *args: Any) -> Any:
@@ -151,7 +157,9 @@ class _Captured:
         if version is None:
             version = self.version(args)
         result = version.fn(version.holder, *args)
-        region.runs += 1
+        if self.stamp != region.calls:  # the first run of this graph in this forward
+            self.stamp = region.calls
+            region.runs += 1
         rec = region.rec
         if rec.active:
             rec.add(version.names, *result[1:])
@@ -180,8 +188,11 @@ class DynamoRegion:
         self.param_names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
+        self.module_ids = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
         self.sites: dict[str, Site] = {}
+        self.captured: list[_Captured] = []
         self.graphs = 0
+        self.calls = 0
         self.runs = 0
         self.last_runs = 0
         self._forward = type(module).forward
@@ -195,17 +206,20 @@ class DynamoRegion:
         """The torch.compile backend: each captured graph is tapped and runs eagerly."""
         self.graphs += 1
         captured = _Captured(self, gm, example_inputs)
-        captured.default = captured.version(example_inputs)
+        captured.version(example_inputs)
+        self.captured.append(captured)
         return captured
 
-    def instrument(self, gm: fx.GraphModule, prefix: str) -> _Instrumented:
+    def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str
+                   ) -> _Instrumented:
         """Name the graph's nodes for the module instance at ``prefix`` and insert its taps."""
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for node in gm.graph.nodes:
             env[node] = graph.node_copy(node, lambda n: env[n])
         named: NamedGraph = name_graph(
-            graph, root=self.module, root_path=self.path, frame_prefix=prefix,
+            graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
+            captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
@@ -239,7 +253,11 @@ class DynamoRegion:
                 # top frame is split at its first call; called from here it is inlined.
                 return own_forward(module, *args, **kwargs)
 
+            # A code object of its own: dynamo caches graphs (and counts recompilations
+            # against recompile_limit) per code object, and this one is per region.
+            run.__code__ = run.__code__.replace(co_name=f"fxprobe_{type(self.module).__name__}")
             compiled = self._compiled = torch.compile(run, backend=self.backend)
+        self.calls += 1
         before = self.runs
         result = compiled(self.module, *args, **kwargs)
         self.last_runs = ran = self.runs - before

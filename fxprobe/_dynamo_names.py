@@ -109,7 +109,8 @@ class NamedGraph:
     """Every site in graph order (attention probabilities right after their SDPA call)."""
 
 
-def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str, frame_prefix: str,
+def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
+               module_ids: dict[int, str], captured_prefix: str, frame_prefix: str,
                is_leaf: Callable[[nn.Module, str], bool], namer: Namer,
                probs_fn: Callable[..., Any]) -> NamedGraph:
     """Give every call node of a dynamo graph a :class:`Site` (``how="dynamo"``).
@@ -118,13 +119,28 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str, frame_prefix
         graph: the captured graph.
         root: the module the dynamo region runs (fxprobe's copy).
         root_path: its path in the model.
-        frame_prefix: the path, relative to ``root``, of the module that is ``self`` in the
-            captured frame ("" for the region's own forward).
+        module_ids: the path (relative to ``root``) of every module, by ``id``; dynamo keys
+            ``nn_module_stack`` entries by the id of the module called.
+        captured_prefix: the path, relative to ``root``, of the module that was ``self`` in
+            the frame when dynamo captured it ("" for the region's own forward).
+        frame_prefix: the same for the module instance the names are for (a graph captured
+            for ``layers.0`` also runs ``layers.1``).
         is_leaf: whether fx would keep a module (by absolute path) as one call.
         namer: the region's namer.
         probs_fn: the function that stands for attention probabilities.
     """
     modules: dict[str, nn.Module | None] = {}
+
+    def resolve(key: str, path: str) -> str:
+        ident = key.split("@", 1)[0]
+        rel = module_ids.get(int(ident)) if ident.isdigit() else None
+        if rel is None:
+            return _join(frame_prefix, module_path(path))
+        if captured_prefix != frame_prefix and (
+                rel == captured_prefix or rel.startswith(captured_prefix + ".")
+                or not captured_prefix):
+            rel = _join(frame_prefix, rel[len(captured_prefix):].lstrip("."))
+        return rel
 
     def module_at(rel: str) -> nn.Module | None:
         if rel not in modules:
@@ -142,7 +158,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str, frame_prefix
         stack = node.meta.get("nn_module_stack") or {}
         inner = frame_prefix  # code of the frame's own module has no stack entry
         for key, (path, _cls) in stack.items():
-            rel = _join(frame_prefix, module_path(str(path)))
+            rel = resolve(str(key), str(path))
             inner = rel
             if node in leaf_call:
                 continue

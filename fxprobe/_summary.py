@@ -319,7 +319,9 @@ def summary(obj: Any, fmt: str = "text") -> Table:
 
     check_format(fmt)
     if isinstance(obj, TappedModule):
-        return tapped_table(obj.sites, obj.taps, obj.fallbacks, fmt)
+        table = tapped_table(obj.sites, obj.taps, obj.fallbacks, fmt)
+        captured = tuple(str(info) for info in obj.captures)  # graphs and breaks (dynamo)
+        return dataclasses.replace(table, notes=table.notes + captured) if captured else table
     if isinstance(obj, SiteNames):
         return sites_table(obj.records, obj.fallbacks, fmt)
     if isinstance(obj, nn.Module):

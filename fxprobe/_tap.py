@@ -483,16 +483,27 @@ class SiteNames(tuple[str, ...]):
 
 
 def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
-          leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = ()
+          leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+          example_input: Any = None, example_kwargs: dict[str, Any] | None = None
           ) -> SiteNames:
     """Every tappable site name of ``model``, in execution order (eval mode unless ``train``).
 
     Names follow torchvision's ``get_graph_node_names``; inside modules that cannot be traced,
     module calls are listed by path in registration order. The model is not modified.
 
+    With ``tracer="dynamo"`` or ``"fx+dynamo"``, the sites of modules that dynamo captures are
+    found by running them: pass ``example_input`` (a tensor or a tuple of positional
+    arguments) and/or ``example_kwargs``; they are listed after the other sites, in the order
+    the forward reached them.
+
+    Raises:
+        ConfigError: dynamo captures part of the model and no example input was given.
+
     Example:
         >>> fxprobe.sites(model)[:3]
         ('x', 'conv1', 'bn1')
+        >>> fxprobe.sites(gpt2, tracer="dynamo", example_kwargs={"input_ids": ids})[:2]
+        ('transformer.view', 'transformer.wte')
     """
     check_model(model)
     check_choice("tracer", tracer, TracerKind)
@@ -500,4 +511,30 @@ def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
     root.train(train)
     p = plan(root, tracer=tracer, leaf_modules=leaf_modules,
              autowrap_functions=autowrap_functions)
-    return SiteNames(p.sites, p.fallbacks)
+    if not p.dynamo:
+        return SiteNames(p.sites, p.fallbacks)
+    if example_input is None and example_kwargs is None:
+        paths = ", ".join(repr(t.path) for t in p.dynamo)
+        raise ConfigError(
+            f"torch dynamo captures {paths} of {type(model).__name__}, whose sites are found by "
+            "running it: pass example_input=(args...) and/or example_kwargs={...}, e.g. "
+            "fxprobe.sites(model, tracer='dynamo', example_kwargs={'input_ids': ids})"
+        )
+    args = example_input if isinstance(example_input, tuple) else (
+        () if example_input is None else (example_input,))
+    nothing = Selector(lambda s: False, "nothing")
+    options = make_options(
+        capture="output", detach=True, copy="auto", tracer=tracer, leaf_modules=leaf_modules,
+        autowrap_functions=autowrap_functions, reduce=None, sample_size=1, seed=0, keep="last",
+        to=None, fn=None, grad=False, grad_fn=None)
+    probe = TappedModule(root, [nothing], options)
+    try:
+        prog = probe._program()
+        prog.unchecked = []  # discovery only: selecting nothing is the point
+        with torch.no_grad():
+            probe(*args, **(example_kwargs or {}))
+        found = list(prog.plan.sites) + [
+            s for region in prog.dynamo.values() for s in region.sites.values()]
+    finally:
+        probe.remove()
+    return SiteNames(found, p.fallbacks)

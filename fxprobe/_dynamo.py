@@ -42,9 +42,12 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
     """The attention probabilities inside ``F.scaled_dot_product_attention(query, key, ...)``.
 
     ``softmax(query @ key.T * scale + mask)`` as the math path of SDPA computes it, before
-    dropout. As a selector (``ops=fxprobe.attention_probs``), it taps these probabilities beside
-    every SDPA call that the dynamo frontend captured, computed on the side from the call's own
-    arguments, only for the selected calls; the model keeps its fused attention.
+    dropout; a query that may attend to no key (a fully masked row) gets zeros, as in SDPA.
+
+    As a selector (``ops=fxprobe.attention_probs``) it taps these probabilities beside every
+    SDPA call that the dynamo frontend captured: computed on the side from the call's own
+    arguments, only for the selected calls, while the model keeps its fused attention. Each
+    such site is named ``<module path>.attention_probs``.
 
     Args:
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
@@ -54,8 +57,9 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
         A tensor shaped ``(..., heads, query length, key length)``.
 
     Example:
-        >>> tapped = fxprobe.tap(model, ops="*.h.3.*" & fxprobe.where(...))  # or:
-        >>> tapped = fxprobe.tap(model, ops=fxprobe.attention_probs)
+        >>> tapped = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo")
+        >>> out = tapped(input_ids=ids)
+        >>> tapped.taps["transformer.h.0.attn.attention_probs"].shape  # (batch, heads, q, k)
     """
     q_len, k_len = query.size(-2), key.size(-2)
     if scale is None:
@@ -71,7 +75,9 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
         else:
             scores = scores + attn_mask
-    return torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    # SDPA's math path (a "safe" softmax) gives rows that attend to nothing zeros, not NaN.
+    return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
 
 
 @dataclass(frozen=True)

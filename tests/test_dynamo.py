@@ -366,3 +366,25 @@ def test_model_untouched_and_outputs_equal() -> None:
     assert len(tapped.taps) > 30
     tapped.remove()
     assert states_equal(before, model_state(model))
+
+
+class EverySoftmax(nn.Module):
+    """The spellings of one op that dynamo records differently."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = F.softmax(x, dim=-1)
+        b = torch.softmax(x * 2, -1)
+        c = (x * 3).softmax(-1)
+        d = torch.ops.aten._softmax(x * 4, -1, False)  # an ATen-level target
+        return a + b + c + d
+
+
+def test_function_selector_matches_every_spelling() -> None:
+    tapped = fxprobe.tap(EverySoftmax(), ops=F.softmax, tracer="dynamo")
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        out = tapped(x)
+    assert torch.equal(out, EverySoftmax()(x))
+    assert list(tapped.taps) == ["softmax", "softmax_1", "softmax_2", "softmax_3"]
+    for i, name in enumerate(tapped.taps):
+        assert torch.equal(tapped.taps[name], torch.softmax(x * (i + 1), -1)), name

@@ -267,3 +267,20 @@ def test_grads_of_attention_probabilities() -> None:
         assert torch.equal(tapped.grads[f"model.layers.{i}.self_attn.softmax"], a.grad)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+def test_transformers_doc_examples_run() -> None:
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "transformers.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert len(blocks) >= 4
+    scope: dict[str, Any] = {"__name__": "__docs__"}
+    for i, code in enumerate(blocks):
+        try:
+            exec(compile(code, f"{doc.name}[{i}]", "exec"), scope)
+        except Exception as e:  # name the block that failed
+            raise AssertionError(f"{doc.name} example {i} failed: {e!r}\n{code}") from e
+    assert list(scope["tapped"].taps) == ["transformer.h.0.attn.softmax",
+                                          "transformer.h.1.attn.softmax"]

@@ -16,6 +16,7 @@ from ._errors import (
     FxProbeError,
     InterventionError,
     RemovedError,
+    RenderError,
     SelectorError,
     SelectorTypeError,
     SiteNotRunError,
@@ -24,14 +25,15 @@ from ._errors import (
     UnsupportedModelError,
 )
 from ._extract import extractor
+from ._program import SiteNames
 from ._record import Grads, InOut, Taps
 from ._select import Selector, where
 from ._site import Site
 from ._stats import Stats, StatsBatch, StatsLogger, sample_vector, stats_table, stats_vector
 from ._summary import Table, summary
-from ._tap import SiteNames, TappedModule, sites, tap
+from ._tap import TappedModule, sites, tap
 from ._trace import Fallback
-from ._viz import RenderError, render, to_dot
+from ._viz import render, to_dot
 
 __all__ = [
     "CaptureError",

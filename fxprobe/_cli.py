@@ -11,6 +11,7 @@ import argparse
 import difflib
 import importlib
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import FxProbeError
+from ._errors import FxProbeError, UsageError
 from ._select import Selector, as_selector, select, where
 from ._site import Site
 
@@ -58,10 +59,6 @@ MODEL is package.module:factory or path/to/file.py:factory: a callable that take
 arguments and returns the nn.Module (a class works, and so does a module-level model
 instance). Modules are imported with the current directory on sys.path.
 """
-
-
-class UsageError(FxProbeError, ValueError):
-    """What was typed on the command line cannot be used; the message says how to fix it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,7 +229,9 @@ def cmd_sites(args: argparse.Namespace) -> int:
     records: list[Site] = list(listing.records)
     if selectors is not None:
         mode = "train" if args.train else "eval"
-        records = select(records, selectors, context=f"{type(model).__name__} ({mode} mode)")
+        records = select(records + list(listing.modules), selectors,
+                         context=f"{type(model).__name__} ({mode} mode)",
+                         fallbacks=listing.fallbacks)
     print(sites_table(records, listing.fallbacks, args.format))
     return 0
 
@@ -244,6 +243,9 @@ def cmd_graph(args: argparse.Namespace) -> int:
     inputs = parse_inputs(args.input)
     selectors = parse_ops(args.ops)
     out = Path(args.output or f"{name.rpartition('.')[2]}.svg")
+    if not out.parent.is_dir():
+        raise UsageError(f"-o {str(out)!r}: the folder {str(out.parent)!r} does not exist; "
+                         "create it first or name a file in an existing folder")
     render(model, out, example_input=inputs or None, ops=selectors, depth=args.depth,
            tracer=args.tracer, train=args.train, rankdir=args.rankdir)
     print(f"wrote {out}")
@@ -389,6 +391,9 @@ def _import_module(target: str, spec: str) -> Any:
         raise UsageError(f"importing {target} failed: {_one_line(e)}") from e
 
 
+_MAX_INPUT_BYTES = 8 * 2**30
+
+
 def parse_inputs(specs: Sequence[str]) -> tuple[torch.Tensor, ...]:
     """``["1x3x224x224", "2x8:int64"]`` -> seeded example tensors (comma-separated works too).
 
@@ -407,10 +412,19 @@ def parse_inputs(specs: Sequence[str]) -> tuple[torch.Tensor, ...]:
             raise UsageError(f"--input {text!r}: {problem}; for example 1x3x224x224 or "
                              "2x128:int64")
         shape = [int(p) for p in parts]
-        if dtype.is_floating_point:
-            tensors.append(torch.randn(shape, generator=gen).to(dtype))
-        else:
-            tensors.append(torch.zeros(shape, dtype=dtype))
+        size = math.prod(shape) * dtype.itemsize
+        if size > _MAX_INPUT_BYTES:
+            raise UsageError(
+                f"--input {text!r} would take {size / 2**30:,.1f} GiB; an example input only "
+                "needs the model's real shape at batch 1 (e.g. 1x3x224x224)"
+            )
+        try:
+            if dtype.is_floating_point:
+                tensors.append(torch.randn(shape, generator=gen).to(dtype))
+            else:
+                tensors.append(torch.zeros(shape, dtype=dtype))
+        except RuntimeError as e:  # out of memory for an input under the limit
+            raise UsageError(f"--input {text!r}: cannot allocate it: {_one_line(e)}") from e
     return tuple(tensors)
 
 
@@ -420,6 +434,9 @@ def parse_ops(texts: Sequence[str]) -> list[Selector] | None:
     Raises:
         UsageError: an unknown selector kind, or a name that cannot be found.
     """
+    if texts and not any(t.strip() for text in texts for t in text.split(",")):
+        raise UsageError("--ops was given but is empty; leave --ops out to list every site, or "
+                         "name what to select (e.g. --ops 'layer1.*' or --ops module:Conv2d)")
     parts = [t.strip() for text in texts for t in text.split(",") if t.strip()]
     return [parse_selector(t) for t in parts] if parts else None
 

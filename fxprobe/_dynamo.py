@@ -2,13 +2,15 @@
 
 A :class:`DynamoRegion` runs a module's own ``forward`` under ``torch.compile`` with fxprobe's
 backend. Every graph dynamo captures (one per frame, per graph break, per recompilation) reaches
-the backend as an fx graph; the backend names its nodes (:mod:`fxprobe._dynamo_names`), selects
-sites, rewrites it with the same pass as the fx frontend (:func:`fxprobe._rewrite.instrument`)
-and returns a plain function that runs it eagerly (no inductor)::
+the backend as an fx graph; the backend attaches a :class:`~fxprobe.Site` to its nodes
+(``node.meta["fxprobe_sites"]``, :mod:`fxprobe._dynamo_names`), selects sites, inserts the taps
+with the same pass as the fx frontend (:func:`fxprobe._rewrite.insert_taps`, which calls the
+shared :class:`~fxprobe._pipeline.Pipeline`) and returns a plain function that runs the result
+eagerly (no inductor)::
 
-    frame -> dynamo -> fx graph -> name_graph -> instrument -> compile_region -> run eagerly
-                                                                    |
-                                           captured values -> Recording.add (one frame/forward)
+    frame -> dynamo -> fx graph -> name_graph -> insert_taps -> compile_region -> run eagerly
+                                                                     |
+                                           kept values -> Pipeline.store (one frame/forward)
 
 Sites are discovered at the first call with real inputs; code between graphs (graph breaks) runs
 as written. With inlined ``nn.Module`` calls (always, from torch 2.5), one graph compiled for a
@@ -28,11 +30,10 @@ from torch import fx, nn
 
 from ._dynamo_names import NamedGraph, Namer, name_graph, param_path
 from ._errors import CaptureError
-from ._modes import Modes
-from ._record import Recording
-from ._rewrite import Capture, Compiled, CopyPolicy, compile_region, instrument
-from ._site import Site
-from ._trace import Region
+from ._options import Capture, CopyPolicy
+from ._pipeline import Pipeline
+from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
+from ._site import Site, attach
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
@@ -166,24 +167,21 @@ class _Captured:
         if self.stamp != region.calls:  # the first run of this graph in this forward
             self.stamp = region.calls
             region.runs += 1
-        rec = region.rec
-        if rec.active:
-            rec.add(version.names, *result[1:])
+        region.pipeline.store(version.names, result[1])
         return result[0]
 
 
 class DynamoRegion:
     """A module run under torch dynamo with fxprobe's backend (see the module docstring)."""
 
-    def __init__(self, path: str, module: nn.Module, *, rec: Recording, modes: Modes,
+    def __init__(self, path: str, module: nn.Module, *, pipeline: Pipeline,
                  capture: Capture, copy: CopyPolicy,
                  is_leaf: Callable[[nn.Module, str], bool],
                  choose: Callable[[Sequence[Site]], list[Site]],
                  on_sites: Callable[[list[Site], list[Site]], None]) -> None:
         self.path = path
         self.module = module
-        self.rec = rec
-        self.modes = modes
+        self.pipeline = pipeline
         self.capture = capture
         self.copy = copy
         self.is_leaf = is_leaf
@@ -219,10 +217,7 @@ class DynamoRegion:
     def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str
                    ) -> _Instrumented:
         """Name the graph's nodes for the module instance at ``prefix`` and insert its taps."""
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for node in gm.graph.nodes:
-            env[node] = graph.node_copy(node, lambda n: env[n])
+        graph = copy_graph(gm.graph)
         named: NamedGraph = name_graph(
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
@@ -231,23 +226,17 @@ class DynamoRegion:
         self.sites.update((s.name, s) for s in named.order)
         selected = self.choose(named.order)
         chosen = {s.name for s in selected}
-        names = {node: site.name for node, site in named.sites.items()}
-        paths = {node: site.module_path for node, site in named.sites.items()}
         for node, probs in named.sdpa.items():
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
             with graph.inserting_after(node):
                 extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
-            extra.meta["fxprobe_sites"] = [probs]
-            names[extra] = probs.name
-            paths[extra] = probs.module_path
+            attach(extra, probs)
         self.on_sites(new, selected)
-        region = Region(self.path, gm, graph, names, paths)
-        modes = self.modes
-        tapped_graph, order, copied = instrument(
-            region, chosen, capture=self.capture, copy=self.copy, reducer=modes.reduce,
-            intervene=modes.intervene, raw=modes.grad_hook is not None)
-        return _Instrumented(compile_region(region, tapped_graph, order, copied))
+        order, copied, outplaced = insert_taps(
+            graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
+            pipeline=self.pipeline)
+        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ._site import Site, method_key, op_key
+from ._ops import method_key, module_key, op_key
+from ._site import Site, attach
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -193,13 +194,14 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         loc = _location(node)
         if node in outputs:
             path, m = outputs[node]
-            site = Site(next_name(path, loc), "dynamo", "call_module", path, path, type(m), None)
+            site = Site(next_name(path, loc), "dynamo", "call_module", path, path, type(m),
+                        module_key(type(m)))
         else:
             mpath = innermost[node]
             base = _join(mpath, op_name(node))
             key = dynamo_op_key(node)
             site = Site(next_name(base, loc), "dynamo", node.op, node.target, mpath, None, key)
-        node.meta["fxprobe_sites"] = [site]
+        attach(node, site)
         sites[node] = site
         order.append(site)
         if site.op_key == "scaled_dot_product_attention":

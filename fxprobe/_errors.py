@@ -49,5 +49,23 @@ class InterventionError(FxProbeError, ValueError):
     """A callback (``fn=`` or ``grad_fn=``) returned a value that cannot replace the original."""
 
 
+class TracedStateError(FxProbeError, RuntimeError):
+    """A forward wrote model state while being traced; that module runs as written instead.
+
+    ``module_path`` names the module whose container changed (relative to the traced module),
+    when the write was found after the trace rather than where it happened.
+    """
+
+    module_path: str | None = None
+
+
+class RenderError(FxProbeError, RuntimeError):
+    """A picture could not be written (the Graphviz ``dot`` program is missing or failed)."""
+
+
+class UsageError(FxProbeError, ValueError):
+    """What was typed on the command line cannot be used; the message says how to fix it."""
+
+
 class CaptureError(FxProbeError, RuntimeError):
     """torch dynamo ran a module without fxprobe's graphs, so nothing in it was tapped."""

@@ -1,81 +1,75 @@
-"""The hook fallback: module calls inside code fxprobe could not trace.
+"""The hook frontend: module calls inside code that runs as written.
 
 Hooks go on fxprobe's own copies of the modules, never on the user's objects, and record only
-while the tapped module's forward runs. They return ``None`` unless ``fn=`` replaced the
-output: a forward hook that returns a value replaces the module's output.
+while the tapped module's forward runs, in the thread that runs it. They apply the same
+:class:`~fxprobe._pipeline.Pipeline` as the taps in traced graphs. They return ``None`` unless
+``fn=`` replaced the output: a forward hook that returns a value replaces the module's output.
+
+A module call inside a traced region below untraced code (``self.inner.lin(x)`` written in an
+untraceable forward, where ``inner`` is traced) is also hooked: the hook records only while that
+region is not running, since the region's own taps see the call when it is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._modes import Modes
-from ._record import Recording
-from ._rewrite import Capture, CopyPolicy, clone_tree
+from ._options import Capture, CopyPolicy
+from ._pipeline import Pipeline
 
 
 class HookSet:
     """The hooks of one tapped module, at most one pair per copied module."""
 
-    def __init__(self, recording: Recording, modes: Modes, *, capture: Capture,
-                 copy: CopyPolicy) -> None:
-        self.rec = recording
-        self.modes = modes
+    def __init__(self, pipeline: Pipeline, *, capture: Capture, copy: CopyPolicy) -> None:
+        self.pipeline = pipeline
+        self.rec = pipeline.rec
         self.capture = capture
         # fxprobe cannot see what runs after a hooked call, so "auto" copies here.
         self.copy = copy != "never"
         self.handles: dict[str, list[RemovableHandle]] = {}
 
-    def _keep(self, value: Any) -> Any:
-        reduce = self.modes.reduce
-        if reduce is not None:
-            return reduce(value)
-        return clone_tree(value) if self.copy else value
-
-    def ensure(self, path: str, module: nn.Module) -> None:
-        if path in self.handles:
+    def ensure(self, name: str, module: nn.Module, region: str | None = None) -> None:
+        """Hook ``module`` as site ``name``; with ``region``, only while it is not running."""
+        if name in self.handles:
             return
-        rec, capture, modes = self.rec, self.capture, self.modes
-        pending: dict[int, Any] = {}
+        rec, capture, pipeline, copy = self.rec, self.capture, self.pipeline, self.copy
         handles = []
+
+        def wanted() -> bool:
+            state = rec.state
+            return state.active and name in state.hook_paths and (
+                region is None or not state.running.get(region))
 
         if capture in ("input", "both"):
             def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
-                if rec.active and path in rec.hook_paths:
-                    value = self._keep(args)
+                if wanted():
+                    kept = pipeline.inputs(args, copy)
                     if capture == "input":
-                        rec.add_hook(path, value)
+                        pipeline.store((rec.hook_name(name),), (kept,))
                     else:
-                        pending[id(mod)] = value
+                        rec.state.pending.setdefault(name, []).append(kept)
                 return None
 
             handles.append(module.register_forward_pre_hook(pre_hook))
 
         if capture in ("output", "both"):
             def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-                if not (rec.active and path in rec.hook_paths):
+                if not wanted():
                     return None
-                replaced = None
-                if modes.intervene is not None:
-                    new = modes.intervene(path, output)
-                    if new is not output:
-                        replaced = output = new
-                value = self._keep(output)
+                key = rec.hook_name(name)
+                flow, kept = pipeline.output(key, output, copy)
                 if capture == "both":
-                    value = (pending.pop(id(mod), ()), value)
-                name = rec.add_hook(path, value)
-                grad_hook = modes.grad_hook
-                if grad_hook is not None and isinstance(output, torch.Tensor) and (
-                        output.requires_grad):
-                    output.register_hook(lambda g: grad_hook(name, g))
-                return replaced
+                    stack = rec.state.pending.get(name)
+                    kept = (stack.pop() if stack else (), kept)
+                pipeline.store((key,), (kept,))
+                return None if flow is output else flow
 
             handles.append(module.register_forward_hook(hook))
-        self.handles[path] = handles
+        self.handles[name] = handles
 
     def remove(self) -> None:
         for handles in self.handles.values():

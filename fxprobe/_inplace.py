@@ -18,29 +18,17 @@ from typing import Any
 
 from torch import fx, nn
 
-from ._site import is_torch_callable
+from ._ops import (
+    INPLACE_OPERATORS,
+    NN_IDENTITY,
+    PURE_OPERATORS,
+    VIEW_OPS,
+    is_torch_callable,
+)
 
-# Ops whose output may share storage with their first tensor argument.
-_VIEW_OPS = frozenset("""
-view view_as reshape reshape_as flatten unflatten ravel transpose t T mT H mH adjoint permute
-squeeze unsqueeze expand expand_as broadcast_to narrow select index_select_view as_strided
-unbind split chunk tensor_split split_with_sizes hsplit vsplit dsplit movedim moveaxis swapaxes
-swapdims diagonal unfold detach contiguous to type type_as float double half bfloat16 int long
-short bool char byte cpu cuda real imag view_as_real view_as_complex getitem alias data
-align_to refine_names rename as_subclass requires_grad dropout feature_alpha_dropout
-alpha_dropout dropout1d dropout2d dropout3d identity
-""".split())
-_INPLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.imatmul, operator.setitem,
-})
-_PURE_OPERATORS = frozenset(
-    getattr(operator, n) for n in dir(operator)
-    if not n.startswith("_") and callable(getattr(operator, n))
-) - _INPLACE_OPERATORS
-_NN_IDENTITY = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
-                nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+OUT_OF_PLACE = "_fxprobe_out_of_place"
+"""Attribute set on the functions the rewrite puts in place of in-place ops: they write no
+argument (their result may still alias the first)."""
 
 
 class _Groups:
@@ -102,7 +90,7 @@ def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
         m = modules(str(node.target))
         if type(m).__module__.startswith(("torch.nn", "torch.ao.nn")):
             writes = _first_arg(node) if getattr(m, "inplace", False) is True else []
-            aliases = _first_arg(node) if writes or isinstance(m, _NN_IDENTITY) else []
+            aliases = _first_arg(node) if writes or isinstance(m, NN_IDENTITY) else []
             return aliases, writes
         everything = _tensor_args(node)  # code fxprobe cannot see: may alias and write anything
         return everything, everything
@@ -114,15 +102,17 @@ def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
             "__irshift__",
         )
         writes = _first_arg(node) if mutates else []
-        aliases = _first_arg(node) if mutates or name.rstrip("_") in _VIEW_OPS else []
+        aliases = _first_arg(node) if mutates or name.rstrip("_") in VIEW_OPS else []
         return aliases, writes
     if node.op == "call_function" and callable(node.target):
         fn = node.target
         out = node.kwargs.get("out")
         extra = [out] if isinstance(out, fx.Node) else []
-        if fn in _INPLACE_OPERATORS:
+        if fn in INPLACE_OPERATORS:
             return _first_arg(node), _first_arg(node) + extra
-        if fn in _PURE_OPERATORS:
+        if getattr(fn, OUT_OF_PLACE, False):  # fxprobe's rewrite of an in-place op
+            return _first_arg(node), extra
+        if fn in PURE_OPERATORS:
             return (_first_arg(node) if fn is operator.getitem else []), extra
         if getattr(builtins, getattr(fn, "__name__", ""), None) is fn:
             return [], extra
@@ -130,7 +120,7 @@ def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
             name = getattr(fn, "__name__", "")
             mutates = (name.endswith("_") and not name.startswith("_")) or _binds_inplace(fn, node)
             writes = _first_arg(node) + extra if mutates else extra
-            aliases = _first_arg(node) if mutates or name.rstrip("_") in _VIEW_OPS else []
+            aliases = _first_arg(node) if mutates or name.rstrip("_") in VIEW_OPS else []
             return aliases + extra, writes
         everything = _tensor_args(node)
         return everything, everything
@@ -144,14 +134,41 @@ class Hazards:
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.groups = _Groups()
         self.writes: dict[fx.Node, list[int]] = {}
-        pending: list[tuple[int, fx.Node]] = []
+        self.writers: dict[fx.Node, list[fx.Node]] = {}
+        pending: list[tuple[fx.Node, fx.Node]] = []
         for n in graph.nodes:
             aliases, writes = _effects(n, modules)
             for a in aliases:
                 self.groups.union(n, a)
-            pending.extend((self.order[n], w) for w in writes)
-        for pos, w in pending:
-            self.writes.setdefault(self.groups.find(w), []).append(pos)
+            pending.extend((n, w) for w in writes)
+        for writer, w in pending:
+            root = self.groups.find(w)
+            self.writes.setdefault(root, []).append(self.order[writer])
+            self.writers.setdefault(root, []).append(writer)
+
+    def members(self, node: fx.Node) -> list[fx.Node]:
+        """Every node whose value may share storage with ``node``'s."""
+        root = self.groups.find(node)
+        return [n for n in self.order if self.groups.find(n) is root]
+
+    def sole_writer(self, node: fx.Node) -> fx.Node | None:
+        """The in-place op that overwrites ``node``'s value, when it is the only thing that sees
+        the aliasing: it writes ``node`` itself, no other op writes the group, every other
+        member of the group is made from its result, and every other reader of ``node`` runs
+        before it. Running that op out of place then changes no value but the captured one."""
+        root = self.groups.find(node)
+        writers = self.writers.get(root, [])
+        if len(writers) != 1:
+            return None
+        (w,) = writers
+        pos = self.order[w]
+        if not (w.args and w.args[0] is node and pos > self.order[node]):
+            return None
+        if any(self.order[m] < pos for m in self.members(node) if m is not node):
+            return None
+        if any(self.order[u] > pos for u in node.users if u is not w):
+            return None
+        return w
 
     def written_after(self, node: fx.Node, pos: int, *, inclusive: bool = False) -> bool:
         """Whether storage that ``node``'s value may share is written at or after ``pos``."""

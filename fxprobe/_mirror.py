@@ -1,17 +1,49 @@
-"""Shallow copies of a model's modules, so that tapping never touches the user's objects.
+"""The owner of "never modify the model": fxprobe's copy of the module tree, and the guard
+that keeps tracing from writing model state.
 
-Each copy is a new object of the same class whose ``__dict__`` holds the original's values, with
-its own dicts (submodules, parameters, buffers, hooks) that point at the same tensors. Training the
-copy trains the model; registering a hook on, or calling ``.eval()`` on, the copy does not.
+:func:`mirror` makes, for each module, a new object of the same class whose ``__dict__`` holds
+the original's values with its own hook tables, flags and submodule dict. Parameters and
+buffers are shared *by their dicts*: the copy and the model hold the very same
+``_parameters``/``_buffers`` dicts, so a conversion of either (``.double()``, ``.half()``,
+``.to(device)``, which rebind buffers in those dicts) is seen by both, as if the tapped module
+were the model. Registering a hook on, calling ``.eval()`` on, or swapping a submodule of the
+copy does not touch the model.
+
+:func:`guard_state` is used around every trace (``tap``, ``sites``, ``extractor``,
+``to_dot``): a forward that would write model state while being traced — assign a module
+attribute (``self.n += 1``), write into a parameter or buffer in place, grow a list or dict held
+by a module — raises :class:`TracedStateError` instead, the container is restored, and that
+module runs as written. torch.fx would otherwise run the write once, at trace time, and leave it
+out of the graph.
 """
 
 from __future__ import annotations
 
-from torch import nn
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+
+from ._errors import TracedStateError
+from ._ops import INPLACE_DUNDERS, inplace_name
+
+_SHARED = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+_OVERRIDE = "_fxprobe_override"
 
 
-def mirror(model: nn.Module) -> nn.Module:
-    """Return a copy of ``model``'s module tree that shares every parameter and buffer."""
+def mirror(model: nn.Module, *, share_state: bool = True) -> nn.Module:
+    """Return a copy of ``model``'s module tree that shares every parameter and buffer.
+
+    Args:
+        model: the user's module; nothing of it changes.
+        share_state: share the parameter and buffer dicts themselves (the default, for the
+            tapped module). ``False`` gives the copy dicts of its own holding the same tensors,
+            for private runs that replace buffers (shape propagation).
+    """
     memo: dict[int, nn.Module] = {}
 
     def copy_module(m: nn.Module) -> nn.Module:
@@ -21,11 +53,17 @@ def mirror(model: nn.Module) -> nn.Module:
         memo[id(m)] = c
         state = dict(m.__dict__)
         for key, value in state.items():
-            # Own containers (hooks, parameters, flags) so that changes to the copy stay there.
+            if share_state and key in _SHARED:
+                continue
+            # Own containers (hooks, flags) so that changes to the copy stay there.
             if isinstance(value, dict):
                 state[key] = type(value)(value) if type(value) is not dict else dict(value)
             elif isinstance(value, set):
                 state[key] = set(value)
+            elif isinstance(value, types.MethodType) and value.__self__ is m:
+                # A method bound to the model (a patched forward, accelerate's _old_forward)
+                # runs on the copy, so that the copy's children are the ones it calls.
+                state[key] = types.MethodType(value.__func__, c)
         state["_modules"] = {
             k: (copy_module(v) if v is not None else None) for k, v in m._modules.items()
         }
@@ -35,7 +73,149 @@ def mirror(model: nn.Module) -> nn.Module:
     return copy_module(model)
 
 
+def own_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward the model runs for ``module``: a patched instance forward, else the class's."""
+    patched = module.__dict__.get("forward")
+    if patched is not None and not getattr(patched, _OVERRIDE, False):
+        return patched  # type: ignore[no-any-return]
+    return types.MethodType(type(module).forward, module)
+
+
+def has_patched_forward(module: nn.Module) -> bool:
+    """Whether the user (or a library such as accelerate) replaced ``forward`` on the instance."""
+    patched = module.__dict__.get("forward")
+    return patched is not None and not getattr(patched, _OVERRIDE, False)
+
+
+def install_override(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """Make ``forward`` the copy's forward (fxprobe's dispatcher for a traced region)."""
+    setattr(forward, _OVERRIDE, True)
+    object.__setattr__(module, "forward", forward)
+
+
 def drop_overrides(root: nn.Module) -> None:
-    """Remove the per-instance ``forward`` that fxprobe installs on copied region roots."""
+    """Remove the forwards fxprobe installed on copied modules; patched user forwards stay."""
     for m in root.modules():
-        m.__dict__.pop("forward", None)
+        if getattr(m.__dict__.get("forward"), _OVERRIDE, False):
+            del m.__dict__["forward"]
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+    return ptr or None
+
+
+class _TensorWriteGuard(TorchFunctionMode):
+    """Refuse in-place writes into the model's parameters and buffers."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.owned: dict[int, str] = {}
+        named = [*root.named_parameters(remove_duplicate=False),
+                 *root.named_buffers(remove_duplicate=False)]
+        for name, t in named:
+            ptr = _storage_ptr(t)
+            if ptr is not None:
+                self.owned.setdefault(ptr, name)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        targets: list[Any] = []
+        if (inplace_name(name) or name in INPLACE_DUNDERS
+                or kwargs.get("inplace") is True) and args:
+            targets.append(args[0])
+        if kwargs.get("out") is not None:
+            targets.append(kwargs["out"])
+        for t in targets:
+            owner = self.owned.get(_storage_ptr(t) or -1) if isinstance(t, torch.Tensor) else None
+            if owner is not None:
+                raise TracedStateError(
+                    f"the forward writes in place into the model's tensor {owner!r} "
+                    f"({name}), which torch.fx cannot record"
+                )
+        return func(*args, **kwargs)
+
+
+def _containers(root: nn.Module) -> list[tuple[str, str, Any, Any]]:
+    """(module path, attribute, container, shallow copy) of every list, dict and set that a
+    module holds as plain state."""
+    found = []
+    for path, m in root.named_modules(remove_duplicate=True):
+        for key, value in vars(m).items():
+            if not key.startswith("_") and type(value) in (list, dict, set):
+                found.append((path, key, value, value.copy()))
+    return found
+
+
+def _restore(container: Any, saved: Any) -> None:
+    if isinstance(container, list):
+        container[:] = saved
+    else:
+        container.clear()
+        container.update(saved)
+
+
+def _changed(container: Any, saved: Any) -> bool:
+    if len(container) != len(saved):
+        return True
+    if isinstance(container, list):
+        return any(a is not b for a, b in zip(container, saved, strict=True))
+    if isinstance(container, dict):
+        return any(container.get(k, saved) is not v for k, v in saved.items())
+    return container != saved
+
+
+@contextlib.contextmanager
+def guard_state(root: nn.Module, where: Callable[[nn.Module], str | None]) -> Iterator[None]:
+    """While tracing ``root``, refuse every write of model state (see the module docstring).
+
+    Args:
+        root: the copy being traced.
+        where: the qualified path of a module of the tree, or None for a module outside it
+            (one the forward builds on the fly may set its own attributes).
+
+    Raises:
+        TracedStateError: from inside the forward (attribute stores, tensor writes), or when
+            the trace ends, for a container that grew or shrank (after restoring it).
+    """
+    members = {id(m) for m in root.modules()}
+    original = nn.Module.__setattr__
+
+    def guarded(module: nn.Module, name: str, value: Any) -> None:
+        if id(module) in members:
+            path = where(module)
+            shown = f"{path}.{name}" if path else name
+            what = "a traced value" if isinstance(value, fx.Proxy) else "a value"
+            raise TracedStateError(
+                f"the forward stores {what} in {shown!r} (self.{name} = ...): module state "
+                "that torch.fx cannot record"
+            )
+        original(module, name, value)
+
+    snapshot = _containers(root)
+    nn.Module.__setattr__ = guarded  # type: ignore[method-assign,assignment]
+    failed = False
+    try:
+        with _TensorWriteGuard(root):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+        touched = [(path, key, c) for path, key, c, saved in snapshot if _changed(c, saved)]
+        for _, _, c, saved in snapshot:
+            _restore(c, saved)
+        if touched and not failed:
+            path, key, c = touched[0]
+            error = TracedStateError(
+                f"the forward changes self.{key} (a {type(c).__name__} held by "
+                f"{path or 'the module'!r}): Python state that torch.fx cannot record"
+            )
+            error.module_path = path
+            raise error

@@ -9,18 +9,36 @@ from typing import Any, Literal, get_args
 import torch
 
 from ._errors import ConfigError
-from ._rewrite import Capture, CopyPolicy
-from ._trace import TracerKind
 
+Capture = Literal["output", "input", "both"]
+CopyPolicy = Literal["auto", "always", "never"]
+TracerKind = Literal["auto", "fx", "hooks", "dynamo", "fx+dynamo"]
 Reduce = Literal["stats", "sample"]
 
 
 def check_choice(name: str, value: Any, allowed: Any) -> None:
     choices = get_args(allowed)
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ConfigError(
             f"{name}={value!r} is not accepted; use one of {', '.join(map(repr, choices))}"
         )
+
+
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is not accepted; use True or False")
+
+
+def check_sequence(name: str, value: Any, example: str) -> list[Any]:
+    """A list of ``value``'s entries; one type or string alone counts as a list of one."""
+    if isinstance(value, (str, type)):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        raise ConfigError(
+            f"{name}={value!r} is not accepted; pass a list ({example})"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -69,8 +87,11 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
     check_choice("capture", capture, Capture)
     check_choice("copy", copy, CopyPolicy)
     check_choice("tracer", tracer, TracerKind)
-    if isinstance(leaf_modules, (str, type)):
-        leaf_modules = [leaf_modules]
+    for name, flag in (("detach", detach), ("grad", grad)):
+        check_flag(name, flag)
+    leaf_modules = check_sequence("leaf_modules", leaf_modules, "e.g. [MyBlock, 'encoder.0']")
+    autowrap_functions = check_sequence("autowrap_functions", autowrap_functions,
+                                        "e.g. [my_helper]")
     for leaf in leaf_modules:
         if not isinstance(leaf, (str, type)):
             raise ConfigError(
@@ -88,9 +109,9 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
             "part of the autograd graph; drop detach=False, or drop reduce= to keep the "
             "tensors themselves"
         )
-    if not isinstance(sample_size, int) or sample_size < 1:
+    if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
         raise ConfigError(f"sample_size={sample_size!r} must be a positive int")
-    if not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed={seed!r} must be an int")
     if keep == "last":
         keep_n: int | None = 1

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import collections
 import difflib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._errors import SiteNotRunError, UnknownSiteError
 
@@ -20,110 +21,130 @@ class InOut(NamedTuple):
     output: Any
 
 
-def detach_tree(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+def offload_batch(values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+    """Start moving every tensor in ``values`` to ``device`` with one transfer per source
+    device and dtype, without waiting for it.
 
-
-def _offload(value: Any, device: torch.device) -> Any:
-    """Start a non-blocking copy of every tensor in ``value`` to ``device``."""
-
-    def move(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.device == device:
-            return t
-        if device.type == "cpu":
-            dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            return dst.copy_(t, non_blocking=True)
-        return t.to(device, non_blocking=True)
-
-    return move(value) if isinstance(value, torch.Tensor) else tree_map(move, value)
+    Tensors of one (device, dtype) are packed into one buffer on their device (a device-side
+    copy, far faster than the host link), moved with one non-blocking copy into one pinned host
+    buffer (``device`` is the CPU) or one buffer on ``device``, and handed back as views of it,
+    shaped as before. Many small copies each pay the link's latency; one pays it once.
+    """
+    flat = [tree_flatten(v) for v in values]
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
+    for i, (leaves, _) in enumerate(flat):
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.device != device:
+                groups.setdefault((leaf.device, leaf.dtype), []).append((i, j))
+    if not groups:
+        return values
+    moved = [list(leaves) for leaves, _ in flat]
+    pinned = device.type == "cpu"
+    for (_, dtype), spots in groups.items():
+        tensors = [moved[i][j].detach() for i, j in spots]
+        total = sum(t.numel() for t in tensors)
+        dst = torch.empty(total, dtype=dtype, device=device, pin_memory=pinned)
+        if len(tensors) == 1:
+            dst.copy_(tensors[0].reshape(-1), non_blocking=True)
+        else:
+            dst.copy_(torch.cat([t.reshape(-1) for t in tensors]), non_blocking=True)
+        offset = 0
+        for (i, j), t in zip(spots, tensors, strict=True):
+            moved[i][j] = dst[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+    return tuple(tree_unflatten(leaves, spec) for leaves, (_, spec) in zip(moved, flat,
+                                                                          strict=True))
 
 
 class Frame:
-    """The values captured during one forward."""
+    """The values captured during one forward (and the gradients of its backward)."""
 
-    __slots__ = ("parts", "hooks", "hook_calls", "events", "replaced", "_cache")
+    __slots__ = ("parts", "hook_calls", "events", "replaced", "grads", "_cache")
 
     def __init__(self) -> None:
         self.parts: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
-        self.hooks: dict[str, Any] = {}
         self.hook_calls: dict[str, int] = {}
         self.events: dict[str, Any] = {}
         self.replaced: set[str] = set()
+        self.grads: dict[str, torch.Tensor] = {}
         self._cache: dict[str, Any] | None = None
 
 
+class ThreadState:
+    """One thread's view of a tapped module: its current frame, history and running regions."""
+
+    __slots__ = ("active", "frame", "history", "hook_paths", "detach_now", "pending", "running")
+
+    def __init__(self, keep: int | None) -> None:
+        self.active = False
+        self.frame = Frame()
+        self.history: collections.deque[Frame] = collections.deque(maxlen=keep)
+        self.hook_paths: frozenset[str] = frozenset()
+        self.detach_now = False
+        self.pending: dict[str, list[Any]] = {}
+        """Inputs kept by forward pre-hooks until the matching forward hook (a stack per
+        module, so that a module re-entered before it returns keeps each call's inputs)."""
+        self.running: dict[str, int] = {}
+        """How many calls of each traced region below untraced code are running."""
+
+
 class Recording:
-    """Where a tapped module's values go: frames, history, offload, gradients."""
+    """Where a tapped module's values go: per thread, one frame per forward and a history.
+
+    Every thread that runs the tapped module reads the values of its own last forward, so a
+    module served from several threads never mixes their values.
+    """
 
     def __init__(self, *, detach: bool, both: bool, keep: int | None = 1,
                  to: torch.device | None = None,
-                 finalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 grad_hook: Callable[[str, torch.Tensor], Any] | None = None) -> None:
-        self.active = False
+                 finalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         self.detach = detach
         self.both = both
+        self.keep = keep
         self.to = to
         self.finalize = finalize
-        self.grad_hook = grad_hook
-        self.detach_now = False
-        self.hook_paths: frozenset[str] = frozenset()
-        self.frame = Frame()
-        self.history: collections.deque[Frame] = collections.deque(maxlen=keep)
-        self.grads: dict[str, torch.Tensor] = {}
+        self._local = threading.local()
 
-    def begin(self, hook_paths: frozenset[str]) -> None:
-        self.frame = frame = Frame()
-        self.history.append(frame)
-        self.hook_paths = hook_paths
-        self.detach_now = self.detach and torch.is_grad_enabled()
-        if self.grad_hook is not None:
-            self.grads = {}
-        self.active = True
+    @property
+    def state(self) -> ThreadState:
+        try:
+            return self._local.state  # type: ignore[no-any-return]
+        except AttributeError:
+            state = self._local.state = ThreadState(self.keep)
+            return state
 
-    def add(self, names: tuple[str, ...], values: tuple[Any, ...],
-            flowing: tuple[Any, ...] | None = None) -> None:
-        if flowing is not None and self.grad_hook is not None:
-            self._watch_grads(names, flowing)
-        if self.to is not None:
-            values = self._offload_all(names, values)
-        if self.detach_now:
-            values = tuple(
-                v.detach() if isinstance(v, torch.Tensor) else detach_tree(v) for v in values
-            )
-        self.frame.parts.append((names, values))
+    @property
+    def frame(self) -> Frame:
+        return self.state.frame
 
-    def add_hook(self, path: str, value: Any) -> str:
-        frame = self.frame
-        calls = frame.hook_calls.get(path, 0)
-        frame.hook_calls[path] = calls + 1
-        name = f"{path}_{calls}" if calls else path
-        if self.to is not None:
-            (value,) = self._offload_all((name,), (value,))
-        if self.detach_now:
-            value = detach_tree(value)
-        frame.hooks[name] = value
-        return name
+    def begin(self, hook_paths: frozenset[str]) -> ThreadState:
+        state = self.state
+        state.frame = frame = Frame()
+        state.history.append(frame)
+        state.hook_paths = hook_paths
+        state.detach_now = self.detach and torch.is_grad_enabled()
+        state.active = True
+        return state
 
-    def _offload_all(self, names: tuple[str, ...], values: tuple[Any, ...]) -> tuple[Any, ...]:
+    def hook_name(self, path: str) -> str:
+        """``path`` for a hooked module's first call in this forward, ``path_1`` for the next."""
+        calls = self.state.frame.hook_calls
+        n = calls.get(path, 0)
+        calls[path] = n + 1
+        return f"{path}_{n}" if n else path
+
+    def offload(self, frame: Frame, names: tuple[str, ...], values: tuple[Any, ...]
+                ) -> tuple[Any, ...]:
+        """Move one region's (or hook's) values with :func:`offload_batch`; reading any of
+        them waits for that batch's copy only (one CUDA event, no host sync here)."""
         assert self.to is not None
-        moved = tuple(_offload(v, self.to) for v in values)
-        if torch.cuda.is_available() and any(
-            isinstance(v, torch.Tensor) and v.is_cuda for v in values
-        ):
-            for name in names:  # one event per site: reading waits for its own copy only
-                event = torch.cuda.Event()
-                event.record()
-                self.frame.events[name] = event
+        moved = offload_batch(values, self.to)
+        if moved is not values and torch.cuda.is_available():
+            event = torch.cuda.Event()
+            event.record()
+            for name in names:
+                frame.events[name] = event
         return moved
-
-    def _watch_grads(self, names: tuple[str, ...], flowing: tuple[Any, ...]) -> None:
-        hook = self.grad_hook
-        assert hook is not None
-        for name, value in zip(names, flowing, strict=True):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(lambda g, name=name: hook(name, g))
 
     def values(self, frame: Frame | None = None) -> dict[str, Any]:
         frame = frame or self.frame
@@ -131,7 +152,6 @@ class Recording:
             d: dict[str, Any] = {}
             for names, vals in frame.parts:
                 d.update(zip(names, vals, strict=True))
-            d.update(frame.hooks)
             if self.both:
                 d = {k: InOut(*v) for k, v in d.items()}
             if self.finalize is not None:
@@ -148,12 +168,19 @@ class Taps(Mapping[str, Any]):
     :class:`~fxprobe.UnknownSiteError` with the closest names.
     """
 
+    _what = "value from the last forward"
+    _why = "a branch not taken, or no forward yet"
+
     def __init__(self, recording: Recording, order: dict[str, int],
-                 frame: Frame | None = None, what: str = "value") -> None:
+                 frame: Frame | None = None) -> None:
         self._rec = recording
         self._order = order
         self._frame = frame or recording.frame
-        self._what = what
+
+    @property
+    def replaced(self) -> frozenset[str]:
+        """The sites whose value ``fn=`` replaced in this forward."""
+        return frozenset(self._frame.replaced)
 
     def _values(self) -> dict[str, Any]:
         return self._rec.values(self._frame)
@@ -179,8 +206,8 @@ class Taps(Mapping[str, Any]):
             return vals[name]
         if name in self._order:
             raise SiteNotRunError(
-                f"site {name!r} is selected but has no {self._what} from the last forward "
-                "(a branch not taken, or no forward yet); the sites that have one are: "
+                f"site {name!r} is selected but has no {self._what} "
+                f"({self._why}); the sites that have one are: "
                 f"{', '.join(list(self._ordered())[:20]) or 'none'}"
             )
         close = difflib.get_close_matches(name, list(self._order), n=5, cutoff=0.5)
@@ -210,5 +237,8 @@ class Taps(Mapping[str, Any]):
 class Grads(Taps):
     """Gradients of the last backward with respect to each tapped value, by site name."""
 
+    _what = "gradient from the last backward"
+    _why = "no backward yet, a branch not taken, or a value the loss does not depend on"
+
     def _values(self) -> dict[str, Any]:
-        return self._rec.grads
+        return self._frame.grads

@@ -8,31 +8,40 @@ submodules through plain instance attributes, never ``nn.Module.__getattr__``.
 
 from __future__ import annotations
 
+import copy as _copy
+import inspect
 import itertools
 import linecache
+import operator
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_map
 
-from ._inplace import Hazards
-from ._trace import Region
-
-Capture = Literal["output", "input", "both"]
-CopyPolicy = Literal["auto", "always", "never"]
+from ._inplace import OUT_OF_PLACE, Hazards
+from ._options import Capture, CopyPolicy
+from ._pipeline import Pipeline, clone_tree
+from ._site import CALL_ARGS, Site, sites_of
 
 _counter = itertools.count()
 
 
-def clone_tree(value: Any) -> Any:
-    """A copy of every tensor in ``value`` (a tensor, or a nest of tuples, lists and dicts)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes keep their ``meta`` (and so their sites)."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        copied = env[node] = new.node_copy(node, lambda n: env[n])
+        calls = node.meta.get(CALL_ARGS)
+        if calls:  # the nodes it names are the copy's, not the original's
+            copied.meta[CALL_ARGS] = {
+                name: (tuple(env[a] if isinstance(a, fx.Node) else a for a in args), env[first])
+                for name, (args, first) in calls.items()}
+    return new
 
 
 @dataclass
@@ -43,92 +52,185 @@ class Compiled:
     graph: fx.Graph
     names: tuple[str, ...]
     copied: frozenset[str]
+    outplaced: frozenset[str]
     fn: Callable[..., Any]
     holder: nn.Module
 
 
-def instrument(region: Region, selected: set[str], *, capture: Capture, copy: CopyPolicy,
-               reducer: Callable[[Any], Any] | None = None,
-               intervene: Callable[[str, Any], Any] | None = None,
-               raw: bool = False) -> tuple[fx.Graph, tuple[str, ...], frozenset[str]]:
-    """Copy the region's graph and make its output ``(model output, (captured values...))``.
+def _method_out_of_place(x: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``x.<name>(...)`` out of place, in ``x``'s dtype as the in-place ``<name>_`` keeps it."""
+    out = getattr(x, name)(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out
+
+
+setattr(_method_out_of_place, OUT_OF_PLACE, True)
+
+
+def _module_out_of_place(module: nn.Module) -> Callable[..., Any]:
+    twin = _copy.copy(module)  # shares the module's tensors and hook tables
+    object.__setattr__(twin, "inplace", False)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return twin(*args, **kwargs)
+
+    call.__name__ = f"{type(module).__name__.lower()}_out_of_place"
+    call.__qualname__ = call.__name__
+    setattr(call, OUT_OF_PLACE, True)
+    return call
+
+
+def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
+    """Rewrite the in-place op ``op`` into its out-of-place twin; False when it has none.
+
+    ``ReLU(inplace=True)`` calls a copy of the module with ``inplace=False``;
+    ``F.relu(x, inplace=True)`` gets ``inplace=False``; ``torch.relu_(x)`` becomes
+    ``torch.relu(x)``; ``x.add_(y)`` becomes ``x.add(y)`` cast back to ``x``'s dtype.
+    """
+    if op.op == "call_module":
+        m = modules(str(op.target))
+        if getattr(m, "inplace", None) is True and type(m).__module__.startswith(
+                ("torch.nn", "torch.ao.nn")):
+            op.op, op.target = "call_function", _module_out_of_place(m)
+            return True
+        return False
+    if op.op == "call_method":
+        name = str(op.target)
+        if name.endswith("_") and not name.startswith("_") and hasattr(torch.Tensor, name[:-1]):
+            op.op, op.target = "call_function", _method_out_of_place
+            op.args = (op.args[0], name[:-1], *op.args[1:])
+            return True
+        return False
+    if op.op != "call_function" or not callable(op.target):
+        return False
+    fn = op.target
+    if op.kwargs.get("inplace") is True:
+        op.kwargs = {**op.kwargs, "inplace": False}
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if "inplace" in params and params.index("inplace") < len(op.args):
+        i = params.index("inplace")
+        if op.args[i] is True:
+            op.args = (*op.args[:i], False, *op.args[i + 1:])
+            return True
+    name = getattr(fn, "__name__", "")
+    home = sys.modules.get(getattr(fn, "__module__", None) or "")
+    twin = getattr(home, name[:-1], None) if name.endswith("_") and home else None
+    if twin is not None and callable(twin) and not name.startswith("_"):
+        op.target = twin
+        return True
+    return False
+
+
+def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: set[str], *,
+                capture: Capture, copy: CopyPolicy, pipeline: Pipeline
+                ) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
+    """Make ``graph`` (a copy) return ``(model output, (kept values...))``, in place.
+
+    For each selected site on a node, the value goes straight into the returned tuple when the
+    options need nothing at the site; otherwise one call of the shared :class:`Pipeline` is
+    inserted right after the node (``node -> output(name, node, copy) -> [flow, kept]``), and
+    with ``fn=`` every later user of the node reads ``flow`` instead::
+
+        before:  prev -> node -> next
+        after:   prev -> node -> pipeline.output -> getitem(0) -> next
+                                                  -> getitem(1) -> (output tuple)
 
     Args:
-        region: the traced module.
+        graph: a copy of a frontend's graph whose nodes carry their sites.
+        modules: resolves a ``call_module`` target (for the in-place analysis).
         selected: names of the sites to capture.
         capture: what to keep of each site.
         copy: when to copy a value before a later in-place op can overwrite it.
-        reducer: if given, called on each captured value right where it is produced (so no
-            copy is ever needed); its result is kept instead of the value.
-        intervene: if given, ``intervene(name, value)`` is called on each selected output and
-            its result replaces the value for every downstream consumer.
-        raw: also return the values that flow downstream (for gradient hooks), making the
-            output ``(model output, captured, flowing)``.
+        pipeline: the tapped module's pipeline.
+
+    With ``copy="auto"``, a captured value that a single in-place op would overwrite, where
+    nothing else sees the aliasing, is kept safe by running that op out of place
+    (:func:`run_out_of_place`) instead of copying the value first.
 
     Returns:
-        The new graph, the captured site names in order, and the names that are copied.
+        The captured site names in tuple order, the names whose value is copied, and the names
+        made safe by running their overwriting op out of place.
     """
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out_node: fx.Node | None = None
-    for node in region.graph.nodes:
-        new = graph.node_copy(node, lambda n: env[n])
-        env[node] = new
-        if node.op == "output":
-            out_node = new
-    if out_node is None:
-        raise RuntimeError("traced graph has no output node")
-    hazards = Hazards(graph, region.module.get_submodule) if copy == "auto" else None
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    hazards = Hazards(graph, modules) if copy == "auto" else None
+    outplaced: set[str] = set()
+    if hazards is not None and capture == "output" and pipeline.reduce is None:
+        # Where one in-place op is all that would overwrite a captured value, run it out of
+        # place: the same values, and no copy kernel.
+        for node in list(graph.nodes):
+            chosen = [s.name for s in sites_of(node) if s.name in selected]
+            if chosen and hazards.output_at_risk(node):
+                writer = hazards.sole_writer(node)
+                if writer is not None and run_out_of_place(writer, modules):
+                    outplaced.update(chosen)
+        if outplaced:
+            hazards = Hazards(graph, modules)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     names: list[str] = []
     values: list[Any] = []
-    flowing: list[Any] = []
     copied: set[str] = set()
-    for node in region.graph.nodes:
-        name = region.names.get(node)
-        if name is None or name not in selected or node.op == "output":
-            continue
-        new = env[node]
-        value: Any = None
-        if capture in ("input", "both"):
-            args = []
-            for a in new.args:
-                if isinstance(a, fx.Node):
-                    if reducer is not None:
-                        with graph.inserting_before(new):
-                            a = graph.call_function(reducer, (a,))
-                    elif _needs_copy(copy, hazards, a, new, True):
-                        with graph.inserting_before(new):
-                            a = graph.call_function(clone_tree, (a,))
-                        copied.add(name)
-                args.append(a)
-            value = tuple(args)
-        flow: fx.Node = new
-        if intervene is not None and node.op != "placeholder":
-            with graph.inserting_after(new):
-                flow = graph.call_function(intervene, (name, new))
-            new.replace_all_uses_with(flow, delete_user_cb=_not(flow))
-        if capture in ("output", "both"):
-            out: fx.Node = flow
-            if reducer is not None:
-                with graph.inserting_after(flow):
-                    out = graph.call_function(reducer, (flow,))
-            elif _needs_copy(copy, hazards, new, new, False):
-                with graph.inserting_after(flow):
-                    out = graph.call_function(clone_tree, (flow,))
-                copied.add(name)
-            value = out if capture == "output" else (value, out)
-        names.append(name)
-        values.append(value)
-        flowing.append(flow)
-    result = (out_node.args[0], tuple(values), tuple(flowing)) if raw else (
-        out_node.args[0], tuple(values))
-    out_node.args = (result,)
+    flowing: dict[fx.Node, fx.Node] = {}  # a node's current value, after interventions
+    for node in list(graph.nodes):
+        for site in sites_of(node):
+            if site.name not in selected:
+                continue
+            name = site.name
+            value: Any = None
+            if capture in ("input", "both"):
+                args, at = _call_args(node, site)
+                kept_args = []
+                for a in args:
+                    if isinstance(a, fx.Node):
+                        risky = _needs_copy(copy, hazards, a, at, True)
+                        if pipeline.reduce is not None or risky:
+                            with graph.inserting_before(at):
+                                a = graph.call_function(pipeline.keep, (a, risky))
+                            copied.update([name] if risky else [])
+                    kept_args.append(a)
+                value = tuple(kept_args)
+            if capture in ("output", "both"):
+                current = flowing.get(node, node)
+                risky = _needs_copy(copy, hazards, node, node, False)
+                after = placeholders[-1] if node.op == "placeholder" else current
+                kept: fx.Node = current
+                if pipeline.per_site:
+                    with graph.inserting_after(after):
+                        res = graph.call_function(pipeline.output, (name, current, risky))
+                    with graph.inserting_after(res):
+                        flow = graph.call_function(operator.getitem, (res, 0))
+                    with graph.inserting_after(flow):
+                        kept = graph.call_function(operator.getitem, (res, 1))
+                    if pipeline.fn is not None:
+                        current.replace_all_uses_with(
+                            flow, delete_user_cb=lambda user, r=res: user is not r)
+                        flowing[node] = flow
+                    if node.op == "placeholder":
+                        placeholders.append(kept)
+                elif risky:
+                    with graph.inserting_after(after):
+                        kept = graph.call_function(clone_tree, (current,))
+                    if node.op == "placeholder":
+                        placeholders.append(kept)
+                copied.update([name] if risky and pipeline.reduce is None else [])
+                value = kept if capture == "output" else (value, kept)
+            names.append(name)
+            values.append(value)
+    out_node.args = ((out_node.args[0], tuple(values)),)
     graph.lint()
-    return graph, tuple(names), frozenset(copied)
+    return tuple(names), frozenset(copied), frozenset(outplaced)
 
 
-def _not(node: fx.Node) -> Callable[[fx.Node], bool]:
-    return lambda user: user is not node
+def _call_args(node: fx.Node, site: Site) -> tuple[tuple[Any, ...], fx.Node]:
+    """The positional arguments of a site's call and the node before which they are read."""
+    if site.inlined:
+        args, first = node.meta[CALL_ARGS][site.name]
+        return args, first
+    return tuple(node.args), node
 
 
 def _needs_copy(policy: CopyPolicy, hazards: Hazards | None, value: fx.Node,
@@ -142,15 +244,14 @@ def _needs_copy(policy: CopyPolicy, hazards: Hazards | None, value: fx.Node,
     return hazards.output_at_risk(value)
 
 
-def compile_region(region: Region, graph: fx.Graph, names: tuple[str, ...],
-                   copied: frozenset[str]) -> Compiled:
+def compile_region(path: str, holder: nn.Module, graph: fx.Graph, names: tuple[str, ...],
+                   copied: frozenset[str], outplaced: frozenset[str] = frozenset()) -> Compiled:
     """Turn an instrumented graph into a plain function of ``(holder, *args, **kwargs)``.
 
     Submodule calls become calls of globals of the generated function: on a class that defines
     ``__getattr__`` (every ``nn.Module``), even a hit in the instance dict is a slow attribute
     load, while a global load is specialised by the interpreter.
     """
-    holder = region.module
     originals: dict[fx.Node, Any] = {}
     modules: dict[str, nn.Module] = {}
     taken: dict[str, str] = {}
@@ -171,9 +272,9 @@ def compile_region(region: Region, graph: fx.Graph, names: tuple[str, ...],
         for node, target in originals.items():
             node.target = target
     src = re.sub(r"\bself\.(_fxp_\d+_\w*)\(", r"\1(", code.src)
-    filename = f"<fxprobe:{region.path or 'root'}:{next(_counter)}>"
+    filename = f"<fxprobe:{path or 'root'}:{next(_counter)}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     scope: dict[str, Any] = dict(code.globals)
     scope.update(modules)
     exec(compile(src, filename, "exec"), scope)
-    return Compiled(region.path, graph, names, copied, scope["forward"], holder)
+    return Compiled(path, graph, names, copied, outplaced, scope["forward"], holder)

@@ -16,24 +16,29 @@ from typing import Any
 from torch import nn
 
 from ._errors import SelectorError, SelectorTypeError
-from ._site import Site, describe_function, op_key
+from ._ops import describe_function, op_key
+from ._site import Site
 
 
 class Selector:
     """A predicate on sites, with a description used in error messages."""
 
-    __slots__ = ("_predicate", "description")
+    __slots__ = ("_predicate", "description", "strict")
 
-    def __init__(self, predicate: Callable[[Site], bool], description: str) -> None:
+    def __init__(self, predicate: Callable[[Site], bool], description: str,
+                 strict: bool = False) -> None:
         self._predicate = predicate
         self.description = description
+        self.strict = strict
+        """A name pattern: matching nothing is a typo, even beside other selectors."""
 
     def __call__(self, site: Site) -> bool:
         return bool(self._predicate(site))
 
     def __or__(self, other: Any) -> Selector:
         o = as_selector(other)
-        return Selector(lambda s: self(s) or o(s), f"({self.description} | {o.description})")
+        return Selector(lambda s: self(s) or o(s), f"({self.description} | {o.description})",
+                        self.strict and o.strict)
 
     def __ror__(self, other: Any) -> Selector:
         return as_selector(other) | self
@@ -70,7 +75,7 @@ def where(predicate: Callable[[Site], bool], description: str | None = None) -> 
 
 
 def module_type(cls: type[nn.Module]) -> Selector:
-    """Select calls of modules that are instances of ``cls``."""
+    """Select calls of modules that are instances of ``cls`` (traced through or not)."""
     return where(
         lambda s: s.kind == "call_module" and s.module_type is not None
         and issubclass(s.module_type, cls),
@@ -79,22 +84,25 @@ def module_type(cls: type[nn.Module]) -> Selector:
 
 
 def function(fn: Callable[..., Any]) -> Selector:
-    """Select every spelling of an op: ``torch.add`` also matches ``x + y`` and ``x.add(y)``."""
+    """Select every spelling of an op: ``torch.add`` also matches ``x + y`` and ``x.add(y)``;
+    ``F.relu`` also matches calls of ``nn.ReLU`` modules (every stateless ``torch.nn`` module
+    with a functional twin)."""
     key = op_key(fn)
     desc = describe_function(fn)
     if key is None:
         return where(lambda s: s.kind == "call_function" and s.target is fn, desc)
-    return where(lambda s: s.op_key == key and s.kind in ("call_function", "call_method"), desc)
+    return where(lambda s: s.op_key == key and s.kind != "placeholder", desc)
 
 
 def glob(pattern: str) -> Selector:
     """Select sites whose name matches a shell-style pattern (``"layer1.*.add"``)."""
-    return where(lambda s: fnmatch.fnmatchcase(s.name, pattern), repr(pattern))
+    return Selector(lambda s: fnmatch.fnmatchcase(s.name, pattern), repr(pattern), strict=True)
 
 
 def regex(pattern: re.Pattern[str]) -> Selector:
     """Select sites whose name contains a match of a compiled regular expression."""
-    return where(lambda s: pattern.search(s.name) is not None, f"re.compile({pattern.pattern!r})")
+    return Selector(lambda s: pattern.search(s.name) is not None,
+                    f"re.compile({pattern.pattern!r})", strict=True)
 
 
 def as_selector(obj: Any) -> Selector:
@@ -140,18 +148,39 @@ def as_selectors(ops: Any) -> list[Selector] | None:
     return [as_selector(ops)]
 
 
-def select(sites: Sequence[Site], selectors: list[Selector] | None, *,
-           context: str = "the model") -> list[Site]:
-    """The sites any selector matches, in site order; raise if one selector matches none."""
+def select(sites: Sequence[Site], selectors: list[Selector] | None, *, context: str,
+           fallbacks: Sequence[Any] = (),
+           other_mode: Callable[[], Sequence[Site]] | None = None) -> list[Site]:
+    """The sites the selectors pick, in site order.
+
+    ``None`` picks every site but the calls of modules fx traced through (their values are
+    those of other sites). A list of selectors is a union: a type or function selector in it
+    may match nothing (one list serves many models) as long as the union matches something,
+    but a glob or regex that matches nothing is a typo and raises. With ``other_mode``, a
+    selector that matches only the other mode's sites (dropout in training) is not an error.
+
+    Raises:
+        SelectorError: naming the selector, the closest names, and the modules that ran as
+            written (whose functional ops are not sites).
+    """
     if selectors is None:
-        return list(sites)
-    for sel in selectors:
-        if not any(sel(s) for s in sites):
-            raise SelectorError(no_match_message(sel, sites, context))
-    return [s for s in sites if any(sel(s) for sel in selectors)]
+        return [s for s in sites if not s.inlined]
+    matched = [sel for sel in selectors if any(sel(s) for s in sites)]
+    missing = [sel for sel in selectors if sel not in matched]
+    others: Sequence[Site] | None = None
+    for sel in missing:
+        if others is None and other_mode is not None:
+            others = other_mode()
+        if others is not None and any(sel(s) for s in others):
+            continue
+        if sel.strict or len(selectors) == 1 or not matched:
+            raise SelectorError(no_match_message(sel, sites, context, fallbacks))
+    return [s for s in sites if any(sel(s) for sel in matched)]
 
 
-def no_match_message(sel: Selector, sites: Iterable[Site], context: str) -> str:
+def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
+                     fallbacks: Sequence[Any] = ()) -> str:
+    sites = list(sites)
     names = [s.name for s in sites]
     probe = sel.description.strip("'\"")
     close = difflib.get_close_matches(probe, names, n=5, cutoff=0.4)
@@ -160,10 +189,15 @@ def no_match_message(sel: Selector, sites: Iterable[Site], context: str) -> str:
         close = [n for n in names if tail and tail in n][:5]
     hint = f" Closest site names: {', '.join(close)}." if close else ""
     ops = sorted({s.op for s in sites if s.kind != "placeholder"})
+    hidden = ""
+    if fallbacks:
+        shown = "; ".join(str(f) for f in fallbacks[:3])
+        more = f" (and {len(fallbacks) - 3} more)" if len(fallbacks) > 3 else ""
+        hidden = (f" {len(fallbacks)} module(s) run as written because torch.fx could not trace "
+                  f"them, so only their submodule calls are sites, not their functional ops: "
+                  f"{shown}{more}.")
     return (
-        f"selector {sel.description} matches no site in {context}.{hint} "
+        f"selector {sel.description} matches no site in {context}.{hint}{hidden} "
         f"Ops present: {', '.join(ops[:12])}{' ...' if len(ops) > 12 else ''}. "
         "Run fxprobe.sites(model) to list every site name."
     )
-
-

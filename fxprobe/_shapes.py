@@ -17,6 +17,8 @@ from torch import fx, nn
 
 from ._errors import ConfigError
 from ._mirror import drop_overrides, mirror
+from ._rewrite import copy_graph
+from ._site import sites_of
 from ._summary import ValueInfo, describe_value
 from ._trace import Plan, Region
 
@@ -32,7 +34,7 @@ def propagate(p: Plan, source: nn.Module, args: Sequence[Any],
     The run uses a private copy of ``source``: the user's hooks and fxprobe's taps do not fire,
     buffers (BatchNorm statistics) are copies, the random number generator is restored after.
     """
-    work = mirror(source)
+    work = mirror(source, share_state=False)
     drop_overrides(work)
     for module in work.modules():
         for name in _HOOK_DICTS:
@@ -78,18 +80,14 @@ def propagate(p: Plan, source: nn.Module, args: Sequence[Any],
 
 def _noting_module(region: Region, module: nn.Module, note: Any) -> fx.GraphModule:
     """A copy of the region's graph that reports each named value to ``note`` as it is made."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in region.graph.nodes:
-        new = graph.node_copy(node, lambda n: env[n])
-        env[node] = new
+    graph = copy_graph(region.graph)
+    for node in list(graph.nodes):
         if node.op == "output":
             key = "/output" if not region.path else f"{region.path}/return"
-            with graph.inserting_before(new):
-                graph.call_function(note, (key, new.args[0]))
+            with graph.inserting_before(node):
+                graph.call_function(note, (key, node.args[0]))
             continue
-        name = region.names.get(node)
-        if name is not None:
-            with graph.inserting_after(new):
-                graph.call_function(note, (name, new))
+        for site in sites_of(node):
+            with graph.inserting_after(node):
+                graph.call_function(note, (site.name, node))
     return fx.GraphModule(module, graph)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ._errors import ConfigError, UnsupportedModelError
+from ._program import SiteNames, check_model, list_sites
 from ._record import InOut
 from ._site import Site
 
@@ -287,9 +288,8 @@ def sites_table(sites: Sequence[Site], fallbacks: Iterable[Any], fmt: str = "tex
 def _fallback_notes(fallbacks: Iterable[Any]) -> list[str]:
     notes = []
     for f in fallbacks:
-        where = f.path or "the top-level module"
         loc = f" at {f.location}" if f.location else ""
-        notes.append(f"runs as written (hook fallback): {where} ({f.module_type.__name__}): "
+        notes.append(f"runs as written (hook fallback): {f.where} ({f.module_type.__name__}): "
                      f"{f.error}{loc}")
     return notes
 
@@ -315,17 +315,18 @@ def summary(obj: Any, fmt: str = "text") -> Table:
     Example:
         >>> print(fxprobe.summary(fxprobe.sites(model), fmt="github"))
     """
-    from ._tap import SiteNames, TappedModule, sites
-
     check_format(fmt)
-    if isinstance(obj, TappedModule):
-        table = tapped_table(obj.sites, obj.taps, obj.fallbacks, fmt)
-        captured = tuple(str(info) for info in obj.captures)  # graphs and breaks (dynamo)
+    view = getattr(obj, "_fxprobe_view", None)
+    if view is not None:  # a TappedModule
+        v = view()
+        table = tapped_table(v.selected, v.taps or {}, v.plan.fallbacks, fmt)
+        captured = tuple(str(info) for info in v.captures)  # graphs and breaks (dynamo)
         return dataclasses.replace(table, notes=table.notes + captured) if captured else table
     if isinstance(obj, SiteNames):
         return sites_table(obj.records, obj.fallbacks, fmt)
     if isinstance(obj, nn.Module):
-        listing = sites(obj)
+        listing = list_sites(check_model(obj, "fxprobe.summary"), train=False, tracer="auto",
+                             leaf_modules=(), autowrap_functions=())
         return sites_table(listing.records, listing.fallbacks, fmt)
     if isinstance(obj, Sequence) and all(isinstance(s, Site) for s in obj):
         return sites_table(list(obj), (), fmt)

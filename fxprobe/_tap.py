@@ -3,67 +3,55 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
-from ._dynamo import CaptureInfo, DynamoRegion
-from ._errors import ConfigError, RemovedError, SelectorError, UnsupportedModelError
+from ._dynamo import CaptureInfo
+from ._errors import ConfigError, RemovedError
 from ._hooks import HookSet
-from ._mirror import drop_overrides, mirror
-from ._modes import Modes, make_modes
-from ._options import Reduce, TapOptions, check_choice, make_options
+from ._mirror import drop_overrides, install_override, mirror, own_forward
+from ._options import (
+    Capture,
+    CopyPolicy,
+    Reduce,
+    TapOptions,
+    TracerKind,
+    check_choice,
+    check_flag,
+    check_sequence,
+    make_options,
+)
+from ._pipeline import Pipeline
+from ._program import (
+    Program,
+    SiteNames,
+    View,
+    build_program,
+    captures_of,
+    check_found,
+    check_model,
+    list_sites,
+)
 from ._record import Grads, Recording, Taps
-from ._rewrite import Capture, Compiled, CopyPolicy, compile_region, instrument
-from ._select import Selector, as_selectors, no_match_message, select
+from ._select import Selector, as_selectors
 from ._site import Site
-from ._trace import Fallback, Plan, TracerKind, is_leaf, plan
+from ._trace import Fallback
 
 if TYPE_CHECKING:
     from ._summary import Table
 
 
-@dataclass
-class Program:
-    """Everything one mode of a tapped module runs: compiled regions and hook sites."""
-
-    training: bool
-    plan: Plan
-    selected: tuple[Site, ...]
-    compiled: dict[str, Compiled]
-    hook_paths: frozenset[str]
-    order: dict[str, int]
-    dynamo: dict[str, DynamoRegion] = field(default_factory=dict)
-    """Modules run under torch dynamo, by path; their sites are found as they first run."""
-    dynamo_selected: list[Site] = field(default_factory=list)
-    """The selected sites found in dynamo graphs so far."""
-    unchecked: list[Selector] = field(default_factory=list)
-    """Selectors that matched no site before the first forward (checked after it)."""
-
-
-def check_model(model: Any) -> None:
-    if isinstance(model, torch.jit.ScriptModule):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is a TorchScript module, which fxprobe does not tap yet; "
-            "pass the original Python nn.Module (before torch.jit.script/trace) instead"
-        )
-    if not isinstance(model, nn.Module):
-        raise UnsupportedModelError(
-            f"fxprobe taps torch.nn.Module instances; got {type(model).__name__}. "
-            "Wrap a function in an nn.Module whose forward calls it."
-        )
-
-
 class TappedModule(nn.Module):
     """The model, rewritten so that the selected sites are captured at every forward.
 
-    It shares parameters and buffers with the model (training it trains the model) and leaves
-    the model object itself untouched. ``tapped.taps`` holds the last forward's values.
+    It shares parameters and buffers with the model (training it trains the model; converting
+    it with ``.double()``, ``.to(device)`` converts the model, and the other way round) and
+    leaves the model object itself untouched. ``tapped.taps`` holds the last forward's values
+    of the calling thread.
     """
 
     _root: nn.Module
@@ -71,10 +59,9 @@ class TappedModule(nn.Module):
     _options: TapOptions
     _model_name: str
     _rec: Recording
-    _modes: Modes
+    _pipeline: Pipeline
     _hookset: HookSet
     _programs: dict[bool, Program]
-    _site_by_name: dict[str, Site]
     _removed: bool
 
     def __init__(self, model: nn.Module, selectors: list[Selector] | None,
@@ -83,7 +70,7 @@ class TappedModule(nn.Module):
         root = mirror(model)
         d = self.__dict__
         d["_root"] = root
-        # Same containers as the copied root: state_dict keys and parameters are the model's.
+        # The copied root's containers: state_dict keys and parameters are the model's.
         d["_modules"] = root._modules
         d["_parameters"] = root._parameters
         d["_buffers"] = root._buffers
@@ -92,15 +79,14 @@ class TappedModule(nn.Module):
         d["_selectors"] = selectors
         d["_options"] = options
         d["_model_name"] = type(model).__name__
-        d["_site_by_name"] = {}
+        d["_programs"] = {}
         rec = Recording(detach=options.detach, both=options.capture == "both",
                         keep=options.keep, to=options.to)
-        modes = make_modes(options, rec, self._site_by_name.get)
-        rec.finalize, rec.grad_hook = modes.finalize, modes.grad_hook
+        pipeline = Pipeline(options, rec, self._site)
+        rec.finalize = pipeline.finalize
         d["_rec"] = rec
-        d["_modes"] = modes
-        d["_hookset"] = HookSet(rec, modes, capture=options.capture, copy=options.copy)
-        d["_programs"] = {}
+        d["_pipeline"] = pipeline
+        d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
         self._program(strict=True)
 
@@ -112,136 +98,69 @@ class TappedModule(nn.Module):
                 raise RemovedError(
                     "this tapped module was removed; call fxprobe.tap(model, ...) again"
                 )
-            prog = self._build(self.training, strict)
+            drop_overrides(self._root)
+            prog = build_program(self._root, self._selectors, self._options, self.training,
+                                 self._pipeline, model_name=self._model_name, strict=strict)
+            self._programs[self.training] = prog
+            self._install(prog)
         return prog
 
-    def _build(self, training: bool, strict: bool) -> Program:
-        opts = self._options
-        tracer, leaf_modules, autowrap = opts.tracer, opts.leaf_modules, opts.autowrap_functions
+    def _site(self, name: str) -> Site | None:
+        prog = self._programs.get(self.training)
+        return prog.site(name) if prog is not None else None
+
+    def _install(self, prog: Program) -> None:
         root = self._root
-        drop_overrides(root)
-        p = plan(root, tracer=tracer, leaf_modules=leaf_modules, autowrap_functions=autowrap)
-        mode = "train" if training else "eval"
-        context = f"{self._model_name} ({mode} mode)"
-        selectors = self._selectors
-        unmatched = [] if selectors is None else [
-            sel for sel in selectors if not any(sel(s) for s in p.sites)]
-        if unmatched and strict and not p.dynamo:
-            # A selector may name a site of the other mode only (dropout in training): fail
-            # only when it matches nothing in either mode.
-            other = mirror(root)
-            other.train(not training)
-            other_sites = plan(other, tracer=tracer, leaf_modules=leaf_modules,
-                               autowrap_functions=autowrap).sites
-            for sel in unmatched:
-                select(other_sites, [sel], context=f"{self._model_name} (train or eval mode)")
-        selected = select(p.sites, None if selectors is None else [
-            sel for sel in selectors if sel not in unmatched], context=context
-        ) if len(unmatched) < len(selectors or [None]) else []
-        names = {s.name for s in selected}
-        compiled: dict[str, Compiled] = {}
-        for path, region in p.regions.items():
-            region_names = names & set(region.names.values())
-            if not region_names:
-                continue  # nothing selected here: the module runs its own forward
-            graph, order, copied = instrument(
-                region, region_names, capture=opts.capture, copy=opts.copy,
-                reducer=self._modes.reduce, intervene=self._modes.intervene,
-                raw=self._modes.grad_hook is not None)
-            compiled[path] = compile_region(region, graph, order, copied)
-        hook_paths = frozenset(s.name for s in selected if s.how == "hook")
-        for s in selected:
-            if s.how == "hook":
-                self._hookset.ensure(s.name, root.get_submodule(s.name) if s.name else root)
-        if opts.fn is not None:
-            selected = [dataclasses.replace(s, replaced=True) for s in selected]
-        self._site_by_name.update((s.name, s) for s in selected)
-        prog = Program(training, p, tuple(selected), compiled, hook_paths,
-                       {s.name: i for i, s in enumerate(selected)})
-        if p.dynamo:
-            prog.unchecked = list(unmatched)
-            for target in p.dynamo:
-                prog.dynamo[target.path] = self._dynamo_region(prog, target.path)
-        self._programs[training] = prog
-        self._install_dispatch()
-        return prog
-
-    def _dynamo_region(self, prog: Program, path: str) -> DynamoRegion:
-        opts, selectors = self._options, self._selectors
-        leaf_types = tuple(t for t in opts.leaf_modules if isinstance(t, type))
-        leaf_paths = frozenset(p for p in opts.leaf_modules if isinstance(p, str))
-
-        def choose(found: Sequence[Site]) -> list[Site]:
-            if selectors is None:
-                return list(found)
-            return [s for s in found if any(sel(s) for sel in selectors)]
-
-        def on_sites(new: list[Site], chosen: list[Site]) -> None:
-            if opts.fn is not None:
-                chosen = [dataclasses.replace(s, replaced=True) for s in chosen]
-            for s in chosen:
-                if s.name not in prog.order:
-                    prog.order[s.name] = len(prog.order)
-                    prog.dynamo_selected.append(s)
-                    self._site_by_name[s.name] = s
-
-        module = self._root.get_submodule(path) if path else self._root
-        return DynamoRegion(
-            path, module, rec=self._rec, modes=self._modes, capture=opts.capture,
-            copy=opts.copy, is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths),
-            choose=choose, on_sites=on_sites)
-
-    def _check_selectors(self, prog: Program) -> None:
-        """After a forward: each selector must have matched a site (dynamo sites included)."""
-        found = list(prog.plan.sites) + [
-            s for region in prog.dynamo.values() for s in region.sites.values()]
-        missing = [sel for sel in prog.unchecked if not any(sel(s) for s in found)]
-        if missing:
-            mode = "train" if prog.training else "eval"
-            raise SelectorError(no_match_message(
-                missing[0], found, f"{self._model_name} ({mode} mode, sites found by its "
-                "first forward: the dynamo frontend discovers sites as graphs are captured)"))
-        prog.unchecked = []
-
-    def _install_dispatch(self) -> None:
-        paths = {path for prog in self._programs.values()
-                 for path in (*prog.compiled, *prog.dynamo) if path}
-        if any("" in prog.dynamo for prog in self._programs.values()):
-            # model.generate() and other methods call the model itself: one frame per call.
-            object.__setattr__(self._root, "forward", self._root_dispatcher())
+        for spec in prog.hooks:
+            module = root.get_submodule(spec.path) if spec.path else root
+            self._hookset.ensure(spec.name, module, spec.region)
+        paths = {path for p in self._programs.values() for path in (*p.compiled, *p.dynamo)
+                 if path}
         for path in paths:
-            module = self._root.get_submodule(path)
-            object.__setattr__(module, "forward", self._dispatcher(module, path))
+            module = root.get_submodule(path)
+            install_override(module, self._dispatcher(module, path))
+        if any("" in p.dynamo for p in self._programs.values()):
+            # model.generate() and other methods call the model itself: one frame per call.
+            install_override(root, self._root_dispatcher())
 
     def _dispatcher(self, module: nn.Module, path: str) -> Callable[..., Any]:
-        programs, rec = self._programs, self._rec
-        own_forward = type(module).forward
+        programs, rec, store = self._programs, self._rec, self._pipeline.store
+        own = own_forward(module)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             prog = programs.get(module.training)
             comp = prog.compiled.get(path) if prog is not None else None
-            if comp is None:
+            if prog is None or comp is None:
                 dyn = prog.dynamo.get(path) if prog is not None else None
                 if dyn is not None:
                     return dyn(*args, **kwargs)
-                return own_forward(module, *args, **kwargs)
-            result = comp.fn(comp.holder, *args, **kwargs)
-            if rec.active:
-                rec.add(comp.names, *result[1:])
+                return own(*args, **kwargs)
+            state = rec.state
+            running = state.running
+            running[path] = running.get(path, 0) + 1
+            try:
+                result = comp.fn(comp.holder, *args, **kwargs)
+            finally:
+                running[path] -= 1
+            store(comp.names, result[1])
+            if state.active:
+                calls = state.frame.hook_calls
+                for name in prog.guarded.get(path, ()):
+                    calls[name] = calls.get(name, 0) + 1
             return result[0]
 
         return forward
 
     def _root_dispatcher(self) -> Callable[..., Any]:
-        rec = self._rec
-        own_forward = type(self._root).forward
+        rec, root = self._rec, self._root
+        own = own_forward(root)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            prog = self._programs.get(self._root.training)
+            prog = self._programs.get(root.training)
             dyn = prog.dynamo.get("") if prog is not None else None
             if dyn is None:
-                return own_forward(self._root, *args, **kwargs)
-            if rec.active:
+                return own(*args, **kwargs)
+            if rec.state.active:
                 return dyn(*args, **kwargs)
             return self.forward(*args, **kwargs)
 
@@ -252,30 +171,29 @@ class TappedModule(nn.Module):
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
         prog = self._programs.get(self.training) or self._program()
-        rec = self._rec
-        rec.begin(prog.hook_paths)
+        state = self._rec.begin(prog.hook_names)
         try:
             root = prog.compiled.get("")
             dyn = prog.dynamo.get("")
             if root is not None:
                 result = root.fn(root.holder, *args, **kwargs)
-                rec.add(root.names, *result[1:])
+                self._pipeline.store(root.names, result[1])
                 out = result[0]
             elif dyn is not None:
                 out = dyn(*args, **kwargs)
             else:
-                out = type(self._root).forward(self._root, *args, **kwargs)
+                out = own_forward(self._root)(*args, **kwargs)
         finally:
-            rec.active = False
+            state.active = False
         if prog.unchecked:
-            self._check_selectors(prog)
+            check_found(prog, self._model_name)
         return out
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (HuggingFace), tapped: one frame per forward it makes.
 
         Example:
-            >>> tapped = fxprobe.tap(model, ops=F.softmax, keep="all")
+            >>> tapped = fxprobe.tap(model, ops=F.softmax, tracer="dynamo", keep="all")
             >>> tokens = tapped.generate(input_ids, max_new_tokens=5)
             >>> len(tapped.history)  # the prompt, then one forward per new token
         """
@@ -297,31 +215,31 @@ class TappedModule(nn.Module):
         return Taps(self._rec, self._program().order)
 
     @property
+    def options(self) -> TapOptions:
+        """The validated options this module was tapped with."""
+        return self._options
+
+    @property
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
         order = self._program().order
-        return [Taps(self._rec, order, frame) for frame in self._rec.history]
+        return [Taps(self._rec, order, frame) for frame in self._rec.state.history]
 
     @property
     def grads(self) -> Grads:
         """With ``grad=True``: the gradient of the last backward with respect to each value."""
         if not self._options.grad:
             raise ConfigError("tapped.grads needs fxprobe.tap(..., grad=True)")
-        return Grads(self._rec, self._program().order, what="gradient")
+        return Grads(self._rec, self._program().order)
 
     @property
     def sites(self) -> tuple[Site, ...]:
         """The selected sites (current mode), in execution order.
 
-        With ``fn=``, ``site.replaced`` marks the sites whose value ``fn`` replaced in the last
-        forward.
+        With ``fn=``, ``tapped.taps.replaced`` names the sites whose value ``fn`` replaced in
+        the last forward.
         """
-        prog = self._program()
-        selected = prog.selected + tuple(prog.dynamo_selected)
-        if self._options.fn is None:
-            return selected
-        done = self._rec.frame.replaced
-        return tuple(dataclasses.replace(s, replaced=s.name in done) for s in selected)
+        return self._program().selected
 
     @property
     def captures(self) -> tuple[CaptureInfo, ...]:
@@ -331,7 +249,7 @@ class TappedModule(nn.Module):
             >>> out = tapped(input_ids=ids); print(*tapped.captures)
             <model>: 1 graph(s) captured by dynamo, 0 graph break(s) in the last forward, ...
         """
-        return tuple(region.info for region in self._program().dynamo.values())
+        return captures_of(self._program())
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
@@ -342,6 +260,25 @@ class TappedModule(nn.Module):
     def graphs(self) -> dict[str, fx.Graph]:
         """The instrumented fx graph of each traced region with a tap, by module path."""
         return {path: c.graph for path, c in self._program().compiled.items()}
+
+    @property
+    def copied(self) -> frozenset[str]:
+        """The traced sites whose value is copied before a later in-place op overwrites it."""
+        return frozenset(n for c in self._program().compiled.values() for n in c.copied)
+
+    @property
+    def outplaced(self) -> frozenset[str]:
+        """The traced sites kept safe by running the one in-place op that would overwrite
+        their value out of place (``ReLU(inplace=True)`` as ``relu``), instead of a copy."""
+        return frozenset(n for c in self._program().compiled.values() for n in c.outplaced)
+
+    def _fxprobe_view(self) -> View:
+        prog = self._program()
+        frame = self._rec.frame
+        mode = "train" if self.training else "eval"
+        return View(f"{self._model_name} ({mode} mode)", prog.plan, self._root, prog.selected,
+                    self._options.capture, self.taps if frame.parts else None,
+                    captures_of(prog))
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.
@@ -395,10 +332,9 @@ class TappedModule(nn.Module):
         if prog is None or self._removed:
             return "removed" if self._removed else ""
         hooks = sum(1 for s in prog.selected if s.how == "hook")
-        text = f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks}, hook={hooks})"
-        if prog.dynamo:
-            text += f", dynamo={len(prog.dynamo_selected)} found so far"
-        return text
+        dyn = sum(1 for s in prog.selected if s.how == "dynamo")
+        text = f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks - dyn}, hook={hooks}"
+        return text + (f", dynamo={dyn} found so far)" if prog.dynamo else ")")
 
 
 def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detach: bool = True,
@@ -449,37 +385,12 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         >>> tapped = fxprobe.tap(model, ops=[nn.Conv2d, torch.flatten])
         >>> out = tapped(x); tapped.taps["flatten"].shape
     """
-    check_model(model)
+    model = check_model(model)
     options = make_options(
         capture=capture, detach=detach, copy=copy, tracer=tracer, leaf_modules=leaf_modules,
         autowrap_functions=autowrap_functions, reduce=reduce, sample_size=sample_size, seed=seed,
         keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn)
     return TappedModule(model, as_selectors(ops), options)
-
-
-class SiteNames(tuple[str, ...]):
-    """Site names in execution order; ``.records`` holds the :class:`Site` of each."""
-
-    records: tuple[Site, ...]
-    fallbacks: tuple[Fallback, ...]
-
-    def __new__(cls, records: Sequence[Site], fallbacks: Sequence[Fallback]) -> SiteNames:
-        self = super().__new__(cls, (s.name for s in records))
-        self.records = tuple(records)
-        self.fallbacks = tuple(fallbacks)
-        return self
-
-    def table(self, fmt: str = "text") -> Table:
-        """A table of name, op, module path and how each site is reached.
-
-        ``fmt`` is ``"text"``, ``"github"`` (Markdown) or ``"html"``.
-
-        Example:
-            >>> print(fxprobe.sites(model).table())
-        """
-        from ._summary import summary
-
-        return summary(self, fmt)
 
 
 def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
@@ -505,36 +416,39 @@ def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
         >>> fxprobe.sites(gpt2, tracer="dynamo", example_kwargs={"input_ids": ids})[:2]
         ('transformer.view', 'transformer.wte')
     """
-    check_model(model)
+    model = check_model(model, "fxprobe.sites")
     check_choice("tracer", tracer, TracerKind)
-    root = mirror(model)
-    root.train(train)
-    p = plan(root, tracer=tracer, leaf_modules=leaf_modules,
-             autowrap_functions=autowrap_functions)
-    if not p.dynamo:
-        return SiteNames(p.sites, p.fallbacks)
-    if example_input is None and example_kwargs is None:
-        paths = ", ".join(repr(t.path) for t in p.dynamo)
-        raise ConfigError(
-            f"torch dynamo captures {paths} of {type(model).__name__}, whose sites are found by "
-            "running it: pass example_input=(args...) and/or example_kwargs={...}, e.g. "
-            "fxprobe.sites(model, tracer='dynamo', example_kwargs={'input_ids': ids})"
-        )
-    args = example_input if isinstance(example_input, tuple) else (
-        () if example_input is None else (example_input,))
-    nothing = Selector(lambda s: False, "nothing")
+    check_flag("train", train)
+    leaf_modules = check_sequence("leaf_modules", leaf_modules, "e.g. [MyBlock, 'encoder.0']")
+    listed = list_sites(model, train=train, tracer=tracer, leaf_modules=leaf_modules,
+                        autowrap_functions=autowrap_functions)
+    if tracer not in ("dynamo", "fx+dynamo"):
+        return listed
     options = make_options(
         capture="output", detach=True, copy="auto", tracer=tracer, leaf_modules=leaf_modules,
         autowrap_functions=autowrap_functions, reduce=None, sample_size=1, seed=0, keep="last",
         to=None, fn=None, grad=False, grad_fn=None)
-    probe = TappedModule(root, [nothing], options)
+    nothing = Selector(lambda s: False, "nothing")  # discovery only
+    probe = TappedModule(model, [nothing], options)
+    probe.train(train)
     try:
         prog = probe._program()
-        prog.unchecked = []  # discovery only: selecting nothing is the point
+        if not prog.dynamo:
+            return listed
+        if example_input is None and example_kwargs is None:
+            paths = ", ".join(repr(p) for p in prog.dynamo)
+            raise ConfigError(
+                f"torch dynamo captures {paths} of {type(model).__name__}, whose sites are "
+                "found by running it: pass example_input=(args...) and/or "
+                "example_kwargs={...}, e.g. fxprobe.sites(model, tracer='dynamo', "
+                "example_kwargs={'input_ids': ids})")
+        args = example_input if isinstance(example_input, tuple) else (
+            () if example_input is None else (example_input,))
+        prog.unchecked = None
         with torch.no_grad():
             probe(*args, **(example_kwargs or {}))
         found = list(prog.plan.sites) + [
             s for region in prog.dynamo.values() for s in region.sites.values()]
     finally:
         probe.remove()
-    return SiteNames(found, p.fallbacks)
+    return SiteNames(found, prog.plan.fallbacks)

@@ -8,22 +8,28 @@ their own, and its leaf children are reached by hooks.
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import linecache
 import os
+import re
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import fx, nn
 
-from ._errors import TraceError
-from ._site import Site, method_key, op_key
-
-TracerKind = Literal["auto", "fx", "hooks", "dynamo", "fx+dynamo"]
+from ._errors import TracedStateError, TraceError
+from ._mirror import guard_state, has_patched_forward
+from ._ops import method_key, module_key, op_key
+from ._options import TracerKind
+from ._site import CALL_ARGS, Site, attach, sites_of
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# fxprobe's tracing machinery: its frames are never where a model's tracing failed.
+_OWN_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                   for f in ("_trace.py", "_mirror.py"))
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
@@ -40,6 +46,18 @@ class Fallback:
     location: str
     """``file:line: code`` of the source line where tracing failed, if known."""
 
+    @property
+    def where(self) -> str:
+        """The module's path, or "the top-level module"."""
+        return self.path or "the top-level module"
+
+    @property
+    def what(self) -> str:
+        """``module 'gate' (Gate)``, or ``the top-level forward of Net``."""
+        if self.path:
+            return f"module {self.path!r} ({self.module_type.__name__})"
+        return f"the top-level forward of {self.module_type.__name__}"
+
     def __str__(self) -> str:
         where = self.path or f"<top-level {self.module_type.__name__}>"
         loc = f" at {self.location}" if self.location else ""
@@ -48,7 +66,7 @@ class Fallback:
 
 @dataclass(frozen=True)
 class DynamoTarget:
-    """A module that runs under torch dynamo: its graphs are tapped when it first runs."""
+    """A module that runs under torch dynamo (``_dynamo``): its sites are found as it runs."""
 
     path: str
     """Qualified path of the module ('' for the top-level model)."""
@@ -60,13 +78,20 @@ class DynamoTarget:
 
 @dataclass
 class Region:
-    """A module traced into one fx graph (named nodes, before any tap is inserted)."""
+    """A module traced into one fx graph whose nodes carry their sites (before any tap)."""
 
     path: str
+    """Qualified path of the traced module ('' for the model)."""
     module: nn.Module
+    """fxprobe's copy of that module."""
     graph: fx.Graph
-    names: dict[fx.Node, str]
-    module_paths: dict[fx.Node, str]
+    """The traced graph; ``sites_of(node)`` gives each node's sites."""
+
+    def sites(self) -> Iterator[tuple[fx.Node, Site]]:
+        """Every (node, site) of the graph, in execution order."""
+        for node in self.graph.nodes:
+            for site in sites_of(node):
+                yield node, site
 
 
 @dataclass
@@ -78,15 +103,17 @@ class Plan:
     fallbacks: list[Fallback]
     sites: list[Site]
     dynamo: list[DynamoTarget] = field(default_factory=list)
-    """Modules captured by torch dynamo (their sites are known after the first forward)."""
+    """Modules captured by torch dynamo; their sites are known after their first forward."""
 
 
 class SiteTracer(fx.Tracer):
-    """An fx tracer that names every node as torchvision does and notes where tracing failed.
+    """The fx frontend's tracer: every node it records carries its :class:`Site` in
+    ``node.meta`` (see :func:`fxprobe._site.attach`), named as torchvision names it.
 
     Buffers are traced as graph values (``proxy_buffer_attributes``): otherwise a forward that
     updates a buffer in place (a counter, a running statistic) would write into the model's
-    real buffer once while tracing and be missing from the graph.
+    real buffer once while tracing and be missing from the graph. A call of a module that fx
+    traces through gets a site too (its path, ``inlined=True``) on the call's last node.
     """
 
     proxy_buffer_attributes = True
@@ -99,15 +126,13 @@ class SiteTracer(fx.Tracer):
         self.leaf_paths = leaf_paths
         self.opaque = opaque
         self.current = ""
-        self.names: dict[fx.Node, str] = {}
-        self.module_paths: dict[fx.Node, str] = {}
         self.failed_path: str | None = None
-        self._counts: dict[str, int] = {}
+        self.node_names = Namer()
+        self.call_names = Namer()
+        self.taken: set[str] = set()
 
     def absolute(self, path: str) -> str:
-        if not self.prefix:
-            return path
-        return f"{self.prefix}.{path}" if path else self.prefix
+        return _join(self.prefix, path)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opaque:
@@ -122,14 +147,28 @@ class SiteTracer(fx.Tracer):
             self.current = path
             if self.is_leaf_module(m, path):
                 return self.create_proxy("call_module", path, args, kwargs)
+            before = self.graph._root.prev  # the last node so far (the root sentinel if none)
             try:
-                return forward(*args, **kwargs)
+                out = forward(*args, **kwargs)
             except Exception:
                 if self.failed_path is None:  # the innermost module sees the error first
                     self.failed_path = path
                 raise
+            if path and isinstance(out, fx.Proxy):
+                first = before.next if before.next is not self.graph._root else out.node
+                self._name_call(m, path, out.node, args, first)
+            return out
         finally:
             self.current = old
+
+    def _name_call(self, m: nn.Module, path: str, last: fx.Node, args: tuple[Any, ...],
+                   first: fx.Node) -> None:
+        target = self.absolute(path)
+        name = self._unique(self.call_names.next(target))
+        attach(last, Site(name, "fx", "call_module", target, target, type(m), None,
+                          inlined=True))
+        arg_nodes = tuple(a.node if isinstance(a, fx.Proxy) else a for a in args)
+        last.meta.setdefault(CALL_ARGS, {})[name] = (arg_nodes, first)
 
     def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any], name: str | None = None, type_expr: Any = None,
@@ -139,9 +178,33 @@ class SiteTracer(fx.Tracer):
         if kind == "get_attr" and self._is_buffer(str(target)):
             return proxy  # torchvision's tracer makes no named node for a buffer
         module_path = self.absolute(self.current)
-        self.names[node] = self._qualname(module_path, node)
-        self.module_paths[node] = module_path
+        qual = module_path
+        if node.op != "call_module":
+            qual = _join(qual, node.name)
+        attach(node, self._site(self._unique(self.node_names.next(qual)), node, module_path))
         return proxy
+
+    def _site(self, name: str, node: fx.Node, module_path: str) -> Site:
+        if node.op == "call_module":
+            target = self.absolute(str(node.target))
+            mtype = type(self.root.get_submodule(str(node.target)))
+            return Site(name, "fx", node.op, target, target, mtype, module_key(mtype))
+        if node.op == "call_function":
+            return Site(name, "fx", node.op, node.target, module_path, None, op_key(node.target))
+        if node.op == "call_method":
+            key = method_key(str(node.target))
+            return Site(name, "fx", node.op, node.target, module_path, None, key)
+        return Site(name, "fx", node.op, node.target, module_path, None, None)
+
+    def _unique(self, name: str) -> str:
+        # torchvision's scheme can repeat a name (a module "x" called twice beside a module
+        # "x_1"); a site name must be unique, so a repeat is suffixed further.
+        base, n = name, 1
+        while name in self.taken:
+            name = f"{base}_{n}"
+            n += 1
+        self.taken.add(name)
+        return name
 
     def _is_buffer(self, target: str) -> bool:
         owner, _, attr = target.rpartition(".")
@@ -151,51 +214,26 @@ class SiteTracer(fx.Tracer):
             return False
         return attr in module._buffers
 
-    def _qualname(self, module_path: str, node: fx.Node) -> str:
-        # torchvision's convention: module calls by path, other nodes as <module path>.<node>,
-        # fx's global _N suffix replaced by a count local to the module.
-        name = module_path
-        if node.op != "call_module":
-            name = f"{name}.{node.name}" if name else node.name
+
+class Namer:
+    """torchvision's ``get_graph_node_names`` naming: fx's global ``_N`` suffix is replaced by a
+    count local to the name (``layer1.0.relu``, ``layer1.0.relu_1``)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+
+    def next(self, name: str) -> str:
+        if re.match(r".+_[0-9]+$", name) is not None:
+            name = name.rsplit("_", 1)[0]
+        # The most recent earlier name of the form {name} or {name}_{k} decides the suffix.
+        index = self.last.get(name)
+        if index is not None:
+            name = f"{name}_{index + 1}"
+        self.last[name] = 0
         base, sep, digits = name.rpartition("_")
-        if sep and base and digits.isdigit():
-            name = base
-        count = self._counts.get(name, 0)
-        self._counts[name] = count + 1
-        return f"{name}_{count}" if count else name
-
-
-class TracedStateError(RuntimeError):
-    """The traced forward stored a traced value into a module (``self.count += 1``)."""
-
-
-@contextlib.contextmanager
-def refuse_state_writes(tracer: SiteTracer) -> Iterator[None]:
-    """While tracing, fail (before writing) when a forward stores a traced value in a module.
-
-    ``self.count += 1`` on a buffer would otherwise put a Proxy into fxprobe's copy of the
-    module and leave the update out of the graph; failing sends the module to the fallback,
-    where it runs as written.
-    """
-    original = nn.Module.__setattr__
-
-    def guarded(module: nn.Module, name: str, value: Any) -> None:
-        if isinstance(value, fx.Proxy):
-            try:
-                where = tracer.absolute(_join(tracer.path_of_module(module), name))
-            except NameError:
-                where = name
-            raise TracedStateError(
-                f"the forward stores a traced value in {where!r} (self.{name} = ...): "
-                "module state that torch.fx cannot record"
-            )
-        original(module, name, value)
-
-    nn.Module.__setattr__ = guarded  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+        if sep and digits.isdigit():
+            self.last[base] = int(digits)
+        return name
 
 
 def is_leaf(m: nn.Module, path: str, leaf_types: tuple[type, ...],
@@ -209,15 +247,24 @@ def is_leaf(m: nn.Module, path: str, leaf_types: tuple[type, ...],
     )
 
 
-def failure_location(exc: BaseException) -> str:
-    """``file:line: code`` of the deepest frame outside torch and fxprobe."""
+def failure_location(exc: BaseException, module: nn.Module | None = None) -> str:
+    """``file:line: code`` of the deepest frame outside torch and fxprobe.
+
+    Some failures happen before any of the model's code runs (fx refusing a signature:
+    ``co_varnames is too small``); they point at the ``forward`` of ``module`` instead.
+    """
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
-        if frame.filename.startswith(_TORCH_DIR) or frame.filename == __file__:
+        if frame.filename.startswith(_TORCH_DIR) or frame.filename in _OWN_FILES:
             continue
         code = (frame.line or "").strip()
         return f"{frame.filename}:{frame.lineno}: {code}"
-    return ""
+    forward = getattr(type(module), "forward", None) if module is not None else None
+    code_obj = getattr(forward, "__code__", None)
+    if code_obj is None:
+        return ""
+    line = linecache.getline(code_obj.co_filename, code_obj.co_firstlineno).strip()
+    return f"{code_obj.co_filename}:{code_obj.co_firstlineno}: {line or 'def forward(...)'}"
 
 
 def one_line(exc: BaseException) -> str:
@@ -227,7 +274,7 @@ def one_line(exc: BaseException) -> str:
 
 
 def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 class _Planner:
@@ -249,48 +296,56 @@ class _Planner:
         if self.tracer == "hooks" or isinstance(module, _CONTAINERS):
             self.open_up(module, path)
             return None
+        if has_patched_forward(module):
+            self.fallbacks.append(Fallback(path, type(module), _PATCHED, ""))
+            self.open_up(module, path)
+            return None
         if self.tracer == "dynamo":
             self.dynamo.append(DynamoTarget(path, type(module), "tracer='dynamo'"))
             return None
         opaque: set[str] = set()
-        errors: dict[str, BaseException] = {}
+        errors: dict[str, Fallback] = {}
+        for rel, m in module.named_modules():
+            if rel and has_patched_forward(m):
+                opaque.add(rel)
+                errors[rel] = Fallback(_join(path, rel), type(m), _PATCHED, "")
         while True:
             tracer = SiteTracer(path, self.leaf_types, self.leaf_paths, opaque, self.autowrap)
             try:
-                with refuse_state_writes(tracer):
+                with guard_state(module, functools.partial(_path_in, tracer)):
                     graph = tracer.trace(module)
                 break
             except Exception as e:  # any failure of tracing sends that module to the fallback
                 rel = tracer.failed_path or ""
+                if isinstance(e, TracedStateError) and e.module_path is not None:
+                    rel = e.module_path
                 if self.tracer == "fx":
                     raise _trace_error(module, path, rel, e) from e
+                sub = module.get_submodule(rel) if rel else module
+                failure = Fallback(_join(path, rel), type(sub), one_line(e),
+                                   failure_location(e, sub))
                 if (rel == "" or rel in opaque) and self.use_dynamo:
-                    self.dynamo.append(DynamoTarget(path, type(module), one_line(e)))
+                    self.dynamo.append(DynamoTarget(path, type(module), failure.error))
                     return None
                 if rel == "" or rel in opaque:
-                    self.fallbacks.append(Fallback(path, type(module), one_line(e),
-                                                   failure_location(e)))
+                    self.fallbacks.append(failure)
                     self.open_up(module, path)
                     return None
                 opaque.add(rel)
-                errors[rel] = e
-        region = Region(path, module, graph, tracer.names, tracer.module_paths)
+                errors[rel] = failure
+        region = Region(path, module, graph)
         self.regions[path] = region
         for node in graph.nodes:
-            if node.op == "output" or node not in tracer.names:
-                continue
             if node.op == "call_module" and node.target in opaque:
-                sub_path = _join(path, str(node.target))
-                sub = module.get_submodule(str(node.target))
-                err = errors[str(node.target)]
-                if self.use_dynamo:
-                    self.dynamo.append(DynamoTarget(sub_path, type(sub), one_line(err)))
-                    self.sites.append(self.fx_site(region, node))
-                    continue
-                self.fallbacks.append(Fallback(sub_path, type(sub), one_line(err),
-                                               failure_location(err)))
-                self.open_up(sub, sub_path)
-            self.sites.append(self.fx_site(region, node))
+                rel = str(node.target)
+                sub = module.get_submodule(rel)
+                if self.use_dynamo and not has_patched_forward(sub):
+                    self.dynamo.append(DynamoTarget(_join(path, rel), type(sub),
+                                                    errors[rel].error))
+                else:
+                    self.fallbacks.append(errors[rel])
+                    self.open_up(sub, _join(path, rel))
+            self.sites.extend(sites_of(node))
         return region
 
     def open_up(self, module: nn.Module, path: str) -> None:
@@ -309,41 +364,36 @@ class _Planner:
                 # Runs as written inside code that runs as written: its call is hooked.
                 self.sites.append(hook_site(child, cpath))
 
-    def fx_site(self, region: Region, node: fx.Node) -> Site:
-        name = region.names[node]
-        mpath = region.module_paths[node]
-        if node.op == "call_module":
-            target = _join(region.path, str(node.target))
-            mtype = type(region.module.get_submodule(str(node.target)))
-            return Site(name, "fx", node.op, target, target, mtype, None)
-        if node.op == "call_function":
-            return Site(name, "fx", node.op, node.target, mpath, None, op_key(node.target))
-        if node.op == "call_method":
-            return Site(name, "fx", node.op, node.target, mpath, None, method_key(str(node.target)))
-        return Site(name, "fx", node.op, node.target, mpath, None, None)
+
+_PATCHED = ("its forward was replaced on the instance (a patched forward, e.g. by accelerate "
+            "or PEFT): it runs as written")
+
+
+def _path_in(tracer: SiteTracer, module: nn.Module) -> str | None:
+    try:
+        return tracer.absolute(tracer.path_of_module(module))
+    except NameError:
+        return None
 
 
 def _trace_error(module: nn.Module, path: str, rel: str, e: BaseException) -> TraceError:
-    failed = _join(path, rel)
     sub = module.get_submodule(rel) if rel else module
-    what = f"module {failed!r} ({type(sub).__name__})" if failed else (
-        f"the top-level forward of {type(module).__name__}")
-    loc = failure_location(e)
+    f = Fallback(_join(path, rel), type(sub), one_line(e), failure_location(e, sub))
     return TraceError(
-        f"torch.fx could not trace {what}: {one_line(e)}"
-        + (f"\n  at {loc}" if loc else "")
+        f"torch.fx could not trace {f.what}: {f.error}"
+        + (f"\n  at {f.location}" if f.location else "")
         + "\nUse tracer='auto' to tap the rest at op level and reach this module by hooks, "
         "or pass leaf_modules=[...] naming it (type or path) to keep it opaque."
     )
 
 
 def hook_site(module: nn.Module, path: str) -> Site:
-    return Site(path, "hook", "call_module", path, path, type(module), None)
+    return Site(path, "hook", "call_module", path, path, type(module), module_key(type(module)))
 
 
 def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (),
          autowrap_functions: Sequence[Callable[..., Any]] = ()) -> Plan:
-    """Trace ``root`` (a copy of the user's model, already in the wanted mode)."""
+    """Trace ``root`` (fxprobe's copy of the user's model, already in the wanted mode)."""
     leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
     leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
     planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions))

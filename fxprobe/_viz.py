@@ -11,25 +11,25 @@ to buffers or to the random number generator).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 from torch import fx, nn
 
-from ._errors import ConfigError, FxProbeError
+from ._errors import ConfigError, RenderError
 from ._mirror import drop_overrides, mirror
+from ._options import TracerKind, check_choice
+from ._program import check_model
 from ._select import as_selectors, select
 from ._shapes import propagate
-from ._site import Site
+from ._site import Site, node_site
 from ._summary import ValueInfo, describe_value
-from ._trace import Plan, Region, TracerKind, plan
+from ._trace import Fallback, Plan, Region, plan
 
 if TYPE_CHECKING:
     import graphviz
-
-    from ._tap import TappedModule
 
 SUFFIXES = ("svg", "png", "pdf", "dot", "gv")
 """File suffixes ``render`` writes; ``dot`` and ``gv`` need no Graphviz program."""
@@ -53,10 +53,6 @@ _EDGE_ATTR = {"color": "#777777", "arrowsize": "0.6"}
 _LEGEND = ("orange fill, bold border: tapped    dashed: reached by a module hook    "
            "red dashed: runs as written, torch.fx could not trace it (hover for why)    "
            "double border: module drawn as one node (depth)")
-
-
-class RenderError(FxProbeError, RuntimeError):
-    """A picture could not be written (the Graphviz ``dot`` program is missing or failed)."""
 
 
 @dataclass(eq=False)
@@ -159,11 +155,18 @@ def render(obj: nn.Module, path: str | Path, **kwargs: Any) -> Path:
             f"cannot tell the format of {str(path)!r} from its suffix; end the file name in "
             + ", ".join("." + s for s in SUFFIXES)
         )
+    if not path.parent.is_dir():
+        raise RenderError(
+            f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; "
+            "create it first or pass a path in an existing folder"
+        )
     dot = to_dot(obj, **kwargs)
-    if suffix in ("dot", "gv"):
-        path.write_text(dot.source, encoding="utf-8")
-        return path
-    path.write_bytes(pipe(dot, suffix, str(path)))
+    data = (dot.source.encode("utf-8") if suffix in ("dot", "gv")
+            else pipe(dot, suffix, str(path)))
+    try:
+        path.write_bytes(data)
+    except OSError as e:
+        raise RenderError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
     return path
 
 
@@ -198,9 +201,8 @@ def _import_graphviz() -> Any:
 # -- what to draw ---------------------------------------------------------------------------
 
 def _scene(obj: nn.Module, *, ops: Any, tracer: TracerKind, train: bool | None) -> _Scene:
-    from ._tap import TappedModule, check_model
-
-    if isinstance(obj, TappedModule):
+    view = getattr(obj, "_fxprobe_view", None)
+    if view is not None:
         given = [n for n, v in (("ops", ops), ("train", train)) if v is not None]
         given += ["tracer"] if tracer != "auto" else []
         if given:
@@ -209,45 +211,37 @@ def _scene(obj: nn.Module, *, ops: Any, tracer: TracerKind, train: bool | None) 
                 "its own selection, tracer and mode; pass the model instead, or "
                 "change the tapped module (fxprobe.tap(model, ops=...), tapped.train())"
             )
-        prog = obj._program()
-        capture = _capture_of(obj)
-        scene = _Scene(f"{type(obj._root).__name__} ({'train' if obj.training else 'eval'} "
-                       "mode)", prog.plan, obj._root,
-                       frozenset(s.name for s in prog.selected), {}, capture)
-        scene.infos.update(_infos_from_taps(obj))
+        v = view()
+        scene = _Scene(v.title, v.plan, v.root, _drawn(v.plan, v.selected), {}, v.capture)
+        if v.taps is not None:
+            scene.infos.update({name: describe_value(v.taps[name]) for name in v.taps})
         return scene
-    check_model(obj)
-    if tracer not in get_args(TracerKind):
-        raise ConfigError(f"tracer={tracer!r} is not accepted; use one of "
-                          f"{', '.join(map(repr, get_args(TracerKind)))}")
+    obj = check_model(obj, "fxprobe.to_dot")
+    check_choice("tracer", tracer, TracerKind)
     root = mirror(obj)
     drop_overrides(root)
     training = obj.training if train is None else bool(train)
     root.train(training)
     p = plan(root, tracer=tracer)
-    chosen: frozenset[str] = frozenset()
+    chosen: list[Site] = []
     if ops is not None:
         mode = "train" if training else "eval"
-        chosen = frozenset(s.name for s in select(p.sites, as_selectors(ops),
-                                                    context=f"{type(obj).__name__} ({mode} mode)"))
+        chosen = select(p.sites, as_selectors(ops), context=f"{type(obj).__name__} ({mode} mode)",
+                        fallbacks=p.fallbacks)
     return _Scene(f"{type(obj).__name__} ({'train' if training else 'eval'} mode)", p, root,
-                  chosen, {})
+                  _drawn(p, chosen), {})
 
 
-def _capture_of(tapped: TappedModule) -> str:
-    opts = tapped.__dict__.get("_options")
-    capture = getattr(opts, "capture", None)
-    if capture is None and isinstance(opts, tuple) and opts:
-        capture = opts[0]
-    return str(capture or "output")
-
-
-def _infos_from_taps(tapped: TappedModule) -> dict[str, ValueInfo]:
-    try:
-        taps = tapped.taps
-        return {name: describe_value(taps[name]) for name in taps}
-    except FxProbeError:
-        return {}
+def _drawn(p: Plan, selected: Sequence[Site]) -> frozenset[str]:
+    """The names drawn as tapped: a module call fx traced through marks its last node."""
+    names = {s.name for s in selected}
+    for region in p.regions.values():
+        for node, site in region.sites():
+            if site.inlined and site.name in names:
+                own = node_site(node)
+                if own is not None:
+                    names.add(own.name)
+    return frozenset(names)
 
 
 def _as_args(example_input: Any) -> tuple[Any, ...]:
@@ -284,8 +278,8 @@ def _items(p: Plan) -> tuple[list[_Item], list[tuple[str, str]]]:
     placed: set[str] = set()
     regions_by_site: dict[str, tuple[Region, fx.Node]] = {}
     for region in p.regions.values():
-        for node, name in region.names.items():
-            regions_by_site[name] = (region, node)
+        for node, site in region.sites():
+            regions_by_site[site.name] = (region, node)
     node_ids: dict[tuple[str, fx.Node], str] = {}
 
     def add_region(region: Region) -> None:
@@ -296,12 +290,13 @@ def _items(p: Plan) -> tuple[list[_Item], list[tuple[str, str]]]:
                 items.append(_Item(oid, role, region.path))
                 node_ids[(region.path, node)] = oid
             else:
-                name = region.names.get(node)
-                if name is None:
+                own = node_site(node)
+                if own is None:
                     continue
+                name = own.name
                 site = by_name.get(name)
-                module = site.module_path if node.op == "call_module" and site else None
-                owner = module if module is not None else region.module_paths.get(node, "")
+                module = own.module_path if node.op == "call_module" else None
+                owner = own.module_path
                 role = "input" if node.op == "placeholder" and not region.path else "site"
                 items.append(_Item(name, role, owner, module, site))
                 placed.add(name)
@@ -487,10 +482,11 @@ def _order_edges(scene: _Scene, drawn: list[_Item], clusters: Mapping[str, list[
 
 def _caption(scene: _Scene, depth: int | None) -> str:
     p = scene.plan
-    hooks = sum(1 for s in p.sites if s.how == "hook")
-    tapped = [s for s in p.sites if s.name in scene.tapped]
+    nodes = [s for s in p.sites if not s.inlined]
+    hooks = sum(1 for s in nodes if s.how == "hook")
+    tapped = [s for s in nodes if s.name in scene.tapped]
     tapped_hooks = sum(1 for s in tapped if s.how == "hook")
-    line = (f"{scene.title}: {len(p.sites)} sites ({len(p.sites) - hooks} fx, {hooks} hook), "
+    line = (f"{scene.title}: {len(nodes)} sites ({len(nodes) - hooks} fx, {hooks} hook), "
             f"{len(tapped)} tapped ({len(tapped) - tapped_hooks} fx, {tapped_hooks} hook), "
             f"{len(p.fallbacks)} module(s) run as written")
     if depth is not None:
@@ -597,9 +593,8 @@ def _group_info(it: _Item, infos: Mapping[str, ValueInfo]) -> ValueInfo | None:
     return known[-1] if known else None
 
 
-def _fallback_tip(f: Any) -> list[str]:
-    where = f.path or "the top-level module"
-    tip = [f"{where} ({f.module_type.__name__}) runs as written: torch.fx could not trace it",
+def _fallback_tip(f: Fallback) -> list[str]:
+    tip = [f"{f.where} ({f.module_type.__name__}) runs as written: torch.fx could not trace it",
            f.error]
     if f.location:
         tip.append(f"at {f.location}")

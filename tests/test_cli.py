@@ -59,6 +59,12 @@ COMMANDS: dict[str, tuple[list[str], int, str]] = {
                      "returned list, not a torch.nn.Module"),
     "bad input": (["fxprobe", "graph", "models.py:good", "--input", "3xq"], 2,
                   "--input '3xq': sizes must be positive integers"),
+    "huge input": (["fxprobe", "graph", "models.py:good", "--input", "100000x100000x100000"], 2,
+                   "--input '100000x100000x100000' would take"),
+    "missing folder": (["fxprobe", "graph", "models.py:good", "-o", "/nonexistent/a.svg"], 2,
+                       "the folder '/nonexistent' does not exist"),
+    "empty ops": (["fxprobe", "sites", "models.py:good", "--ops", ""], 2,
+                  "--ops was given but is empty"),
 }
 
 

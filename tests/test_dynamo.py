@@ -325,7 +325,7 @@ def test_fn_patches_a_query_head_and_a_head_output() -> None:
         expected = patched(x)
         plain = model(x)
     assert torch.equal(out, expected) and not torch.equal(out, plain)
-    assert {s.name for s in tapped.sites if s.replaced} == {
+    assert set(tapped.taps.replaced) == {
         "blocks.0.attn.qkv", "blocks.1.attn.scaled_dot_product_attention"}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import zoo
@@ -54,3 +56,38 @@ def test_tap_leaves_the_model_alone_when_it_fails() -> None:
     with pytest.raises(fxprobe.SelectorError):
         fxprobe.tap(model, ops="nothing*here")
     assert states_equal(before, model_state(model))
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"leaf_modules": 5}, "leaf_modules=5"),
+    ({"detach": "no"}, "detach='no'"),
+    ({"grad": "yes"}, "grad='yes'"),
+    ({"sample_size": True}, "sample_size=True"),
+    ({"autowrap_functions": 3}, "autowrap_functions=3"),
+])
+def test_values_of_the_wrong_type_are_refused(kwargs: dict[str, object], fragment: str) -> None:
+    model, _, _ = zoo.make("shared")
+    with pytest.raises(fxprobe.ConfigError, match=re.escape(fragment)):
+        fxprobe.tap(model, **kwargs)  # type: ignore[arg-type]
+    if "leaf_modules" in kwargs:
+        with pytest.raises(fxprobe.ConfigError, match=re.escape(fragment)):
+            fxprobe.sites(model, **kwargs)  # type: ignore[arg-type]
+
+
+def test_grads_before_any_backward_say_backward() -> None:
+    model, (x,), _ = zoo.make("shared")
+    tapped = fxprobe.tap(model, ops="fc", grad=True)
+    tapped(x)
+    with pytest.raises(fxprobe.SiteNotRunError, match="last backward"):
+        tapped.grads["fc"]
+
+
+def test_every_fallback_of_a_transformer_points_at_a_source_line() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    tapped = fxprobe.tap(transformers.GPT2Model(config).eval())
+    assert tapped.fallbacks
+    for f in tapped.fallbacks:  # co_varnames failures happen before any model code runs
+        path, line, code = f.location.split(":", 2)
+        assert path.endswith(".py") and line.isdigit() and code.strip(), str(f)

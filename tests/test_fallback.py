@@ -172,3 +172,65 @@ def test_untraceable_module_inside_untraced_code_is_hooked() -> None:
         out = tapped(x)
         _, ref = hook_values(model, ["bare"], x)
     assert torch.equal(out, model(x)) and torch.equal(tapped.taps["bare"], ref["bare"])
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class _CallsGrandchild(nn.Module):
+    """Untraceable code that calls a grandchild inside a traceable child directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.lin(x) if x.sum() > 0 else -x
+
+
+def test_a_grandchild_called_from_untraced_code_is_captured() -> None:
+    torch.manual_seed(0)
+    model = _CallsGrandchild()
+    tapped = fxprobe.tap(model, ops=["inner.lin"])
+    x = torch.rand(2, 4)  # positive: the branch that calls inner.lin
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["inner.lin"], x)
+    assert torch.equal(out, expected)
+    assert list(tapped.taps) == ["inner.lin"]  # once: no second copy from the region
+    assert torch.equal(tapped.taps["inner.lin"], ref["inner.lin"])
+    # Called through its traced parent, it is tapped by the region (once, too).
+    wrapper = fxprobe.tap(_Inner(), ops="lin")
+    with torch.no_grad():
+        wrapper(x)
+    assert list(wrapper.taps) == ["lin"]
+
+
+class _UsesInner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        return self.inner.lin(y) if y.sum() > 0 else y
+
+
+def test_a_grandchild_called_both_ways_is_captured_once_per_call() -> None:
+    torch.manual_seed(0)
+    model = _UsesInner()
+    tapped = fxprobe.tap(model, ops=["inner.lin"])
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["inner.lin"], x)
+    assert torch.equal(out, expected)
+    assert sorted(tapped.taps) == sorted(ref)
+    for name in ref:
+        assert torch.equal(tapped.taps[name], ref[name]), name

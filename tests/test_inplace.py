@@ -38,10 +38,14 @@ def test_every_value_is_shown_as_produced() -> None:
 def test_copies_only_where_a_later_op_writes() -> None:
     model, (x,), _ = zoo.make("inplace")
     tapped = fxprobe.tap(model)
-    (compiled,) = tapped._program().compiled.values()
-    # bn <- ReLU(inplace) module; mul <- relu_(); relu_ and view <- add_() through the view;
-    # sigmoid <- F.relu(inplace=True). Nothing else is written after it is produced.
-    assert compiled.copied == {"bn", "mul", "relu_", "view", "sigmoid"}
+    # bn <- ReLU(inplace) module; sigmoid <- F.relu(inplace=True): each is overwritten by one
+    # op that nothing else sees, which runs out of place instead. mul <- relu_() and add_()
+    # (two writers); relu_ and view <- add_() through the view z (aliasing that others see):
+    # copied. Nothing else is written after it is produced.
+    assert tapped.outplaced == {"bn", "sigmoid"}
+    assert tapped.copied == {"mul", "relu_", "view"}
+    always = fxprobe.tap(model, copy="always")
+    assert always.outplaced == frozenset()
 
 
 def test_resnet_batchnorm_before_inplace_relu() -> None:
@@ -54,8 +58,8 @@ def test_resnet_batchnorm_before_inplace_relu() -> None:
     assert torch.equal(tapped.taps["bn1"], bn1)
     assert (tapped.taps["layer1.0.bn1"] < 0).any()
     assert (tapped.taps["layer1.0.add"] < 0).any()
-    (compiled,) = tapped._program().compiled.values()
-    assert "conv1" not in compiled.copied  # conv output is never written in place
+    assert "conv1" not in tapped.copied | tapped.outplaced  # never written in place
+    assert {"bn1", "layer1.0.bn1", "layer1.0.add"} <= tapped.outplaced
 
 
 def test_hook_sites_copy_under_auto() -> None:
@@ -90,3 +94,31 @@ def test_functional_inplace_on_input_placeholder() -> None:
     tapped = fxprobe.tap(M(), ops="x")
     tapped(x)
     assert torch.equal(tapped.taps["x"], ref)
+
+
+class _ReadsAfterWrite(torch.nn.Module):
+    """Reads a value again after an in-place op wrote it: eager sees the written value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lin(x)
+        b = self.act(a)
+        return a + b  # a is relu(a) by now
+
+
+def test_an_inplace_op_whose_aliasing_is_seen_is_not_run_out_of_place() -> None:
+    torch.manual_seed(0)
+    model = _ReadsAfterWrite()
+    x = torch.randn(3, 4)
+    tapped = fxprobe.tap(model, ops="lin")
+    with torch.no_grad():
+        out = tapped(x)
+        lin = model.lin(x)
+        expected = model(x)
+    assert torch.equal(out, expected) and torch.equal(expected, 2 * torch.relu(lin))
+    assert torch.equal(tapped.taps["lin"], lin) and (lin < 0).any()
+    assert tapped.copied == {"lin"} and tapped.outplaced == frozenset()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import zoo
+from reference import hook_values
 from torch import nn
 
 import fxprobe
@@ -68,3 +69,66 @@ def test_site_records() -> None:
     view = records["attn.view"]
     assert (view.kind, view.target, view.module_path, view.op) == (
         "call_method", "view", "attn", ".view()")
+
+
+class _Clash(nn.Module):
+    """A module ``x`` called twice beside a module named ``x_1_1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = nn.Linear(4, 4)
+        self.x_1_1 = nn.Linear(4, 4)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.x_1_1(self.x(self.x(inp)))
+
+
+def test_site_names_are_unique_and_every_value_is_kept() -> None:
+    torch.manual_seed(0)
+    model = _Clash()
+    names = list(fxprobe.sites(model))
+    assert names == ["inp", "x", "x_1", "x_1_1"]  # torchvision's scheme, unique
+    tapped = fxprobe.tap(model, ops=["x*"])
+    inp = torch.randn(2, 4)
+    with torch.no_grad():
+        tapped(inp)
+        first = model.x(inp)
+        second = model.x(first)
+        third = model.x_1_1(second)
+    assert torch.equal(tapped.taps["x"], first)
+    assert torch.equal(tapped.taps["x_1"], second)
+    assert torch.equal(tapped.taps["x_1_1"], third)
+
+
+def test_a_module_fx_traces_through_is_a_site_by_its_path() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    listing = fxprobe.sites(model)
+    assert "layer1" not in listing  # the tuple equals torchvision's node names
+    assert [s.name for s in listing.modules][:3] == ["layer1.0", "layer1.1", "layer1"]
+    tapped = fxprobe.tap(model, ops=["layer1", zoo.BasicBlock])
+    assert [s.name for s in tapped.sites] == ["layer1.0", "layer1.1", "layer1", "layer2.0",
+                                                "layer2.1"]
+    with torch.no_grad():
+        tapped(x)
+        _, ref = hook_values(model, ["layer1", "layer1.0", "layer2.1"], x)
+    for name in ("layer1", "layer1.0", "layer2.1"):
+        assert torch.equal(tapped.taps[name], ref[name]), name
+
+
+def test_a_traced_through_module_gives_its_inputs() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, ops="layer1.1", capture="both")
+    seen = {}
+    handle = model.layer1[1].register_forward_pre_hook(
+        lambda m, a: seen.update(inp=a[0].clone()) or None)
+    try:
+        with torch.no_grad():
+            tapped(x)
+            _, ref = hook_values(model, ["layer1.1"], x)
+    finally:
+        handle.remove()
+    both = tapped.taps["layer1.1"]
+    # The block's first op (conv1) does not write its input, but its last (relu_) writes
+    # storage that aliases the output: both are the values as they were at the call.
+    assert torch.equal(both.inputs[0], seen["inp"])
+    assert torch.equal(both.output, ref["layer1.1"])

@@ -74,3 +74,44 @@ def test_unsupported_selector_types(bad: object) -> None:
     with pytest.raises(fxprobe.FxProbeError) as err:
         fxprobe.tap(model, ops=bad)
     assert "selector" in str(err.value) or "ops=" in str(err.value)
+
+
+class _Modules(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat = nn.Flatten()
+        self.act = nn.ReLU()
+        self.soft = nn.Softmax(dim=-1)
+        self.gelu = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.flat(x)) + torch.flatten(x, 1).relu()
+        return self.soft(self.gelu(y)) + F.softmax(F.gelu(y), -1)
+
+
+def test_function_selectors_match_their_module_spellings() -> None:
+    model = _Modules()
+    assert _names(model, torch.flatten) == ["flat", "flatten"]
+    assert _names(model, F.relu) == ["act", "relu"]
+    assert _names(model, F.gelu) == ["gelu", "gelu_1"]
+    assert _names(model, torch.softmax) == ["soft", "softmax"]
+
+
+def test_in_a_list_a_type_or_function_may_match_nothing_but_a_pattern_may_not() -> None:
+    model, _, _ = zoo.make("resnet")
+    # One list for many models: the model has no GELU or LayerNorm, and that is fine.
+    assert _names(model, [nn.Conv2d, nn.LayerNorm, F.gelu])[:2] == ["conv1", "layer1.0.conv1"]
+    with pytest.raises(fxprobe.SelectorError, match="'layr1.*'"):
+        fxprobe.tap(model, ops=[nn.Conv2d, "layr1.*"])
+    with pytest.raises(fxprobe.SelectorError, match="LayerNorm"):
+        fxprobe.tap(model, ops=[nn.LayerNorm, F.gelu])  # the union matches nothing
+    with pytest.raises(fxprobe.SelectorError, match="LayerNorm"):
+        fxprobe.tap(model, ops=nn.LayerNorm)
+
+
+def test_no_match_says_which_fallback_hid_the_op() -> None:
+    model, _, _ = zoo.make("data_dependent")
+    with pytest.raises(fxprobe.SelectorError) as err:
+        fxprobe.tap(model, ops=torch.sum)
+    text = str(err.value)
+    assert "run as written" in text and "gate" in text and "control flow" in text

@@ -227,3 +227,55 @@ def test_deepcopy_gives_an_independent_tapped_module() -> None:
         tapped(x * 2)
         assert torch.equal(twin.taps["stem"], model.stem(x))
     assert all(p is not q for p, q in zip(twin.parameters(), model.parameters(), strict=True))
+
+
+def test_a_compiled_model_is_tapped_through_the_module_it_compiles() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    compiled = torch.compile(model)
+    with pytest.warns(UserWarning, match="_orig_mod"):
+        tapped = fxprobe.tap(compiled, ops=["layer1.0.add", "fc"])
+    assert [s.name for s in tapped.sites] == ["layer1.0.add", "fc"]
+    with pytest.warns(UserWarning, match="_orig_mod"):
+        assert fxprobe.sites(model) == fxprobe.sites(compiled)
+    with torch.no_grad():
+        out = tapped(x)
+        _, ref = hook_values(model, ["fc"], x)
+    assert torch.equal(out, model(x)) and torch.equal(tapped.taps["fc"], ref["fc"])
+
+
+def test_tapping_a_tapped_module_is_refused_with_the_fix() -> None:
+    model, _, _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, ops="fc")
+    with pytest.raises(fxprobe.UnsupportedModelError, match="tap the original model"):
+        fxprobe.tap(tapped, ops="bn1")
+
+
+@pytest.mark.parametrize("tracer", ["fx", "hooks"])
+def test_each_thread_reads_the_values_of_its_own_last_forward(tracer: str) -> None:
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    tapped = fxprobe.tap(model, ops=["0", "2"], tracer=tracer)
+    inputs = [torch.randn(2, 8) for _ in range(4)]
+    with torch.no_grad():
+        expected = [(model[0](x), model(x)) for x in inputs]
+    wrong: list[int] = []
+    barrier = threading.Barrier(len(inputs))
+
+    def work(i: int) -> None:
+        barrier.wait()
+        with torch.no_grad():
+            for _ in range(300):
+                tapped(inputs[i])
+                first, last = tapped.taps["0"], tapped.taps["2"]
+                if not (torch.equal(first, expected[i][0]) and torch.equal(last, expected[i][1])):
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []

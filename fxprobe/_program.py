@@ -1,0 +1,276 @@
+"""Build a program: what one mode of a tapped model runs, planned once and run many times.
+
+:func:`build_program` is a pure step — (model copy, selectors, options, mode) in, a
+:class:`Program` out — made of passes over one copy of each frontend's graph: select sites,
+insert taps (``_rewrite.insert_taps``), compile. Installing it (hooks, dispatch of traced
+regions) and running it is the runtime's part (``_tap.TappedModule``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx, nn
+
+from ._dynamo import CaptureInfo, DynamoRegion
+from ._errors import UnsupportedModelError
+from ._mirror import mirror
+from ._options import TapOptions, TracerKind
+from ._pipeline import Pipeline
+from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
+from ._select import Selector, select
+from ._site import Site
+from ._trace import Fallback, Plan, is_leaf, plan
+
+if TYPE_CHECKING:
+    from ._summary import Table
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """A hook the runtime installs: site ``name`` on the module at ``path``."""
+
+    name: str
+    path: str
+    region: str | None
+    """For a module call inside a traced region below untraced code: that region's path (the
+    hook records only while the region is not running, see ``_hooks``); else None."""
+
+
+@dataclass
+class Program:
+    """Everything one mode of a tapped module runs: compiled regions and hooks."""
+
+    training: bool
+    plan: Plan
+    selected: tuple[Site, ...]
+    compiled: dict[str, Compiled]
+    hooks: tuple[HookSpec, ...]
+    order: dict[str, int]
+    guarded: dict[str, tuple[str, ...]]
+    """Per region below untraced code: its sites that are hooked too (see ``HookSpec``). The
+    region's capture counts as their first call, so a direct call after it is ``name_1``."""
+    dynamo: dict[str, DynamoRegion] = field(default_factory=dict)
+    """Modules run under torch dynamo, by path. Their selected sites join ``selected`` and
+    ``order`` as their graphs are captured (the first forward)."""
+    unchecked: list[Selector] | None = None
+    """With dynamo regions: the selectors to check once the first forward found their sites."""
+
+    @property
+    def hook_names(self) -> frozenset[str]:
+        return frozenset(h.name for h in self.hooks)
+
+    def site(self, name: str) -> Site | None:
+        """The selected site of ``name`` (``name_1``, a hooked module's second call: its site)."""
+        i = self.order.get(name)
+        if i is None:
+            base, sep, n = name.rpartition("_")
+            i = self.order.get(base) if sep and n.isdigit() else None
+        return self.selected[i] if i is not None else None
+
+
+def check_model(model: Any, what: str = "fxprobe.tap") -> nn.Module:
+    """The module to instrument for ``model``, or a clear refusal.
+
+    A ``torch.compile``d module is reached through the module it compiles (``_orig_mod``):
+    its site names are the uncompiled model's, and the tapped module runs eagerly (compile the
+    tapped module to compile the taps too).
+    """
+    if hasattr(model, "_fxprobe_view"):  # a TappedModule
+        raise UnsupportedModelError(
+            f"{what} was given a TappedModule; tap the original model instead (one tap() can "
+            "select any number of sites: pass every selector in one ops=[...] list)"
+        )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a TorchScript module, which fxprobe does not tap yet; "
+            "pass the original Python nn.Module (before torch.jit.script/trace) instead"
+        )
+    compiled = getattr(torch, "_dynamo", None)
+    optimized = getattr(getattr(compiled, "eval_frame", None), "OptimizedModule", None)
+    if optimized is not None and isinstance(model, optimized):
+        warnings.warn(
+            f"{what} was given a torch.compile'd module: it uses the module it compiles (its "
+            "_orig_mod), whose site names are the same; a tapped module runs eagerly. To "
+            "compile the taps too, compile the tapped module: "
+            "torch.compile(fxprobe.tap(model, ...)).",
+            stacklevel=3,
+        )
+        model = model._orig_mod
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"fxprobe taps torch.nn.Module instances; got {type(model).__name__}. "
+            "Wrap a function in an nn.Module whose forward calls it."
+        )
+    return model
+
+
+def plan_model(root: nn.Module, options: TapOptions) -> Plan:
+    """Trace fxprobe's copy ``root`` (already in the wanted mode) with the options' tracer."""
+    return plan(root, tracer=options.tracer, leaf_modules=options.leaf_modules,
+                autowrap_functions=options.autowrap_functions)
+
+
+def build_program(root: nn.Module, selectors: list[Selector] | None, options: TapOptions,
+                  training: bool, pipeline: Pipeline, *, model_name: str,
+                  strict: bool = True) -> Program:
+    """Plan ``root`` in one mode, select sites, and compile every region that has a tap.
+
+    Args:
+        root: fxprobe's copy of the model (see ``_mirror``), in mode ``training``.
+        selectors: what ``ops=`` asked for (None: every site).
+        options: the validated options.
+        training: the mode this program is for.
+        pipeline: the tapped module's pipeline, called by the inserted nodes.
+        model_name: how messages name the model.
+        strict: check the selectors against the other mode's sites before refusing one.
+    """
+    p = plan_model(root, options)
+    mode = "train" if training else "eval"
+
+    def other_mode() -> list[Site]:
+        other = mirror(root)
+        other.train(not training)
+        return plan_model(other, options).sites
+
+    if p.dynamo:  # more sites appear as dynamo captures graphs: check after a forward
+        selected = [s for s in p.sites if not s.inlined] if selectors is None else [
+            s for s in p.sites if any(sel(s) for sel in selectors)]
+    else:
+        selected = select(p.sites, selectors, context=f"{model_name} ({mode} mode)",
+                          fallbacks=p.fallbacks, other_mode=other_mode if strict else None)
+    names = {s.name for s in selected}
+    compiled: dict[str, Compiled] = {}
+    for path, region in p.regions.items():
+        chosen = names & {s.name for _, s in region.sites()}
+        if not chosen:
+            continue  # nothing selected here: the module runs its own forward
+        graph = copy_graph(region.graph)
+        order, copied, outplaced = insert_taps(
+            graph, region.module.get_submodule, chosen, capture=options.capture,
+            copy=options.copy, pipeline=pipeline)
+        compiled[path] = compile_region(path, region.module, graph, order, copied, outplaced)
+    hooks = [HookSpec(s.name, s.name, None) for s in selected if s.how == "hook"]
+    guarded: dict[str, tuple[str, ...]] = {}
+    for path, region in p.regions.items():
+        if not path:
+            continue  # the root region runs whenever the tapped module does
+        calls = [s for _, s in region.sites() if s.name in names and s.kind == "call_module"]
+        hooks.extend(HookSpec(s.name, str(s.target), path) for s in calls)
+        if calls:
+            guarded[path] = tuple(s.name for s in calls)
+    prog = Program(training, p, tuple(selected), compiled, tuple(hooks),
+                   {s.name: i for i, s in enumerate(selected)}, guarded)
+    if p.dynamo:
+        prog.unchecked = list(selectors) if selectors is not None else None
+        for target in p.dynamo:
+            prog.dynamo[target.path] = _dynamo_region(root, target.path, selectors, options,
+                                                      pipeline, prog)
+    return prog
+
+
+def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
+                   options: TapOptions, pipeline: Pipeline, prog: Program) -> DynamoRegion:
+    """A module run under torch dynamo; the sites it selects join ``prog`` as they appear."""
+    leaf_types = tuple(t for t in options.leaf_modules if isinstance(t, type))
+    leaf_paths = frozenset(p for p in options.leaf_modules if isinstance(p, str))
+
+    def choose(found: Sequence[Site]) -> list[Site]:
+        if selectors is None:
+            return [s for s in found if not s.inlined]
+        return [s for s in found if any(sel(s) for sel in selectors)]
+
+    def on_sites(new: list[Site], chosen: list[Site]) -> None:
+        added = [s for s in chosen if s.name not in prog.order]
+        for s in added:
+            prog.order[s.name] = len(prog.order)
+        prog.selected = prog.selected + tuple(added)
+
+    module = root.get_submodule(path) if path else root
+    return DynamoRegion(
+        path, module, pipeline=pipeline, capture=options.capture, copy=options.copy,
+        is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths), choose=choose,
+        on_sites=on_sites)
+
+
+def check_found(prog: Program, model_name: str) -> None:
+    """After a forward of a program with dynamo regions: the selectors, against every site
+    found so far (``select``'s rules: a union may leave a type or function unmatched)."""
+    found = list(prog.plan.sites) + [
+        s for region in prog.dynamo.values() for s in region.sites.values()]
+    mode = "train" if prog.training else "eval"
+    select(found, prog.unchecked, fallbacks=prog.plan.fallbacks,
+           context=f"{model_name} ({mode} mode; sites found by the first forward: dynamo "
+           "captures graphs as the model runs)")
+    prog.unchecked = None
+
+
+def captures_of(prog: Program) -> tuple[CaptureInfo, ...]:
+    return tuple(region.info for region in prog.dynamo.values())
+
+
+@dataclass(frozen=True)
+class View:
+    """What the drawing and the tables read of a tapped module (no private state)."""
+
+    title: str
+    plan: Plan
+    root: nn.Module
+    selected: tuple[Site, ...]
+    capture: str
+    taps: Mapping[str, Any] | None
+    """The last forward's values, or None before any forward."""
+    captures: tuple[CaptureInfo, ...] = ()
+    """What torch dynamo captured (graphs, breaks), for modules it runs."""
+
+
+class SiteNames(tuple[str, ...]):
+    """Site names in execution order; ``.records`` holds the :class:`Site` of each.
+
+    Calls of modules that fx traced through (``layer1``) are sites too, selectable by name or
+    type; they are listed in ``.modules``, not in the tuple, which equals torchvision's
+    ``get_graph_node_names``.
+    """
+
+    records: tuple[Site, ...]
+    modules: tuple[Site, ...]
+    fallbacks: tuple[Fallback, ...]
+
+    def __new__(cls, records: Sequence[Site], fallbacks: Sequence[Fallback]) -> SiteNames:
+        nodes = [s for s in records if not s.inlined]
+        self = super().__new__(cls, (s.name for s in nodes))
+        self.records = tuple(nodes)
+        self.modules = tuple(s for s in records if s.inlined)
+        self.fallbacks = tuple(fallbacks)
+        return self
+
+    def table(self, fmt: str = "text") -> Table:
+        """A table of name, op, module path and how each site is reached.
+
+        ``fmt`` is ``"text"``, ``"github"`` (Markdown) or ``"html"``.
+
+        Example:
+            >>> print(fxprobe.sites(model).table())
+        """
+        from ._summary import summary
+
+        return summary(self, fmt)
+
+
+def list_sites(model: nn.Module, *, train: bool, tracer: TracerKind,
+               leaf_modules: Sequence[Any], autowrap_functions: Sequence[Callable[..., Any]]
+               ) -> SiteNames:
+    """Plan a copy of ``model`` in one mode and list its sites (see ``fxprobe.sites``)."""
+    root = mirror(model)
+    root.train(train)
+    p = plan(root, tracer=tracer, leaf_modules=leaf_modules,
+             autowrap_functions=autowrap_functions)
+    return SiteNames(p.sites, p.fallbacks)
+
+
+def graphs_of(program: Program) -> dict[str, fx.Graph]:
+    return {path: c.graph for path, c in program.compiled.items()}

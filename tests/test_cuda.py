@@ -1,0 +1,75 @@
+"""The CUDA paths: offload in one transfer, statistics, gradients and out-of-place rewrites on
+the device. Skipped where no CUDA device is present (CI); run on a lent GPU machine with
+``python -m pytest tests/test_cuda.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from reference import hook_values
+
+import fxprobe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _resnet_cuda() -> tuple[torch.nn.Module, torch.Tensor]:
+    model, (x,), _ = zoo.make("resnet")
+    return model.cuda(), x.cuda()
+
+
+def test_reference_capture_on_cuda_shows_values_as_produced() -> None:
+    model, x = _resnet_cuda()
+    tapped = fxprobe.tap(model, ops=["bn1", "layer1.0.bn1", "layer1.0.add", "fc"])
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["bn1", "layer1.0.bn1", "fc"], x)
+    assert torch.equal(out, expected)
+    assert torch.equal(tapped.taps["bn1"], ref["bn1"])  # a hook clone: before the ReLU
+    assert torch.equal(tapped.taps["layer1.0.bn1"], ref["layer1.0.bn1"])
+    assert {"bn1", "layer1.0.bn1", "layer1.0.add"} <= tapped.outplaced
+
+
+def test_offload_moves_a_forward_in_one_transfer_per_dtype() -> None:
+    model, x = _resnet_cuda()
+    names = ["conv1", "bn1", "layer1.0.add", "layer2.1.add", "fc"]
+    tapped = fxprobe.tap(model, ops=names, to="cpu")
+    with torch.no_grad():
+        tapped(x)
+        _, ref = hook_values(model, ["conv1", "bn1", "fc"], x)
+    values = {n: tapped.taps[n] for n in names}
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in values.values())
+    for n in ("conv1", "bn1", "fc"):
+        assert torch.equal(values[n], ref[n].cpu()), n
+    storages = {v.untyped_storage().data_ptr() for v in values.values()}
+    assert len(storages) == 1  # one pinned buffer, one device-to-host copy
+
+
+def test_stats_on_cuda_equal_stats_on_cpu_without_a_sync() -> None:
+    from nosync import forbid_sync
+
+    model, x = _resnet_cuda()
+    tapped = fxprobe.tap(model, ops=torch.nn.Conv2d, reduce="stats")
+    with torch.no_grad(), forbid_sync():
+        tapped(x)
+    cpu_model, (cpu_x,), _ = zoo.make("resnet")
+    ref = fxprobe.tap(cpu_model, ops=torch.nn.Conv2d, reduce="stats")
+    with torch.no_grad():
+        ref(cpu_x)
+    for name in ref.taps:
+        a, b = tapped.taps[name], ref.taps[name]
+        assert a.numel == b.numel and a.nan_count == b.nan_count
+        for field in ("mean", "std", "min", "max", "absmax", "zero_frac"):
+            assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-4, abs=1e-5)
+
+
+def test_grads_on_cuda_are_taken_at_the_value() -> None:
+    model, x = _resnet_cuda()
+    tapped = fxprobe.tap(model, ops="bn1", grad=True)
+    tapped(x).square().sum().backward()
+    bn1 = model.bn1(model.conv1(x))
+    out = model.fc(torch.flatten(model.avgpool(model.layer2(model.layer1(
+        model.maxpool(torch.relu(bn1))))), 1))
+    (g,) = torch.autograd.grad(out.square().sum(), [bn1])
+    torch.testing.assert_close(tapped.grads["bn1"], g, rtol=1e-4, atol=1e-5)

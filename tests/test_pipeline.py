@@ -1,0 +1,137 @@
+"""The tap pipeline: gradients, interventions and input capture, by graph taps and hooks alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from torch import nn
+
+import fxprobe
+
+
+def _resnet_by_hand(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """zoo.ResNetish with no in-place op, keeping the values whose gradients are tested."""
+    keep: dict[str, torch.Tensor] = {}
+    h = keep["bn1"] = m.bn1(m.conv1(x))
+    h = m.maxpool(F.relu(h))
+    for i, block in enumerate([*m.layer1, *m.layer2]):
+        prefix = f"layer{1 + i // 2}.{i % 2}"
+        out = keep[f"{prefix}.bn1"] = block.bn1(block.conv1(h))
+        out = block.bn2(block.conv2(F.relu(out)))
+        identity = block.downsample(h) if block.downsample is not None else h
+        out = keep[f"{prefix}.add"] = out + identity
+        h = F.relu(out)
+    return m.fc(torch.flatten(m.avgpool(h), 1)), keep
+
+
+@pytest.mark.parametrize("copy", ["auto", "always"])
+def test_grad_is_taken_at_the_value_a_later_inplace_op_overwrites(copy: str) -> None:
+    model, (x,), _ = zoo.make("resnet")
+    names = ["bn1", "layer1.0.bn1", "layer1.0.add", "layer2.0.add", "layer2.1.bn1"]
+    tapped = fxprobe.tap(model, ops=names, grad=True, copy=copy)
+    out = tapped(x)
+    out.square().sum().backward()
+    ref_out, keep = _resnet_by_hand(model, x)
+    expected = torch.autograd.grad(ref_out.square().sum(), [keep[n] for n in names])
+    for name, g in zip(names, expected, strict=True):
+        # The ReLU after each of these zeroes part of the gradient: a hook that followed the
+        # tensor onto the in-place ReLU would report d loss/d ReLU output instead.
+        torch.testing.assert_close(tapped.grads[name], g, rtol=1e-5, atol=1e-6)
+        assert bool((g == 0).any()), name
+
+
+def test_grad_fn_replaces_the_gradient_at_the_value() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, ops="bn1", grad_fn=lambda s, g: torch.zeros_like(g))
+    tapped(x).sum().backward()
+    # bn1 feeds conv1's output only: with its gradient zeroed, conv1's weight gets none.
+    assert model.conv1.weight.grad is not None
+    assert torch.count_nonzero(model.conv1.weight.grad) == 0
+
+
+class _Seq(nn.Sequential):
+    pass
+
+
+def test_fn_on_an_input_site_replaces_what_flows_from_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(3, 4)
+    seen = []
+
+    def double_input(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor:
+        seen.append(site.name)
+        return value * 2
+
+    tapped = fxprobe.tap(model, ops="input", fn=double_input)
+    with torch.no_grad():
+        got = tapped(x)
+        expected = model(x * 2)
+    assert seen == ["input"]
+    assert torch.equal(got, expected)
+    assert tapped.taps.replaced == {"input"}
+    assert torch.equal(tapped.taps["input"], x * 2)
+
+
+def test_fn_sees_one_site_record_and_replaced_is_per_forward() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    calls: list[fxprobe.Site] = []
+    flip = {"on": True}
+
+    def fn(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor | None:
+        calls.append(site)
+        return value * 0 if flip["on"] and site.name == "layer1.0.add" else None
+
+    tapped = fxprobe.tap(model, ops=["layer1.0.add", "fc"], fn=fn)
+    with torch.no_grad():
+        tapped(x)
+        assert tapped.taps.replaced == {"layer1.0.add"}
+        flip["on"] = False
+        tapped(x)
+    assert tapped.taps.replaced == frozenset()
+    assert calls[0] == tapped.sites[0] and calls[0].name == "layer1.0.add"
+
+
+class _Recursive(nn.Module):
+    """Calls itself while its first call is still running (and cannot be traced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        if x.sum() > 1e9:  # data-dependent: fx gives up, so this module is hooked
+            return x
+        y = self.lin(x)
+        return self(y, depth - 1) + 1 if depth > 0 else y
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rec = _Recursive()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 1e9:
+            return x
+        return self.rec(x)
+
+
+def test_reentered_hooked_module_keeps_each_calls_inputs() -> None:
+    torch.manual_seed(0)
+    model = _Holder()
+    x = torch.randn(2, 4)
+    tapped = fxprobe.tap(model, ops="rec", capture="both")
+    assert [s.how for s in tapped.sites] == ["hook"]
+    with torch.no_grad():
+        out = tapped(x)
+        inner_in = model.rec.lin(x)
+        inner_out = model.rec.lin(inner_in)
+    assert torch.equal(out, inner_out + 1)
+    # The inner call returns first: it is "rec", the outer one "rec_1".
+    assert torch.equal(tapped.taps["rec"].inputs[0], inner_in)
+    assert torch.equal(tapped.taps["rec"].output, inner_out)
+    assert torch.equal(tapped.taps["rec_1"].inputs[0], x)
+    assert torch.equal(tapped.taps["rec_1"].output, out)

@@ -7,6 +7,11 @@ Examples::
     python -m benchmarks --device cuda --out gpu/     # on a GPU
     python -m benchmarks --models chain,mlp --modes reference,clone
     python -m benchmarks --from-json results/results.json --docs docs/benchmarks.md
+    python -m benchmarks --from-json gpt2.json resnet50.json --out merged/   # one report
+
+``results.json`` is rewritten after every group of measurements, so a run stopped from outside
+(a time limit during ``torch.compile``) keeps what it measured; its ``skipped`` list then says
+which steps are missing.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from . import report
 from .models import MODELS
 from .modes import MODES
-from .records import Results, read_json, write_json
+from .records import Results, merge, read_json, write_json
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,8 +73,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     p.add_argument("--quiet", action="store_true", help="no progress line")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="do not run: render results.md / plot / docs from this results.json")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="do not run: render results.md / plot / docs from these results.json "
+                        "files (several runs on one device are merged into one report)")
     p.add_argument("--docs", type=Path, default=None,
                    help="also fill in this device's generated block of a docs file "
                         "(docs/benchmarks.md); refused for --quick results")
@@ -99,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.from_json is not None:
-        results = read_json(args.from_json)
+        try:
+            results = merge([read_json(path) for path in args.from_json])
+        except (OSError, ValueError) as e:
+            print(f"{p.prog}: error: --from-json: {e}", file=sys.stderr)
+            return 2
     else:
         if args.device == "cuda" and not torch.cuda.is_available():
             print(f"{p.prog}: error: --device cuda but torch.cuda.is_available() is False "
@@ -118,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             compile=(not args.quick) if args.compile is None else args.compile,
             progress=not args.quiet,
         )
-        results = run(config)
+        args.out.mkdir(parents=True, exist_ok=True)
+        results = run(config, on_partial=lambda r: write_json(r, args.out / "results.json"))
     return _write(results, args)
 
 

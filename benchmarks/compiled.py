@@ -1,10 +1,13 @@
 """``torch.compile``: compile time, graphs and graph breaks, and the steady-state cost of taps.
 
-For each approach (the bare model, taps at every module call, forward hooks on a copy of the
-model) the suite asks ``torch._dynamo.explain`` for graphs and breaks, compiles with the default
-backend and times the first call, checks that the compiled module captures what the eager one
-does, then times all of them interleaved against the compiled bare model. A failure is recorded
-with its message, never dropped. Compile times are cold (inductor's caches disabled).
+For each approach (the bare model, taps at every module call, ``fxprobe.extractor`` returning
+the same values, forward hooks on a copy of the model) the suite asks ``torch._dynamo.explain``
+for graphs and breaks, compiles with the default backend and times the first call, checks that
+the compiled module captures what the eager one does, then times all of them interleaved
+against the compiled bare model. The compiled extractor is the floor of compiled taps: a graph
+that materialises the same values and returns them, keeping no state between calls;
+``ratio_vs_compiled_extractor`` is the taps' ratio over its ratio, per round. A failure is
+recorded with its message, never dropped. Compile times are cold (inductor's caches disabled).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch._dynamo
 from torch import nn
@@ -50,7 +54,9 @@ def run_compile(name: str, model: nn.Module, inputs: tuple[Any, ...], env: Envir
                          approach="", status="ok", error="", device=env.device,
                          device_name=env.device_name, torch_version=env.torch_version,
                          dtype=env.dtype, threads=env.threads)
-    tapped = fxprobe.tap(model, ops=fxprobe.where(lambda s: s.kind == "call_module"))
+    every_call = fxprobe.where(lambda s: s.kind == "call_module")
+    tapped = fxprobe.tap(model, ops=every_call)
+    extractor = fxprobe.extractor(model, ops=every_call)
     hooked = copy.deepcopy(model)
     store: list[Any] = []
 
@@ -61,19 +67,23 @@ def run_compile(name: str, model: nn.Module, inputs: tuple[Any, ...], env: Envir
         if not list(m.children()):
             m.register_forward_hook(keep)
 
-    def read_taps() -> list[Any]:
+    def read_taps(out: Any) -> list[Any]:
         return [v for v in tapped.taps.values()]
 
-    def read_store() -> list[Any]:
+    def read_extracted(out: Any) -> list[Any]:
+        return list(out[1].values())
+
+    def read_store(out: Any = None) -> list[Any]:
         return list(store)
 
     def clear_store() -> None:
         store.clear()
 
-    targets: dict[str, tuple[nn.Module, Callable[[], list[Any]] | None,
+    targets: dict[str, tuple[nn.Module, Callable[[Any], list[Any]] | None,
                              Callable[[], None] | None]] = {
         "bare": (model, None, None),
         "taps": (tapped, read_taps, None),
+        "extractor": (extractor, read_extracted, None),
         "module hooks": (hooked, read_store, clear_store),
     }
     records: dict[str, CompileRecord] = {}
@@ -122,18 +132,18 @@ def _explain(rec: CompileRecord, target: nn.Module, inputs: tuple[Any, ...]) -> 
 
 
 def _default_guards(rec: CompileRecord, model: nn.Module, hooked: nn.Module,
-                    inputs: tuple[Any, ...], read: Callable[[], list[Any]],
+                    inputs: tuple[Any, ...], read: Callable[[Any], list[Any]],
                     clear: Callable[[], None]) -> CompileRecord:
     """Compile the bare model, then the hooked copy, with dynamo's default settings."""
     torch._dynamo.reset()
     try:
         clear()
         hooked(*inputs)
-        eager_vals = read()
+        eager_vals = read(None)
         torch.compile(model)(*inputs)
         clear()
         torch.compile(hooked)(*inputs)
-        vals = read()
+        vals = read(None)
     except Exception as e:
         return replace(rec, status="failed", error="compile: " + _error(e))
     finally:
@@ -148,7 +158,7 @@ def _default_guards(rec: CompileRecord, model: nn.Module, hooked: nn.Module,
 
 
 def _compile(rec: CompileRecord, target: nn.Module, inputs: tuple[Any, ...],
-             read: Callable[[], list[Any]] | None, before: Callable[[], None] | None,
+             read: Callable[[Any], list[Any]] | None, before: Callable[[], None] | None,
              env: Environment) -> tuple[CompileRecord, Callable[[], Any] | None]:
     """Compile ``target``, time its first call, check what it captures against eager."""
     try:
@@ -156,7 +166,7 @@ def _compile(rec: CompileRecord, target: nn.Module, inputs: tuple[Any, ...],
         if before is not None:
             before()
         eager_out = target(*inputs)
-        eager_vals = [v.clone() for v in read()] if read is not None else []
+        eager_vals = [v.clone() for v in read(eager_out)] if read is not None else []
         if before is not None:
             before()
         t0 = time.perf_counter()
@@ -165,7 +175,7 @@ def _compile(rec: CompileRecord, target: nn.Module, inputs: tuple[Any, ...],
             torch.cuda.synchronize()
         rec = replace(rec, compile_s=time.perf_counter() - t0)
         if read is not None:
-            vals = read()
+            vals = read(out)
             rec = replace(rec, captured=len(vals), captured_match_eager=_same(eager_vals, vals))
         elif not torch.allclose(eager_out, out, rtol=1e-4, atol=1e-5):
             rec = replace(rec, error="compiled output differs from eager")
@@ -199,9 +209,15 @@ def _time(runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
     timing.warm(treatments, iters, cuda)
     samples = timing.interleave(baseline, treatments, iters=iters, rounds=3 if quick else 11,
                                 cuda=cuda, seed=seed)
+    floor = samples.get("compiled|extractor")
     for label in runs:
         c = timing.summarize(samples[f"compiled|{label}"], cuda)
         e = timing.summarize(samples[f"eager|{label}"], cuda)
+        vs_floor = None
+        if floor is not None and label not in ("extractor", "bare"):
+            # Each side over its own neighbouring baseline slots, then the one over the other.
+            vs_floor = float(np.median(samples[f"compiled|{label}"].ratios() / floor.ratios()))
         records[label] = replace(records[label], compiled_ms=c.treatment_ms,
                                  eager_ms=e.treatment_ms, ratio_vs_compiled_bare=c.ratio,
-                                 ratio_p5=c.ratio_p5, ratio_p95=c.ratio_p95)
+                                 ratio_p5=c.ratio_p5, ratio_p95=c.ratio_p95,
+                                 ratio_vs_compiled_extractor=vs_floor)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,14 @@ class Environment:
     quick: bool
     """True for ``--quick`` runs: small inputs, few rounds; for smoke tests, not for quoting."""
     copy_gbps: float
-    """Measured copy bandwidth (bytes read + written per second / 1e9) of a 64 MiB clone."""
+    """Measured copy bandwidth (bytes read + written per second / 1e9) of a large ``copy_``."""
     read_gbps: float
-    """Measured read bandwidth (bytes per second / 1e9) of a 64 MiB ``sum``."""
+    """Measured read bandwidth (bytes per second / 1e9): the fastest of ``sum`` and ``amax``
+    over a large tensor (see ``read_basis``; runs before 2026-11 used one 64 MiB ``sum``)."""
     link_gbps: float | None
     """Measured device-to-host bandwidth into pinned memory (CUDA only)."""
+    read_basis: str = ""
+    """How ``read_gbps`` was measured (empty in older records)."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,8 @@ class CompileRecord:
     batch: int
     """Batch size."""
     approach: str
-    """``bare``, ``taps`` (reference, all module calls) or ``module hooks``."""
+    """``bare``, ``taps`` (reference, all module calls), ``extractor`` (``fxprobe.extractor``
+    returning the same values: the floor of compiled taps) or ``module hooks``."""
     status: str
     """``ok`` or ``failed``."""
     error: str
@@ -203,6 +208,8 @@ class CompileRecord:
     """5th percentile of that ratio."""
     ratio_p95: float | None = None
     """95th percentile of that ratio."""
+    ratio_vs_compiled_extractor: float | None = None
+    """Compiled: median per-round ratio against the compiled extractor (the floor)."""
 
 
 @dataclass(frozen=True)
@@ -263,8 +270,44 @@ def from_json(data: dict[str, Any]) -> Results:
     )
 
 
+def merge(runs: Sequence[Results]) -> Results:
+    """Several runs on one device (e.g. one process per model) as one set of results.
+
+    The environment is the first run's, except that fields on which the runs differ (commit,
+    date, bandwidths) list every distinct value, joined by `` / ``.
+
+    Raises:
+        ValueError: no runs, or runs on different devices or dtypes.
+    """
+    if not runs:
+        raise ValueError("merge needs at least one run")
+    for key in ("device", "device_name", "dtype"):
+        values = {getattr(r.environment, key) for r in runs}
+        if len(values) > 1:
+            raise ValueError(f"cannot merge runs with different {key}s: {sorted(values)}; "
+                             "render each separately")
+    first = runs[0].environment
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(Environment):
+        values = list(dict.fromkeys(getattr(r.environment, f.name) for r in runs))
+        if len(values) > 1:
+            if f.type in ("str", str):
+                changes[f.name] = " / ".join(map(str, values))
+            elif f.name == "quick":
+                changes[f.name] = any(values)
+    return Results(
+        environment=dataclasses.replace(first, **changes),
+        measurements=tuple(m for r in runs for m in r.measurements),
+        compile=tuple(c for r in runs for c in r.compile),
+        skipped=tuple(dict.fromkeys(s for r in runs for s in r.skipped)),
+    )
+
+
 def write_json(results: Results, path: Path) -> None:
-    path.write_text(json.dumps(to_json(results), indent=1) + "\n")
+    """Write atomically (a temporary file, then a rename): a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(to_json(results), indent=1) + "\n")
+    tmp.replace(path)
 
 
 def read_json(path: Path) -> Results:

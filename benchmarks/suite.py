@@ -11,7 +11,7 @@ import gc
 import os
 import platform
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -192,6 +192,7 @@ def environment(config: Config, bw: floors.Bandwidths) -> Environment:
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         quick=config.quick, copy_gbps=round(bw.copy_gbps, 2), read_gbps=round(bw.read_gbps, 2),
         link_gbps=round(bw.link_gbps, 2) if bw.link_gbps is not None else None,
+        read_basis=bw.read_basis,
     )
 
 
@@ -404,8 +405,13 @@ class Runner:
         )
 
 
-def run(config: Config) -> Results:
-    """Run the whole plan (and the compile suite when asked)."""
+def run(config: Config, on_partial: Callable[[Results], None] | None = None) -> Results:
+    """Run the whole plan (and the compile suite when asked).
+
+    ``on_partial`` receives the results so far after every group and every compiled model
+    (``skipped`` then says what is still to come), so that a run stopped from outside, say
+    by a time limit during compilation, leaves what it measured.
+    """
     torch.set_num_threads(config.threads)
     groups = plan(config)
     compile_models = [m for m in config.compile_models if m in config.models]
@@ -418,13 +424,25 @@ def run(config: Config) -> Results:
     # Objects alive now (torch, the models) are left out of later collections, which keeps the
     # collections between rounds short; unfrozen at the end.
     gc.freeze()
+    todo = [f"{g.model} b{g.batch} {g.phase}" for g in groups]
+    todo += [f"torch.compile {m}" for m in (compile_models if config.compile else ())]
+
+    def partial(done: int) -> None:
+        if on_partial is not None:
+            left = todo[done:]
+            note = (f"incomplete run: {len(left)} of {len(todo)} steps not measured yet "
+                    f"({', '.join(left)})")
+            on_partial(Results(runner.env, tuple(measurements), tuple(compiled), (note,)))
+
     try:
         for i, group in enumerate(groups):
             measurements += runner.run_group(group, progress, i)
+            partial(i + 1)
         for j, name in enumerate(compile_models if config.compile else ()):
             progress.update(len(groups) + j, f"torch.compile {name}")
             compiled += run_compile(name, runner.model(name), _inputs(MODELS[name], 1, config),
                                     runner.env, quick=config.quick, seed=config.seed)
+            partial(len(groups) + j + 1)
     finally:
         gc.unfreeze()
     if config.compile:

@@ -27,6 +27,7 @@ from ._errors import InterventionError
 from ._options import TapOptions
 from ._record import Frame, Recording
 from ._site import Site
+from ._stats import _SMALL, stats_vector, stats_vectors
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -80,7 +81,7 @@ class Pipeline:
         if self.fn is not None:
             flow = self._intervene(name, value)
         if self.wants_grads:
-            self._watch(name, flow)
+            flow = self._watch(name, flow)
         return flow, self.keep(flow, copy)
 
     def inputs(self, args: tuple[Any, ...], copy: bool) -> tuple[Any, ...]:
@@ -88,9 +89,34 @@ class Pipeline:
         return tuple(self.keep(a, copy) for a in args)
 
     def keep(self, value: Any, copy: bool) -> Any:
+        if self.options.reduce == "stats":
+            return map_tensors(lambda t: self._stats(t, copy), value)
         if self.reduce is not None:
             return self.reduce(value)  # a reduction is new memory: never overwritten
         return clone_tree(value) if copy else value
+
+    def _stats(self, t: torch.Tensor, copy: bool) -> _PendingStats:
+        """Statistics of ``t``: now for a large tensor; for a small one, at the end of the
+        forward, together with the forward's other small tensors (a few launches for all)."""
+        if t.numel() > _SMALL or torch.compiler.is_compiling():
+            return _PendingStats(t, stats_vector(t))
+        pending = _PendingStats(t, None, t.detach().clone() if copy else t.detach())
+        state = self.rec.state
+        if state.active:
+            state.frame.deferred.append(pending)
+        return pending
+
+    def finish(self, frame: Frame) -> None:
+        """End of a forward: reduce the small tensors whose statistics were deferred."""
+        deferred, frame.deferred = frame.deferred, []
+        by_device: dict[torch.device, list[_PendingStats]] = {}
+        for p in deferred:
+            if p.tensor is not None:
+                by_device.setdefault(p.tensor.device, []).append(p)
+        for group in by_device.values():
+            rows = stats_vectors([p.tensor for p in group])  # type: ignore[misc]
+            for p, row in zip(group, rows.unbind(0), strict=True):
+                p.vector, p.tensor = row, None
 
     def _intervene(self, name: str, value: Any) -> Any:
         assert self.fn is not None
@@ -104,14 +130,17 @@ class Pipeline:
             state.frame.replaced.add(name)
         return new
 
-    def _watch(self, name: str, value: Any) -> None:
+    def _watch(self, name: str, value: Any) -> Any:
+        """Hook the gradient of ``value``; return what flows on in its place."""
         if not (isinstance(value, torch.Tensor) and value.requires_grad):
-            return
+            return value
         frame = self.rec.state.frame
+        if value.grad_fn is None:
+            # A leaf (a parameter, an input): a hook on it would outlive this forward and fire
+            # in every later backward through it, the user's own included. An alias made here
+            # carries this forward's uses, and the hook goes on its node.
+            value = value.view_as(value)
         grad_fn = value.grad_fn
-        if grad_fn is None:  # a leaf: nothing can rebase its history
-            value.register_hook(lambda g: self._on_grad(frame, name, g))
-            return
         # The producing node, not the tensor: a later in-place op (ReLU(inplace=True)) rebases
         # the tensor onto its own node, and a tensor hook would see the gradient there.
         index = value.output_nr
@@ -128,6 +157,7 @@ class Pipeline:
             return tuple(out)
 
         grad_fn.register_prehook(prehook)
+        return value
 
     def _on_grad(self, frame: Frame, name: str, g: torch.Tensor) -> torch.Tensor | None:
         if self.options.grad:
@@ -157,7 +187,7 @@ class Pipeline:
 
 def _reducer(options: TapOptions) -> Callable[[Any], Any] | None:
     if options.reduce == "stats":
-        return lambda value: map_tensors(_PendingStats, value)
+        return lambda value: map_tensors(lambda t: _PendingStats(t, stats_vector(t)), value)
     if options.reduce == "sample":
         from ._stats import sample_vector
 
@@ -191,16 +221,23 @@ def _check_replacement(what: str, name: str, old: Any, new: Any) -> None:
 
 
 class _PendingStats:
-    """A tensor's statistics, still on its device (no host synchronisation yet)."""
+    """A tensor's statistics, still on its device (no host synchronisation yet); or, until the
+    end of the forward, the small tensor to reduce then (``tensor``)."""
 
-    __slots__ = ("vector", "shape", "dtype")
+    __slots__ = ("vector", "shape", "dtype", "tensor")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        from ._stats import stats_vector
-
-        self.vector = stats_vector(t)
+    def __init__(self, t: torch.Tensor, vector: torch.Tensor | None,
+                 tensor: torch.Tensor | None = None) -> None:
+        self.vector = vector
+        self.tensor = tensor
         self.shape = tuple(t.shape)
         self.dtype = str(t.dtype)
+
+    def resolved(self) -> torch.Tensor:
+        if self.vector is None:  # a forward that raised before its end: reduce it now
+            assert self.tensor is not None
+            self.vector, self.tensor = stats_vector(self.tensor), None
+        return self.vector
 
 
 def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +254,7 @@ def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
                 pending.append(leaf)
     if not pending:
         return values
-    fetched = StatsBatch(keys, [p.vector for p in pending], [p.shape for p in pending],
+    fetched = StatsBatch(keys, [p.resolved() for p in pending], [p.shape for p in pending],
                          [p.dtype for p in pending]).fetch()
     out = {}
     for name, (leaves, spec) in flat.items():

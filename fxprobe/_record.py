@@ -59,7 +59,7 @@ def offload_batch(values: tuple[Any, ...], device: torch.device) -> tuple[Any, .
 class Frame:
     """The values captured during one forward (and the gradients of its backward)."""
 
-    __slots__ = ("parts", "hook_calls", "events", "replaced", "grads", "_cache")
+    __slots__ = ("parts", "hook_calls", "events", "replaced", "grads", "deferred", "_cache")
 
     def __init__(self) -> None:
         self.parts: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
@@ -67,6 +67,8 @@ class Frame:
         self.events: dict[str, Any] = {}
         self.replaced: set[str] = set()
         self.grads: dict[str, torch.Tensor] = {}
+        self.deferred: list[Any] = []
+        """Small tensors whose statistics are reduced together at the end of the forward."""
         self._cache: dict[str, Any] | None = None
 
 

@@ -205,7 +205,7 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                         flow = graph.call_function(operator.getitem, (res, 0))
                     with graph.inserting_after(flow):
                         kept = graph.call_function(operator.getitem, (res, 1))
-                    if pipeline.fn is not None:
+                    if pipeline.fn is not None or pipeline.wants_grads:
                         current.replace_all_uses_with(
                             flow, delete_user_cb=lambda user, r=res: user is not r)
                         flowing[node] = flow

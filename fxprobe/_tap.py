@@ -183,6 +183,8 @@ class TappedModule(nn.Module):
                 out = dyn(*args, **kwargs)
             else:
                 out = own_forward(self._root)(*args, **kwargs)
+            if state.frame.deferred:
+                self._pipeline.finish(state.frame)
         finally:
             state.active = False
         if prog.unchecked:

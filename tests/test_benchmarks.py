@@ -127,3 +127,62 @@ def test_a_mode_this_build_lacks_is_reported_unavailable() -> None:
 def test_hooks_are_gone_after_a_run(quick_run: Path) -> None:
     # The suite installs hooks only around its own slots; a module built now sees none.
     assert not nn.modules.module._global_forward_hooks
+
+
+def test_bandwidth_probe_records_how_it_read(quick_run: Path) -> None:
+    env = records.read_json(quick_run / "results.json").environment
+    assert env.read_gbps > 0 and env.copy_gbps > 0
+    assert "fastest of sum" in env.read_basis and "amax" in env.read_basis
+
+
+def test_results_are_written_as_they_are_produced(tmp_path: Path) -> None:
+    from benchmarks.suite import Config, run
+
+    seen: list[records.Results] = []
+    threads = torch.get_num_threads()
+    try:
+        final = run(Config(device=torch.device("cpu"), quick=True, models=("chain",),
+                           modes=("reference",), dtype=torch.float32, threads=1, rounds=1,
+                           progress=False), on_partial=seen.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(seen) >= 2  # one per group
+    assert len(seen[0].measurements) < len(final.measurements)
+    assert "incomplete run" in seen[0].skipped[0]
+    assert seen[-1].measurements == final.measurements
+    assert "incomplete run: 0 of" in seen[-1].skipped[0]
+
+
+def test_from_json_merges_runs_of_one_device(quick_run: Path, tmp_path: Path) -> None:
+    base = records.read_json(quick_run / "results.json")
+    other = dataclasses.replace(
+        base, environment=dataclasses.replace(base.environment, fxprobe_commit="abc1234"),
+        measurements=tuple(dataclasses.replace(m, model="mlp") for m in base.measurements))
+    second = tmp_path / "second.json"
+    records.write_json(other, second)
+    out = tmp_path / "merged"
+    assert main(["--from-json", str(quick_run / "results.json"), str(second), "--out", str(out),
+                 "--quiet", "--no-plot"]) == 0
+    md = (out / "results.md").read_text()
+    assert f"{base.environment.fxprobe_commit} / abc1234" in md
+    assert "| mlp " in md and "| chain " in md
+    merged = records.merge([base, other])
+    assert len(merged.measurements) == 2 * len(base.measurements)
+    cuda = dataclasses.replace(other, environment=dataclasses.replace(
+        other.environment, device="cuda"))
+    with pytest.raises(ValueError, match="device"):
+        records.merge([base, cuda])
+    records.write_json(cuda, second)
+    assert main(["--from-json", str(quick_run / "results.json"), str(second), "--out",
+                 str(out), "--quiet", "--no-plot"]) == 2
+
+
+def test_cuda_before_records_render() -> None:
+    # The H200 records of commit 97755d0 that docs/benchmarks.md shows as the "before".
+    root = Path(_ROOT) / "benchmarks" / "results" / "cuda-h200-before"
+    runs = [records.read_json(root / f"{n}.json") for n in ("gpt2", "resnet50", "chain_mlp")]
+    merged = records.merge(runs)
+    assert merged.environment.device == "cuda" and "H200" in merged.environment.device_name
+    assert merged.environment.fxprobe_commit == "97755d0"
+    assert {m.model for m in merged.measurements} == {"gpt2", "resnet50", "chain", "mlp"}
+    assert "## Targets" in report.markdown(merged)

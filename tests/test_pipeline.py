@@ -135,3 +135,44 @@ def test_reentered_hooked_module_keeps_each_calls_inputs() -> None:
     assert torch.equal(tapped.taps["rec"].output, inner_out)
     assert torch.equal(tapped.taps["rec_1"].inputs[0], x)
     assert torch.equal(tapped.taps["rec_1"].output, out)
+
+
+class _Functional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight).tanh()
+
+
+def test_gradient_hooks_on_a_parameter_site_live_one_forward_and_not_on_the_model() -> None:
+    torch.manual_seed(0)
+    model = _Functional()
+    x = torch.randn(3, 4)
+    (expected,) = torch.autograd.grad(F.linear(x, model.weight).tanh().sum(), [model.weight])
+    doubled = fxprobe.tap(model, ops="weight", grad=True, grad_fn=lambda s, g: g * 2)
+    for _ in range(3):
+        out = doubled(x)
+    out.sum().backward()
+    torch.testing.assert_close(doubled.grads["weight"], expected)
+    torch.testing.assert_close(model.weight.grad, 2 * expected)  # doubled once, not 2**3
+    # The model's own backward, after tapping, is not touched by fxprobe's gradient hooks.
+    (plain,) = torch.autograd.grad(model(x).sum(), [model.weight])
+    torch.testing.assert_close(plain, expected)
+
+
+def test_deferred_stats_of_small_values_are_those_of_the_values_as_produced() -> None:
+    from test_inplace import _hand_computed
+
+    model, (x,), _ = zoo.make("inplace")
+    tapped = fxprobe.tap(model, reduce="stats")
+    with torch.no_grad():
+        tapped(x)
+    expected = _hand_computed(model, x)
+    for name, value in expected.items():
+        got = tapped.taps[name]
+        v = value.double()
+        assert got.mean == pytest.approx(v.mean().item(), rel=1e-5, abs=1e-6), name
+        assert got.max == pytest.approx(v.max().item(), rel=1e-6), name
+        assert got.zero_frac == pytest.approx((v == 0).double().mean().item()), name

@@ -1,9 +1,14 @@
-"""Tests of fxprobe._stats against numpy (float64) computed on the whole tensor."""
+"""Tests of fxprobe._stats against numpy (float64) computed on the whole tensor.
+
+``FXPROBE_TEST_DEVICE=cuda`` runs the statistics tests on a GPU (the Triton kernel where Triton
+is installed, the torch fallback otherwise); the default is the CPU.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -21,9 +26,11 @@ from fxprobe._stats import (
     sample_vector,
     stats_table,
     stats_vector,
+    stats_vectors,
 )
 
 NAN, INF = float("nan"), float("inf")
+DEVICE = torch.device(os.environ.get("FXPROBE_TEST_DEVICE", "cpu"))
 
 
 def reference(t: torch.Tensor) -> list[float]:
@@ -63,19 +70,118 @@ CASES = {
     "bool": torch.rand(33, generator=_gen(8)) > 0.3,
     "non_contiguous": torch.randn(6, 5, generator=_gen(9)).t()[::2],
     "large_offset": torch.randn(1000, generator=_gen(10), dtype=torch.float64) + 1e6,
+    "large_offset_float32": torch.randn(5000, generator=_gen(11)) * 0.01 + 1000.0,
+    "inf_mix": torch.tensor([INF, -INF, INF, 5.0, -1.0, 0.0, -INF]),
+    "inf_and_nan_only": torch.tensor([INF, NAN, -INF, NAN]),
+    "positive_with_nan": torch.tensor([NAN, 3.0, 7.0, INF, 5.0]),  # min is not the fill
+    "negative_with_inf": torch.tensor([-3.0, INF, -7.0, -INF, -5.0]),
+    "huge_float32": torch.tensor([1e30, -2e30, 3e30, 0.0, 5e29]),
+    "huge_float64": torch.tensor([1e150, -2e150, 3e150], dtype=torch.float64),
+    "tiny_float32": torch.tensor([1e-40, -3e-41, 2e-38, 0.0]),  # subnormals
+    "constant": torch.full((1000,), 3.25),
+    "float16_inf": torch.tensor([60000.0, -60000.0, 1.0, INF], dtype=torch.float16),
+    "int_bool_one_element": torch.tensor([True]),
+    "big_float32_nan_inf": torch.cat([torch.randn(300_000, generator=_gen(12)) * 2 + 0.5,
+                                      torch.tensor([NAN, INF, 0.0, -INF] * 3)]),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_stats_vector_matches_numpy_without_sync(name: str) -> None:
-    t = CASES[name]
+    t = CASES[name].to(DEVICE)
     with forbid_sync():
         v = stats_vector(t)
     want_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
     assert v.dtype == want_dtype and v.shape == (len(FIELDS),) and v.device == t.device
-    rtol = 1e-10 if want_dtype == torch.float64 else 2e-5
-    np.testing.assert_allclose(v.double().numpy(), reference(t), rtol=rtol, atol=1e-6,
-                               equal_nan=True)
+    _assert_close(v, CASES[name])
+
+
+def _assert_close(v: torch.Tensor, t: torch.Tensor) -> None:
+    rtol = 1e-10 if v.dtype == torch.float64 else 2e-5
+    got, want = v.double().cpu().numpy(), np.array(reference(t))
+    # A relative tolerance for huge values, an absolute one (scaled) for tiny ones.
+    atol = 1e-6 * min(1.0, float(np.nanmax(np.abs(want[:5]), initial=1.0)))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def test_stats_vectors_rows_match_numpy_without_sync() -> None:
+    names = list(CASES)
+    tensors = [CASES[n].to(DEVICE) for n in names]
+    tensors.append(torch.randn(70_000, generator=_gen(13)).to(DEVICE))  # above the batch size
+    names.append("randn_70000")
+    with forbid_sync():
+        rows = stats_vectors(tensors)
+    assert rows.shape == (len(tensors), len(FIELDS)) and rows.device == tensors[0].device
+    assert rows.dtype == torch.float64  # one float64 input widens all rows
+    for name, t, row in zip(names, tensors, rows, strict=True):
+        want_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        # Each row is the tensor's own vector, widened: same numbers as one at a time.
+        _assert_close(row.to(want_dtype), t.cpu())
+        assert torch.equal(row.to(want_dtype).isnan(), stats_vector(t).isnan()), name
+
+
+def test_stats_vectors_same_size_batch_and_edges() -> None:
+    ts = [torch.randn(16, generator=_gen(i)).to(DEVICE) for i in range(50)]
+    ts[7] = torch.full((16,), NAN, device=DEVICE)
+    rows = stats_vectors(ts)
+    assert rows.dtype == torch.float32 and rows.shape == (50, 8)
+    for t, row in zip(ts, rows, strict=True):
+        _assert_close(row, t.cpu())
+    empty = stats_vectors([])
+    assert empty.shape == (0, 8)
+    with pytest.raises(TypeError, match="complex"):
+        stats_vectors([torch.ones(2), torch.ones(2, dtype=torch.complex64)])
+
+
+def test_stats_vectors_refuses_several_devices() -> None:
+    meta = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        stats_vectors([torch.ones(3), meta])
+
+
+def test_stats_vector_compiles_without_graph_breaks() -> None:
+    torch._dynamo.reset()
+    t = CASES["nan_and_inf"].to(DEVICE)
+    explained = torch._dynamo.explain(stats_vector)(t)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    compiled = torch.compile(stats_vector, backend="eager", fullgraph=True)
+    _assert_close(compiled(t), CASES["nan_and_inf"])
+    torch._dynamo.reset()
+
+
+def _triton_ready() -> bool:
+    from fxprobe import _stats_triton
+
+    return torch.cuda.is_available() and _stats_triton.available()
+
+
+@pytest.mark.skipif(not _triton_ready(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_matches_numpy_and_the_torch_fallback(name: str) -> None:
+    from fxprobe import _stats_triton
+    from fxprobe._stats import _stats_of
+
+    t = CASES[name]
+    if t.numel() == 0:
+        pytest.skip("stats_vector answers empty tensors without a kernel")
+    x = t.cuda()
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    with forbid_sync():
+        fused = _stats_triton.stats_vector(x, dtype)
+        fallback = _stats_of(x.to(dtype), None)
+    _assert_close(fused, t)
+    _assert_close(fallback, t)
+
+
+@pytest.mark.skipif(not _triton_ready(), reason="needs CUDA and Triton")
+def test_triton_kernel_on_many_programs() -> None:
+    from fxprobe import _stats_triton
+
+    t = torch.randn(3_000_001, generator=_gen(14)) * 3 + 1
+    t[::1000] = 0.0
+    t[17] = NAN
+    t[12345] = -INF
+    _assert_close(_stats_triton.stats_vector(t.cuda(), torch.float32), t)
 
 
 def test_stats_vector_is_detached_and_rejects_complex() -> None:

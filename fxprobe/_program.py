@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from ._dynamo import CaptureInfo, DynamoRegion
 from ._errors import UnsupportedModelError
@@ -270,7 +270,3 @@ def list_sites(model: nn.Module, *, train: bool, tracer: TracerKind,
     p = plan(root, tracer=tracer, leaf_modules=leaf_modules,
              autowrap_functions=autowrap_functions)
     return SiteNames(p.sites, p.fallbacks)
-
-
-def graphs_of(program: Program) -> dict[str, fx.Graph]:
-    return {path: c.graph for path, c in program.compiled.items()}

@@ -7,8 +7,9 @@ by the host:
 - ``_partials``: each program walks a contiguous run of tiles once and keeps, per lane, the
   finite count, the sum and sum of squares of ``x - c`` (``c``: the mean of the finite values
   of its first tile, so the squares do not cancel), the finite min and max, and the zero, NaN
-  and Inf counts, all in float64 (no overflow for any float32 value); it writes one row of
-  nine numbers.
+  and Inf counts: counts in int32, sums, min and max in float32 (float64 for float64 input),
+  squares in float64 (no overflow for any float32 value); it writes one row of nine float64
+  numbers.
 - ``_finalize``: one program merges the rows (Chan et al.'s pairwise update of mean and sum
   of squared deviations) and writes the eight statistics in :data:`fxprobe._stats.FIELDS`
   order, in the output dtype.
@@ -63,53 +64,61 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def _partials(x_ptr, part_ptr, n_elements, tiles_per_program, BLOCK: tl.constexpr):
+    def _partials(x_ptr, part_ptr, n_elements, tiles_per_program, BLOCK: tl.constexpr,
+                  WIDE: tl.constexpr):
+        # Per lane, the running sums stay in the input's precision class (float32, or float64
+        # for float64 input), counts in int32, and only the squares in float64 (no overflow
+        # for any float32 value): fewer float64 registers and ops than a float64 pass.
+        acc_ty = tl.float64 if WIDE else tl.float32
         pid = tl.program_id(0)
         lanes = tl.arange(0, BLOCK)
         start = pid.to(tl.int64) * tiles_per_program * BLOCK
         idx = start + lanes
         inb = idx < n_elements
-        v = tl.load(x_ptr + idx, mask=inb, other=0.0).to(tl.float64)
+        v = tl.load(x_ptr + idx, mask=inb, other=0.0).to(acc_ty)
         fin = inb & (v == v) & (tl.abs(v) != float("inf"))
         first_n = tl.sum(fin.to(tl.float64), axis=0)
-        c = tl.sum(tl.where(fin, v, 0.0), axis=0) / tl.maximum(first_n, 1.0)
-        acc_n = tl.zeros([BLOCK], dtype=tl.float64)
-        acc_s = tl.zeros([BLOCK], dtype=tl.float64)
+        c = (tl.sum(tl.where(fin, v, 0.0).to(tl.float64), axis=0)
+             / tl.maximum(first_n, 1.0)).to(acc_ty)
+        acc_n = tl.zeros([BLOCK], dtype=tl.int32)
+        acc_z = tl.zeros([BLOCK], dtype=tl.int32)
+        acc_nan = tl.zeros([BLOCK], dtype=tl.int32)
+        acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
+        acc_s = tl.zeros([BLOCK], dtype=acc_ty)
         acc_q = tl.zeros([BLOCK], dtype=tl.float64)
-        acc_z = tl.zeros([BLOCK], dtype=tl.float64)
-        acc_nan = tl.zeros([BLOCK], dtype=tl.float64)
-        acc_inf = tl.zeros([BLOCK], dtype=tl.float64)
-        acc_lo = tl.full([BLOCK], float("inf"), dtype=tl.float64)
-        acc_hi = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
+        acc_lo = tl.full([BLOCK], float("inf"), dtype=acc_ty)
+        acc_hi = tl.full([BLOCK], float("-inf"), dtype=acc_ty)
         for t in range(0, tiles_per_program):
             idx = start + t * BLOCK + lanes
             inb = idx < n_elements
-            v = tl.load(x_ptr + idx, mask=inb, other=0.0).to(tl.float64)
-            is_nan = inb & (v != v)
-            is_inf = inb & (tl.abs(v) == float("inf"))
+            v = tl.load(x_ptr + idx, mask=inb, other=0.0).to(acc_ty)
+            is_nan = v != v
+            is_inf = tl.abs(v) == float("inf")
             fin = inb & (v == v) & (tl.abs(v) != float("inf"))
             d = tl.where(fin, v - c, 0.0)
-            acc_n += fin.to(tl.float64)
+            dq = d.to(tl.float64)
+            acc_n += fin.to(tl.int32)
+            acc_bad += (inb & (is_nan | is_inf)).to(tl.int32)
+            acc_nan += (inb & is_nan).to(tl.int32)
+            acc_z += (inb & (v == 0.0)).to(tl.int32)
             acc_s += d
-            acc_q += d * d
-            acc_z += (inb & (v == 0.0)).to(tl.float64)
-            acc_nan += is_nan.to(tl.float64)
-            acc_inf += is_inf.to(tl.float64)
+            acc_q += dq * dq
             acc_lo = tl.minimum(acc_lo, tl.where(fin, v, float("inf")))
             acc_hi = tl.maximum(acc_hi, tl.where(fin, v, float("-inf")))
-        n = tl.sum(acc_n, axis=0)
-        s = tl.sum(acc_s, axis=0)
+        n = tl.sum(acc_n.to(tl.float64), axis=0)
+        s = tl.sum(acc_s.to(tl.float64), axis=0)
         q = tl.sum(acc_q, axis=0)
+        nans = tl.sum(acc_nan.to(tl.float64), axis=0)
         row = part_ptr + pid * 9
         safe_n = tl.maximum(n, 1.0)
         tl.store(row + 0, n)
-        tl.store(row + 1, c + s / safe_n)  # this program's finite mean
+        tl.store(row + 1, c.to(tl.float64) + s / safe_n)  # this program's finite mean
         tl.store(row + 2, tl.maximum(q - s * s / safe_n, 0.0))  # its sum of squared devs
-        tl.store(row + 3, tl.min(acc_lo, axis=0))
-        tl.store(row + 4, tl.max(acc_hi, axis=0))
-        tl.store(row + 5, tl.sum(acc_z, axis=0))
-        tl.store(row + 6, tl.sum(acc_nan, axis=0))
-        tl.store(row + 7, tl.sum(acc_inf, axis=0))
+        tl.store(row + 3, tl.min(acc_lo, axis=0).to(tl.float64))
+        tl.store(row + 4, tl.max(acc_hi, axis=0).to(tl.float64))
+        tl.store(row + 5, tl.sum(acc_z.to(tl.float64), axis=0))
+        tl.store(row + 6, nans)
+        tl.store(row + 7, tl.sum(acc_bad.to(tl.float64), axis=0) - nans)
         tl.store(row + 8, 0.0)
 
     @triton.jit
@@ -170,7 +179,8 @@ def stats_vector(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     programs = triton.cdiv(tiles, per_program)
     part = torch.empty((programs, 9), dtype=torch.float64, device=flat.device)
     out = torch.empty(8, dtype=dtype, device=flat.device)
-    partials_kernel[(programs,)](flat, part, numel, per_program, BLOCK=_BLOCK)
+    partials_kernel[(programs,)](flat, part, numel, per_program, BLOCK=_BLOCK,
+                                 WIDE=flat.dtype == torch.float64)
     finalize_kernel[(1,)](part, out, programs, numel,
                           PB=max(16, triton.next_power_of_2(programs)))
     return out

@@ -9,10 +9,14 @@ Example:
     torch.Size([2, 8])
 """
 
+from . import dist
+from ._captures import Captures, open_captures
+from ._disk import Disk
 from ._dynamo import CaptureInfo, attention_probs
 from ._errors import (
     CaptureError,
     ConfigError,
+    DiskError,
     FxProbeError,
     InterventionError,
     RemovedError,
@@ -38,7 +42,10 @@ from ._viz import render, to_dot
 __all__ = [
     "CaptureError",
     "CaptureInfo",
+    "Captures",
     "ConfigError",
+    "Disk",
+    "DiskError",
     "Fallback",
     "FxProbeError",
     "Grads",
@@ -62,6 +69,7 @@ __all__ = [
     "UnknownSiteError",
     "UnsupportedModelError",
     "attention_probs",
+    "dist",
     "extractor",
     "render",
     "sample_vector",
@@ -69,6 +77,7 @@ __all__ = [
     "stats_table",
     "stats_vector",
     "summary",
+    "open_captures",
     "tap",
     "to_dot",
     "where",

@@ -69,3 +69,7 @@ class UsageError(FxProbeError, ValueError):
 
 class CaptureError(FxProbeError, RuntimeError):
     """torch dynamo ran a module without fxprobe's graphs, so nothing in it was tapped."""
+
+
+class DiskError(FxProbeError, OSError):
+    """Captures could not be written to, or read from, a directory (``fxprobe.Disk``)."""

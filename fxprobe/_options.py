@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from ._disk import Disk, check_disk_options
 from ._errors import ConfigError
 
 Capture = Literal["output", "input", "both"]
@@ -73,6 +74,8 @@ class TapOptions:
     """Keep the gradient of the loss with respect to each tapped value."""
     grad_fn: Callable[[Any, torch.Tensor], Any] | None = None
     """``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it."""
+    sink: Any = None
+    """``to=fxprobe.Disk(...)``: receives each forward's values (``write``/``flush``/``close``)."""
 
     @property
     def wants_grads(self) -> bool:
@@ -124,6 +127,10 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
             f"keep={keep!r} is not accepted; use 'last', 'all' or a number of forwards >= 1"
         )
     device = None
+    sink = None
+    if isinstance(to, Disk):  # not a device: a sink that receives each forward's values
+        check_disk_options(to, keep_n)
+        sink, to = to, None
     if to is not None:
         try:
             device = torch.device(to)
@@ -148,4 +155,4 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
         )
     return TapOptions(capture, bool(detach), copy, tracer, tuple(leaf_modules),
                       tuple(autowrap_functions), reduce, sample_size, seed, keep_n, device, fn,
-                      bool(grad), grad_fn)
+                      bool(grad), grad_fn, sink)

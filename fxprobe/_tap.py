@@ -42,6 +42,7 @@ from ._site import Site
 from ._trace import Fallback
 
 if TYPE_CHECKING:
+    from ._disk import Disk
     from ._summary import Table
 
 
@@ -63,6 +64,7 @@ class TappedModule(nn.Module):
     _hookset: HookSet
     _programs: dict[bool, Program]
     _removed: bool
+    _sink: Any
 
     def __init__(self, model: nn.Module, selectors: list[Selector] | None,
                  options: TapOptions) -> None:
@@ -88,7 +90,10 @@ class TappedModule(nn.Module):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
+        d["_sink"] = options.sink  # fxprobe.Disk: write(values) after each forward
         self._program(strict=True)
+        if options.sink is not None:
+            options.sink.attach(self)
 
     # -- building ---------------------------------------------------------------------------
     def _program(self, strict: bool = False) -> Program:
@@ -187,6 +192,8 @@ class TappedModule(nn.Module):
                 self._pipeline.finish(state.frame)
         finally:
             state.active = False
+        if self._sink is not None:
+            self._sink.write(self._rec.values(state.frame))
         if prog.unchecked:
             check_found(prog, self._model_name)
         return out
@@ -309,6 +316,8 @@ class TappedModule(nn.Module):
         self._hookset.remove()
         drop_overrides(self._root)
         self.__dict__["_removed"] = True
+        if self._sink is not None:
+            self._sink.close()  # flushes what is queued; raises if the writer failed
 
     def __enter__(self) -> TappedModule:
         return self
@@ -343,7 +352,7 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
         leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | None = None,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
         grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule:
     """Tap ``model`` at the sites ``ops`` selects; run the result like the model.
@@ -368,7 +377,8 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         keep: ``"last"`` forward (default), a number N of forwards (``tapped.history``), or
             ``"all"`` (memory grows with every forward).
         to: copy captured values to this device without blocking (``"cpu"``: pinned memory);
-            reading a value waits for its own copy only.
+            reading a value waits for its own copy only. Or a :class:`fxprobe.Disk`: stream
+            every forward's values to files in the background (``docs/disk.md``).
         fn: ``fn(site, value)`` runs at each tap; returning a tensor replaces the value for
             every downstream consumer (``None`` observes).
         grad: after ``backward()``, ``tapped.grads[name]`` is the gradient with respect to

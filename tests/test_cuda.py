@@ -73,3 +73,19 @@ def test_grads_on_cuda_are_taken_at_the_value() -> None:
         model.maxpool(torch.relu(bn1))))), 1))
     (g,) = torch.autograd.grad(out.square().sum(), [bn1])
     torch.testing.assert_close(tapped.grads["bn1"], g, rtol=1e-4, atol=1e-5)
+
+
+def test_disk_writes_cuda_values_as_keep_all_holds_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("safetensors")
+    model, x = _resnet_cuda()
+    names = ["bn1", "layer1.0.add", "fc"]
+    memory = fxprobe.tap(model, ops=names, keep="all")
+    with torch.no_grad(), fxprobe.tap(model, ops=names, to=fxprobe.Disk(tmp_path / "a")) as t:
+        for i in range(3):
+            t(x * (i + 1))
+            memory(x * (i + 1))
+    caps = fxprobe.open_captures(tmp_path / "a")
+    assert len(caps) == 3
+    for i, frame in enumerate(memory.history):
+        for name in names:
+            assert torch.equal(caps.forward(i)[name], frame[name].cpu()), (i, name)

@@ -371,12 +371,17 @@ def test_model_untouched_and_outputs_equal() -> None:
 class EverySoftmax(nn.Module):
     """The spellings of one op that dynamo records differently."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.sm = nn.Softmax(dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = F.softmax(x, dim=-1)
         b = torch.softmax(x * 2, -1)
         c = (x * 3).softmax(-1)
         d = torch.ops.aten._softmax(x * 4, -1, False)  # an ATen-level target
-        return a + b + c + d
+        e = self.sm(x * 5)  # a module call: its site is the module's path
+        return a + b + c + d + e
 
 
 def test_function_selector_matches_every_spelling() -> None:
@@ -385,6 +390,6 @@ def test_function_selector_matches_every_spelling() -> None:
     with torch.no_grad():
         out = tapped(x)
     assert torch.equal(out, EverySoftmax()(x))
-    assert list(tapped.taps) == ["softmax", "softmax_1", "softmax_2", "softmax_3"]
+    assert list(tapped.taps) == ["softmax", "softmax_1", "softmax_2", "softmax_3", "sm"]
     for i, name in enumerate(tapped.taps):
         assert torch.equal(tapped.taps[name], torch.softmax(x * (i + 1), -1)), name

@@ -1,0 +1,343 @@
+"""fxprobe under torch.distributed: 2 gloo ranks on CPU, spawned once for the whole module.
+
+Each scenario runs on both ranks inside one spawned job (starting processes is the slow part)
+and checks itself against an independent reference: an untapped DDP/FSDP2 run, eager forward
+hooks, numpy statistics of every rank's tensors concatenated. The tests below read each
+scenario's verdict.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from reference import hook_values, same
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxprobe
+
+WORLD = 2
+# The collective reduce_stats makes (renamed in torch 2.13).
+GATHER = "all_gather_single" if hasattr(tdist, "all_gather_single") else "all_gather_into_tensor"
+DEADLINE_S = 120
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(3 + 2 * rank, 8, generator=g)  # ranks see different batch sizes
+
+
+def train(model: nn.Module, rank: int, steps: int = 3) -> list[list[torch.Tensor]]:
+    """SGD steps on this rank's batches; the full parameters after each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    states = []
+    for step in range(steps):
+        model(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        states.append([p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                       for p in model.parameters()])
+    return states
+
+
+# -- scenarios (run on every rank) ----------------------------------------------------------
+
+def ddp_of_tapped(rank: int, tmp: Path) -> None:
+    tapped = fxprobe.tap(net(), ops=["blocks.*.relu", "head"])
+    got = train(DDP(tapped), rank)
+    want = train(DDP(net()), rank)
+    assert all(same(a, b) for a, b in zip(got, want, strict=True)), "parameters differ"
+    # Each rank's taps are its own values: eager hooks on this rank's last batch.
+    model = net()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), tapped.parameters(), strict=True):
+            p.copy_(q)
+        tapped(batch(rank, 9))
+        _, ref = hook_values(model, ["head"], batch(rank, 9))
+    assert torch.equal(tapped.taps["head"], ref["head"])
+    assert tapped.taps["blocks.0.relu"].shape[0] == 3 + 2 * rank
+
+
+def tap_of_ddp(rank: int, tmp: Path) -> None:
+    ddp = DDP(net())
+    tapped = fxprobe.tap(ddp, ops="module.head")
+    got = train(tapped, rank)
+    want = train(DDP(net()), rank)
+    assert all(same(a, b) for a, b in zip(got, want, strict=True)), "parameters differ"
+    assert tapped.taps["module.head"].shape == (3 + 2 * rank, 2)
+
+
+def fsdp2(rank: int, tmp: Path) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(kw: dict[str, Any] | None) -> nn.Module:
+        model: nn.Module = fxprobe.tap(net(), **kw) if kw is not None else net()
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    want = train(sharded(None), rank)
+    for kw in ({"leaf_modules": [Block]}, {"tracer": "hooks"}):
+        model = sharded(kw)
+        got = train(model, rank)
+        assert all(same(a, b) for a, b in zip(got, want, strict=True)), f"{kw}: params differ"
+        assert model.taps["blocks.1"].shape == (3 + 2 * rank, 8)  # type: ignore[operator]
+    # Tracing through a sharded block skips its unshard hook: torch refuses, loudly.
+    traced = sharded({})
+    try:
+        traced(batch(rank, 0))
+    except RuntimeError as e:
+        assert "DTensor" in str(e), e
+    else:
+        raise AssertionError("tracing through a fully_shard'ed block ran with sharded params")
+
+
+def _np_stats(t: np.ndarray) -> dict[str, float]:
+    fin = t[np.isfinite(t)]
+    return {"mean": fin.mean(), "std": fin.std(ddof=1), "min": fin.min(), "max": fin.max(),
+            "absmax": np.abs(fin).max(), "zero_frac": (t == 0).mean(),
+            "nan_count": np.isnan(t).sum(), "inf_count": np.isinf(t).sum()}
+
+
+def reduce_stats(rank: int, tmp: Path) -> None:
+    def poisoned(r: int) -> torch.Tensor:
+        x = batch(r, 0) * 3
+        x[0, r] = float("nan")
+        x[1, 2 + r] = float("inf") if r else -float("inf")
+        return x
+
+    model = net()
+    tapped = fxprobe.tap(model, ops=["x", "blocks.*.relu", "head"], reduce="stats")
+    with torch.no_grad():
+        tapped(poisoned(rank))
+    calls = []
+    real = getattr(tdist, GATHER)
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    setattr(tdist, GATHER, counted)
+    try:
+        first = fxprobe.dist.reduce_stats(tapped)  # compares the ranks' sites, then reduces
+        calls.clear()
+        got = fxprobe.dist.reduce_stats(tapped)
+    finally:
+        setattr(tdist, GATHER, real)
+    assert len(calls) == 1, f"{len(calls)} collectives"
+    assert first == got
+    refs: dict[str, list[np.ndarray]] = {}
+    for r in range(WORLD):  # every rank's tensors, recomputed here
+        with torch.no_grad():
+            _, hooked = hook_values(model, ["blocks.0.lin", "blocks.1.lin", "head"],
+                                    poisoned(r))
+        values = {"x": poisoned(r), "head": hooked["head"]}
+        for i in range(2):
+            values[f"blocks.{i}.relu"] = torch.relu(hooked[f"blocks.{i}.lin"])
+        for name, v in values.items():
+            refs.setdefault(name, []).append(v.double().numpy())
+    assert list(got) == ["x", "blocks.0.relu", "blocks.1.relu", "head"]
+    for name, parts in refs.items():
+        whole = np.concatenate(parts)
+        s = got[name]
+        assert s.shape == whole.shape and s.numel == whole.size, (name, s.shape)
+        for field, value in _np_stats(whole).items():
+            assert np.isclose(getattr(s, field), value, rtol=2e-6, atol=1e-6), (
+                name, field, getattr(s, field), value)
+    everyone: list[Any] = [None] * WORLD
+    tdist.all_gather_object(everyone, got)
+    assert everyone[0] == everyone[1], "ranks disagree"
+    # Ranks that captured different sites get an error on every rank, neither a wrong table
+    # nor a collective of mismatched sizes (which aborts gloo).
+    one = fxprobe.Stats((1,), "torch.float32", 1, *[0.0] * 6, 0, 0)
+    for mine in ({f"site{rank}": one}, {f"site{i}": one for i in range(rank + 1)}):
+        try:
+            fxprobe.dist.reduce_stats(mine)
+        except fxprobe.ConfigError as e:
+            assert "different sites" in str(e)
+        else:
+            raise AssertionError("different sites were combined")
+
+
+def gather(rank: int, tmp: Path) -> None:
+    tapped = fxprobe.tap(net(), ops=["head", "blocks.0.relu"], capture="both")
+    with torch.no_grad():
+        tapped(batch(rank, 5))
+    got = fxprobe.dist.gather(tapped, ["head"], dst=1)
+    if rank != 1:
+        assert got is None
+        return
+    assert got is not None and len(got) == WORLD
+    model = net()
+    for r, values in enumerate(got):
+        with torch.no_grad():
+            _, ref = hook_values(model, ["head"], batch(r, 5))
+        assert list(values) == ["head"]
+        assert torch.equal(values["head"].output, ref["head"])
+
+
+def stats_logger(rank: int, tmp: Path) -> None:
+    tapped = fxprobe.tap(net(), ops="head", reduce="stats")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger(f"fxprobe.test.{rank}")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    slog = fxprobe.dist.StatsLogger(tapped, every=2, logger=log)
+    calls = []
+    real = getattr(tdist, GATHER)
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    setattr(tdist, GATHER, counted)
+    per_step = []
+    try:
+        for step in range(5):
+            with torch.no_grad():
+                tapped(batch(rank, step))
+            slog.step()
+            per_step.append(len(calls))
+            calls.clear()
+    finally:
+        setattr(tdist, GATHER, real)
+    assert per_step == [2, 0, 1, 0, 1], per_step  # the first also compares the ranks' sites
+    assert len(records) == (3 if rank == 0 else 0)
+    if rank == 0:
+        assert "over 2 ranks, step 4" in records[-1].getMessage()
+        numel = sum(batch(r, 4).shape[0] for r in range(WORLD)) * 2
+        assert slog.last is not None and slog.last["head"].numel == numel
+
+
+def disk(rank: int, tmp: Path) -> None:
+    model = net()
+    ref = fxprobe.tap(model, keep="all")
+    with torch.no_grad(), fxprobe.tap(model, to=fxprobe.Disk(tmp / "acts")) as tapped:
+        for step in range(3):
+            ref(batch(rank, step))
+            tapped(batch(rank, step))
+    tdist.barrier()
+    for r in range(WORLD):
+        caps = fxprobe.open_captures(tmp / "acts", rank=r)
+        assert len(caps) == 3
+        if r == rank:
+            for i, frame in enumerate(ref.history):
+                assert all(same(caps.forward(i)[n], v) for n, v in frame.items())
+
+
+SCENARIOS: dict[str, Callable[[int, Path], None]] = {
+    f.__name__: f for f in (ddp_of_tapped, tap_of_ddp, fsdp2, reduce_stats, gather,
+                            stats_logger, disk)
+}
+
+
+def worker(rank: int, port: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    out = Path(tmp) / f"rank{rank}.json"
+    verdicts: dict[str, str] = {}
+    try:
+        for name, scenario in SCENARIOS.items():
+            try:
+                scenario(rank, Path(tmp))
+                verdicts[name] = "ok"
+            except Exception:  # noqa: BLE001 (reported by the test of that scenario)
+                verdicts[name] = traceback.format_exc()
+            out.write_text(json.dumps(verdicts))
+            tdist.barrier()
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    if not tdist.is_available() or not tdist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    tmp = tmp_path_factory.mktemp("dist")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.start_processes(worker, args=(port, str(tmp)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {WORLD} ranks did not finish in {DEADLINE_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    found = []
+    for r in range(WORLD):
+        f = tmp / f"rank{r}.json"
+        found.append(json.loads(f.read_text()) if f.exists() else {})
+    return found
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_scenario_on_two_gloo_ranks(verdicts: list[dict[str, str]], scenario: str) -> None:
+    for rank, v in enumerate(verdicts):
+        assert v.get(scenario) == "ok", f"rank {rank}:\n{v.get(scenario, 'did not run')}"
+
+
+def test_needs_an_initialized_process_group() -> None:
+    assert not tdist.is_initialized()
+    with pytest.raises(fxprobe.ConfigError, match="init_process_group"):
+        fxprobe.dist.reduce_stats({})
+    with pytest.raises(fxprobe.ConfigError, match="every must be"):
+        fxprobe.dist.StatsLogger(nn.Linear(1, 1), every=0)
+
+
+if __name__ == "__main__":  # python tests/test_dist.py: the scenarios, verbosely
+    sys.exit(pytest.main([__file__, "-v"]))

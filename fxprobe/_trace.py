@@ -9,12 +9,16 @@ their own, and its leaf children are reached by hooks.
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
+import math
 import os
 import re
+import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -112,15 +116,23 @@ class SiteTracer(fx.Tracer):
 
     Buffers are traced as graph values (``proxy_buffer_attributes``): otherwise a forward that
     updates a buffer in place (a counter, a running statistic) would write into the model's
-    real buffer once while tracing and be missing from the graph. A call of a module that fx
-    traces through gets a site too (its path, ``inlined=True``) on the call's last node.
+    real buffer once while tracing and be missing from the graph. A buffer, and a value computed
+    from buffers alone, is no site: torchvision's tracer sees constants there. A call of a
+    module that fx traces through gets a site too (its path, ``inlined=True``) on the call's
+    last node.
+
+    As torchvision's ``get_graph_node_names``, it keeps ``torchvision.ops`` modules whole
+    (:func:`default_leaf_types`) and records ``torchvision.ops`` functions as single calls
+    (:func:`autowrap_modules`), so names are torchvision's for torchvision models.
     """
 
     proxy_buffer_attributes = True
 
     def __init__(self, prefix: str, leaf_types: tuple[type, ...], leaf_paths: frozenset[str],
                  opaque: set[str], autowrap_functions: tuple[Callable[..., Any], ...]) -> None:
-        super().__init__(autowrap_functions=autowrap_functions)
+        # fx annotates autowrap_modules as a 1-tuple; it takes any number of modules.
+        super().__init__(autowrap_modules=autowrap_modules(),  # type: ignore[arg-type]
+                         autowrap_functions=autowrap_functions)
         self.prefix = prefix
         self.leaf_types = leaf_types
         self.leaf_paths = leaf_paths
@@ -130,6 +142,7 @@ class SiteTracer(fx.Tracer):
         self.node_names = Namer()
         self.call_names = Namer()
         self.taken: set[str] = set()
+        self.buffer_values: set[fx.Node] = set()
 
     def absolute(self, path: str) -> str:
         return _join(self.prefix, path)
@@ -176,7 +189,16 @@ class SiteTracer(fx.Tracer):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest)
         node = proxy.node
         if kind == "get_attr" and self._is_buffer(str(target)):
+            self.buffer_values.add(node)
             return proxy  # torchvision's tracer makes no named node for a buffer
+        inputs = node.all_input_nodes
+        if kind in ("call_function", "call_method") and inputs and all(
+                n in self.buffer_values for n in inputs):
+            # torchvision's tracer sees a buffer as a constant tensor: what is computed from
+            # buffers alone (maxvit's relative_position_index.view(-1)) runs eagerly there and
+            # is no node, so it is no site here either (and takes no name from later nodes).
+            self.buffer_values.add(node)
+            return proxy
         module_path = self.absolute(self.current)
         qual = module_path
         if node.op != "call_module":
@@ -238,13 +260,42 @@ class Namer:
 
 def is_leaf(m: nn.Module, path: str, leaf_types: tuple[type, ...],
             leaf_paths: frozenset[str]) -> bool:
-    """fx's default leaves (torch.nn modules but Sequential) plus the user's ``leaf_modules``."""
+    """fx's default leaves (torch.nn modules but Sequential) plus ``leaf_types`` (the user's
+    ``leaf_modules`` and :func:`default_leaf_types`) and ``leaf_paths``."""
     if path in leaf_paths or (leaf_types and isinstance(m, leaf_types)):
         return True
     mod = type(m).__module__
     return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(
         m, nn.Sequential
     )
+
+
+def autowrap_modules() -> tuple[ModuleType, ...]:
+    """Modules whose functions fx records as single calls: fx's ``math`` and, as torchvision's
+    ``get_graph_node_names`` does, ``torchvision.ops`` (``stochastic_depth``, ``nms``...)."""
+    ops = _torchvision_ops()
+    return (math,) if ops is None else (math, ops)
+
+
+def _torchvision_ops() -> ModuleType | None:
+    # A model holding a torchvision ops module or calling one of its functions has imported
+    # torchvision.ops already; fxprobe never imports torchvision itself.
+    return sys.modules.get("torchvision.ops")
+
+
+def default_leaf_types() -> tuple[type, ...]:
+    """As torchvision's ``get_graph_node_names`` does, every ``nn.Module`` class that
+    ``torchvision.ops`` exports (``Conv2dNormActivation``, ``MLP``, ``SqueezeExcitation``,
+    ``StochasticDepth``, ``Permute``...) is a leaf, subclasses included (vit's ``MLPBlock``).
+
+    Call it before tracing: while fx traces, ``autowrap_modules`` has replaced these classes in
+    ``torchvision.ops`` by wrapper functions.
+    """
+    ops = _torchvision_ops()
+    if ops is None:
+        return ()
+    return tuple(obj for _, obj in inspect.getmembers(ops)
+                 if inspect.isclass(obj) and issubclass(obj, nn.Module))
 
 
 def failure_location(exc: BaseException, module: nn.Module | None = None) -> str:
@@ -394,7 +445,7 @@ def hook_site(module: nn.Module, path: str) -> Site:
 def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (),
          autowrap_functions: Sequence[Callable[..., Any]] = ()) -> Plan:
     """Trace ``root`` (fxprobe's copy of the user's model, already in the wanted mode)."""
-    leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
+    leaf_types = tuple(t for t in leaf_modules if isinstance(t, type)) + default_leaf_types()
     leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
     planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions))
     root_region = planner.visit(root, "")

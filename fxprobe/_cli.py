@@ -229,7 +229,7 @@ def cmd_sites(args: argparse.Namespace) -> int:
     records: list[Site] = list(listing.records)
     if selectors is not None:
         mode = "train" if args.train else "eval"
-        records = select(records + list(listing.modules), selectors,
+        records = select(records + list(listing.modules) + list(listing.inner), selectors,
                          context=f"{type(model).__name__} ({mode} mode)",
                          fallbacks=listing.fallbacks)
     print(sites_table(records, listing.fallbacks, args.format))

@@ -229,22 +229,26 @@ class View:
 
 
 class SiteNames(tuple[str, ...]):
-    """Site names in execution order; ``.records`` holds the :class:`Site` of each.
+    """Site names in execution order, as torchvision's ``get_graph_node_names`` lists them;
+    ``.records`` holds the :class:`Site` of each.
 
-    Calls of modules that fx traced through (``layer1``) are sites too, selectable by name or
-    type; they are listed in ``.modules``, not in the tuple, which equals torchvision's
-    ``get_graph_node_names``.
+    ``.modules`` lists the calls of modules that fx traced through (``layer1``), and ``.inner``
+    the sites inside blocks torchvision keeps whole (the convolution inside a
+    ``Conv2dNormActivation``): both are sites, selectable by name, type or function, but not
+    in the tuple. ``.fallbacks`` names the modules that run as written.
     """
 
     records: tuple[Site, ...]
     modules: tuple[Site, ...]
+    inner: tuple[Site, ...]
     fallbacks: tuple[Fallback, ...]
 
     def __new__(cls, records: Sequence[Site], fallbacks: Sequence[Fallback]) -> SiteNames:
-        nodes = [s for s in records if not s.inlined]
-        self = super().__new__(cls, (s.name for s in nodes))
-        self.records = tuple(nodes)
-        self.modules = tuple(s for s in records if s.inlined)
+        listed = [s for s in records if s.listed]
+        self = super().__new__(cls, (s.name for s in listed))
+        self.records = tuple(listed)
+        self.modules = tuple(s for s in records if s.inlined and not s.listed)
+        self.inner = tuple(s for s in records if not s.inlined and not s.listed)
         self.fallbacks = tuple(fallbacks)
         return self
 

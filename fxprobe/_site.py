@@ -40,6 +40,10 @@ class Site:
     inlined: bool = False
     """A call of a module that fx traced through: its value is the output of the call's last
     node (no node of its own), its inputs the call's arguments."""
+    listed: bool = True
+    """Listed by ``fxprobe.sites(model)``, whose names are torchvision's ``get_graph_node_names``:
+    every node but calls fx traced through and the sites inside blocks torchvision keeps whole
+    (a ``Conv2dNormActivation``: its call is listed, its convolution is a site all the same)."""
 
     @property
     def op(self) -> str:

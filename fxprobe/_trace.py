@@ -8,6 +8,7 @@ their own, and its leaf children are reached by hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import linecache
@@ -25,6 +26,7 @@ import torch
 from torch import fx, nn
 
 from ._errors import TracedStateError, TraceError
+from ._inplace import OUT_OF_PLACE
 from ._mirror import guard_state, has_patched_forward
 from ._ops import method_key, module_key, op_key
 from ._options import TracerKind
@@ -121,15 +123,20 @@ class SiteTracer(fx.Tracer):
     module that fx traces through gets a site too (its path, ``inlined=True``) on the call's
     last node.
 
-    As torchvision's ``get_graph_node_names``, it keeps ``torchvision.ops`` modules whole
-    (:func:`default_leaf_types`) and records ``torchvision.ops`` functions as single calls
-    (:func:`autowrap_modules`), so names are torchvision's for torchvision models.
+    torchvision's ``get_graph_node_names`` keeps ``torchvision.ops`` modules whole
+    (:func:`library_blocks`: ``Conv2dNormActivation``, ``MLP``...) and names one node per call.
+    This tracer traces through them, so that their convolutions and activations stay sites, but
+    lists the call (its path, ``listed=True``) in their place and the sites inside them with
+    ``listed=False``: ``fxprobe.sites(model)`` then equals torchvision's names. It records
+    ``torchvision.ops`` functions as single calls (:func:`autowrap_modules`), as torchvision
+    does.
     """
 
     proxy_buffer_attributes = True
 
     def __init__(self, prefix: str, leaf_types: tuple[type, ...], leaf_paths: frozenset[str],
-                 opaque: set[str], autowrap_functions: tuple[Callable[..., Any], ...]) -> None:
+                 opaque: set[str], autowrap_functions: tuple[Callable[..., Any], ...],
+                 blocks: tuple[type, ...] = ()) -> None:
         # fx annotates autowrap_modules as a 1-tuple; it takes any number of modules.
         super().__init__(autowrap_modules=autowrap_modules(),  # type: ignore[arg-type]
                          autowrap_functions=autowrap_functions)
@@ -143,6 +150,8 @@ class SiteTracer(fx.Tracer):
         self.call_names = Namer()
         self.taken: set[str] = set()
         self.buffer_values: set[fx.Node] = set()
+        self.blocks = blocks
+        self.inside_blocks = 0
 
     def absolute(self, path: str) -> str:
         return _join(self.prefix, path)
@@ -161,25 +170,37 @@ class SiteTracer(fx.Tracer):
             if self.is_leaf_module(m, path):
                 return self.create_proxy("call_module", path, args, kwargs)
             before = self.graph._root.prev  # the last node so far (the root sentinel if none)
+            block = bool(path) and bool(self.blocks) and isinstance(m, self.blocks)
+            self.inside_blocks += block
             try:
                 out = forward(*args, **kwargs)
             except Exception:
                 if self.failed_path is None:  # the innermost module sees the error first
                     self.failed_path = path
                 raise
-            if path and isinstance(out, fx.Proxy):
-                first = before.next if before.next is not self.graph._root else out.node
-                self._name_call(m, path, out.node, args, first)
+            finally:
+                self.inside_blocks -= block
+            listed = block and not self.inside_blocks
+            last = out.node if isinstance(out, fx.Proxy) else None
+            if last is None and listed and _holds_proxy(out):
+                # A block that returns a nest (an FPN's dict) is one node in torchvision's
+                # graph: one node that hands the nest on stands for it here.
+                last = self.graph.create_node("call_function", _nest, (_nodes_of(out),), {})
+            if path and last is not None:
+                first = before.next if before.next is not self.graph._root else last
+                self._name_call(m, path, last, args, first, listed=listed)
             return out
         finally:
             self.current = old
 
     def _name_call(self, m: nn.Module, path: str, last: fx.Node, args: tuple[Any, ...],
-                   first: fx.Node) -> None:
+                   first: fx.Node, listed: bool) -> None:
         target = self.absolute(path)
-        name = self._unique(self.call_names.next(target))
+        # A listed block call is a node of torchvision's graph: it counts among the nodes.
+        namer = self.node_names if listed else self.call_names
+        name = self._unique(namer.next(target))
         attach(last, Site(name, "fx", "call_module", target, target, type(m), None,
-                          inlined=True))
+                          inlined=True, listed=listed))
         arg_nodes = tuple(a.node if isinstance(a, fx.Proxy) else a for a in args)
         last.meta.setdefault(CALL_ARGS, {})[name] = (arg_nodes, first)
 
@@ -203,7 +224,10 @@ class SiteTracer(fx.Tracer):
         qual = module_path
         if node.op != "call_module":
             qual = _join(qual, node.name)
-        attach(node, self._site(self._unique(self.node_names.next(qual)), node, module_path))
+        site = self._site(self._unique(self.node_names.next(qual)), node, module_path)
+        if self.inside_blocks:
+            site = dataclasses.replace(site, listed=False)
+        attach(node, site)
         return proxy
 
     def _site(self, name: str, node: fx.Node, module_path: str) -> Site:
@@ -237,6 +261,30 @@ class SiteTracer(fx.Tracer):
         return attr in module._buffers
 
 
+def _nest(value: Any) -> Any:
+    """What a block returned, as it is (the node a nest-returning block's site sits on)."""
+    return value
+
+
+setattr(_nest, OUT_OF_PLACE, True)  # writes nothing (for the in-place analysis)
+
+
+def _holds_proxy(value: Any) -> bool:
+    found = False
+
+    def visit(v: Any) -> Any:
+        nonlocal found
+        found = found or isinstance(v, fx.Proxy)
+        return v
+
+    fx.node.map_aggregate(value, visit)
+    return found
+
+
+def _nodes_of(value: Any) -> Any:
+    return fx.node.map_aggregate(value, lambda v: v.node if isinstance(v, fx.Proxy) else v)
+
+
 class Namer:
     """torchvision's ``get_graph_node_names`` naming: fx's global ``_N`` suffix is replaced by a
     count local to the name (``layer1.0.relu``, ``layer1.0.relu_1``)."""
@@ -260,8 +308,8 @@ class Namer:
 
 def is_leaf(m: nn.Module, path: str, leaf_types: tuple[type, ...],
             leaf_paths: frozenset[str]) -> bool:
-    """fx's default leaves (torch.nn modules but Sequential) plus ``leaf_types`` (the user's
-    ``leaf_modules`` and :func:`default_leaf_types`) and ``leaf_paths``."""
+    """fx's default leaves (torch.nn modules but Sequential) plus the user's ``leaf_modules``
+    (``leaf_types`` and ``leaf_paths``)."""
     if path in leaf_paths or (leaf_types and isinstance(m, leaf_types)):
         return True
     mod = type(m).__module__
@@ -283,10 +331,10 @@ def _torchvision_ops() -> ModuleType | None:
     return sys.modules.get("torchvision.ops")
 
 
-def default_leaf_types() -> tuple[type, ...]:
-    """As torchvision's ``get_graph_node_names`` does, every ``nn.Module`` class that
-    ``torchvision.ops`` exports (``Conv2dNormActivation``, ``MLP``, ``SqueezeExcitation``,
-    ``StochasticDepth``, ``Permute``...) is a leaf, subclasses included (vit's ``MLPBlock``).
+def library_blocks() -> tuple[type, ...]:
+    """The ``nn.Module`` classes that ``torchvision.ops`` exports (``Conv2dNormActivation``,
+    ``MLP``, ``SqueezeExcitation``, ``StochasticDepth``, ``Permute``...), subclasses included
+    (vit's ``MLPBlock``): torchvision's ``get_graph_node_names`` keeps them whole.
 
     Call it before tracing: while fx traces, ``autowrap_modules`` has replaced these classes in
     ``torchvision.ops`` by wrapper functions.
@@ -330,7 +378,9 @@ def _join(prefix: str, name: str) -> str:
 
 class _Planner:
     def __init__(self, tracer: TracerKind, leaf_types: tuple[type, ...],
-                 leaf_paths: frozenset[str], autowrap: tuple[Callable[..., Any], ...]) -> None:
+                 leaf_paths: frozenset[str], autowrap: tuple[Callable[..., Any], ...],
+                 blocks: tuple[type, ...] = ()) -> None:
+        self.blocks = blocks
         self.tracer = tracer
         self.leaf_types = leaf_types
         self.leaf_paths = leaf_paths
@@ -361,7 +411,8 @@ class _Planner:
                 opaque.add(rel)
                 errors[rel] = Fallback(_join(path, rel), type(m), _PATCHED, "")
         while True:
-            tracer = SiteTracer(path, self.leaf_types, self.leaf_paths, opaque, self.autowrap)
+            tracer = SiteTracer(path, self.leaf_types, self.leaf_paths, opaque, self.autowrap,
+                                self.blocks)
             try:
                 with guard_state(module, functools.partial(_path_in, tracer)):
                     graph = tracer.trace(module)
@@ -445,8 +496,9 @@ def hook_site(module: nn.Module, path: str) -> Site:
 def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (),
          autowrap_functions: Sequence[Callable[..., Any]] = ()) -> Plan:
     """Trace ``root`` (fxprobe's copy of the user's model, already in the wanted mode)."""
-    leaf_types = tuple(t for t in leaf_modules if isinstance(t, type)) + default_leaf_types()
+    leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
     leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
-    planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions))
+    planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions),
+                       library_blocks())
     root_region = planner.visit(root, "")
     return Plan(root_region, planner.regions, planner.fallbacks, planner.sites, planner.dynamo)

@@ -76,7 +76,7 @@ def fake_torchvision_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchvision.ops", ops)
 
 
-def test_torchvision_ops_modules_and_functions_are_kept_whole(fake_torchvision_ops: None) -> None:
+def test_torchvision_ops_modules_and_functions_are_named_whole(fake_torchvision_ops: None) -> None:
     # get_graph_node_names passes leaf_modules=<the nn.Module classes torchvision.ops exports>
     # and autowrap_modules=(math, torchvision.ops); fxprobe does the same once torchvision.ops
     # is imported (a model that uses it has imported it).
@@ -88,6 +88,13 @@ def test_torchvision_ops_modules_and_functions_are_kept_whole(fake_torchvision_o
     mlp = model.mlp(model.stem(x))
     torch.testing.assert_close(tapped.taps["mlp"], mlp)
     torch.testing.assert_close(tapped.taps["stochastic_depth"], mlp * 2 + 1)
+    # Kept whole in the names, not in what can be tapped: the layers inside stay sites.
+    listing = fxprobe.sites(model)
+    assert [s.name for s in listing.inner] == ["stem.0", "stem.1", "mlp.0", "mlp.1"]
+    linears = fxprobe.tap(model, ops=nn.Linear)
+    assert [s.name for s in linears.sites] == ["stem.0", "mlp.0", "fc"]
+    linears(x)
+    torch.testing.assert_close(linears.taps["stem.0"], model.stem[0](x))
 
 
 def test_without_torchvision_they_are_traced_through() -> None:

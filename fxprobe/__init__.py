@@ -10,6 +10,7 @@ Example:
 """
 
 from . import dist
+from ._artifact import TappedArtifact, TappedScript
 from ._captures import Captures, open_captures
 from ._disk import Disk
 from ._dynamo import CaptureInfo, attention_probs
@@ -28,6 +29,7 @@ from ._errors import (
     UnknownSiteError,
     UnsupportedModelError,
 )
+from ._export import TappedExport
 from ._extract import extractor
 from ._program import SiteNames
 from ._record import Grads, InOut, Taps
@@ -64,7 +66,10 @@ __all__ = [
     "StatsLogger",
     "Table",
     "Taps",
+    "TappedArtifact",
+    "TappedExport",
     "TappedModule",
+    "TappedScript",
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",

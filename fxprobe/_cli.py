@@ -187,7 +187,8 @@ def _para(text: str) -> str:
 
 def _model_args(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument("model", metavar="MODEL",
-                   help="package.module:factory or path/to/file.py:factory")
+                   help="package.module:factory, path/to/file.py:factory, or a saved "
+                        "model.pt (TorchScript) or model.pt2 (torch.export)")
     p.add_argument("--ops", action="append", default=[], metavar="SELECTOR",
                    help=f"{verb} only the sites a selector matches; repeatable, or "
                         "comma-separated (see selectors below)")
@@ -308,16 +309,19 @@ def bench(argv: list[str], checkout: Path | None = None) -> int:
 
 # -- MODEL, --input and --ops -----------------------------------------------------------------
 
-def load_model(spec: str) -> tuple[nn.Module, str]:
-    """Import ``package.module:factory`` or ``path/to/file.py:factory`` and build the model.
+def load_model(spec: str) -> tuple[Any, str]:
+    """Import ``package.module:factory`` or ``path/to/file.py:factory`` and build the model,
+    or load a deployed artifact: ``model.pt`` (TorchScript) or ``model.pt2`` (torch.export).
 
     Returns:
-        The model and the factory's name.
+        The model and the factory's (or file's) name.
 
     Raises:
         UsageError: a malformed spec, a missing file, module or factory, a factory that raises
-        or does not return an ``nn.Module``.
+        or does not return an ``nn.Module``, an artifact that does not load.
     """
+    if spec.endswith((".pt", ".pt2")):
+        return _load_artifact(spec), Path(spec).stem
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", attr):
         raise UsageError(
@@ -351,6 +355,21 @@ def load_model(spec: str) -> tuple[nn.Module, str]:
         raise UsageError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; "
                          "the factory must return the model")
     return model, attr
+
+
+def _load_artifact(spec: str) -> Any:
+    from ._script import quiet_jit
+
+    if not os.path.isfile(spec):
+        raise UsageError(f"no such file: {spec} (MODEL)")
+    try:
+        if spec.endswith(".pt2"):
+            return torch.export.load(spec)
+        with quiet_jit():
+            return torch.jit.load(spec)
+    except Exception as e:
+        raise UsageError(f"cannot load {spec}: {_one_line(e)}; a .pt MODEL must be written by "
+                         "torch.jit.save, a .pt2 MODEL by torch.export.save") from e
 
 
 def _import_file(target: str, spec: str) -> Any:
@@ -459,8 +478,8 @@ def parse_selector(text: str) -> Selector:
         except re.error as e:
             raise UsageError(f"--ops {text!r}: not a regular expression: {e}") from e
     if kind == "how":
-        if value not in ("fx", "hook"):
-            raise UsageError(f"--ops {text!r}: use how:fx or how:hook")
+        if value not in ("fx", "hook", "script", "export"):
+            raise UsageError(f"--ops {text!r}: use how:fx, how:hook, how:script or how:export")
         return where(lambda s: s.how == value, text)
     if kind == "op":
         return where(lambda s: s.op_key == value, text)
@@ -507,6 +526,8 @@ def _resolve(name: str) -> Any:
 
 def _type_named(site: Site, name: str) -> bool:
     mtype = site.module_type
+    if site.kind == "call_module" and mtype is None and site.type_name:  # .pt/.pt2: no class
+        return name in (site.type_name, site.type_name.rpartition(".")[2])
     if site.kind != "call_module" or mtype is None:
         return False
     return any(name in (c.__name__, c.__qualname__, f"{c.__module__}.{c.__qualname__}")

@@ -87,8 +87,8 @@ def check_model(model: Any, what: str = "fxprobe.tap") -> nn.Module:
         )
     if isinstance(model, torch.jit.ScriptModule):
         raise UnsupportedModelError(
-            f"{type(model).__name__} is a TorchScript module, which fxprobe does not tap yet; "
-            "pass the original Python nn.Module (before torch.jit.script/trace) instead"
+            f"{type(model).__name__} is a TorchScript module: fxprobe.tap and fxprobe.sites "
+            f"take it (docs/artifacts.md), {what} needs the original Python nn.Module"
         )
     compiled = getattr(torch, "_dynamo", None)
     optimized = getattr(getattr(compiled, "eval_frame", None), "OptimizedModule", None)

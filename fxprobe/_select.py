@@ -75,10 +75,13 @@ def where(predicate: Callable[[Site], bool], description: str | None = None) -> 
 
 
 def module_type(cls: type[nn.Module]) -> Selector:
-    """Select calls of modules that are instances of ``cls`` (traced through or not)."""
+    """Select calls of modules that are instances of ``cls`` (traced through or not); where
+    no Python class is at hand (TorchScript, torch.export), calls of the class of that name."""
+    qualname = f"{cls.__module__}.{cls.__qualname__}"
     return where(
-        lambda s: s.kind == "call_module" and s.module_type is not None
-        and issubclass(s.module_type, cls),
+        lambda s: s.kind == "call_module" and (
+            issubclass(s.module_type, cls) if s.module_type is not None
+            else s.type_name == qualname),  # TorchScript/export: the class is not at hand
         cls.__name__,
     )
 

@@ -44,13 +44,20 @@ class Site:
     """Listed by ``fxprobe.sites(model)``, whose names are torchvision's ``get_graph_node_names``:
     every node but calls fx traced through and the sites inside blocks torchvision keeps whole
     (a ``Conv2dNormActivation``: its call is listed, its convolution is a site all the same)."""
+    type_name: str | None = None
+    """Qualified class name of the called module where no Python class is at hand
+    (TorchScript, torch.export): ``torchvision.models.resnet.BasicBlock``."""
 
     @property
     def op(self) -> str:
         """A readable name of what the site computes (``Conv2d``, ``torch.flatten``, ``.add``)."""
         if self.kind == "call_module":
-            return self.module_type.__name__ if self.module_type is not None else "module"
+            if self.module_type is not None:
+                return self.module_type.__name__
+            return self.type_name.rpartition(".")[2] if self.type_name else "module"
         if self.kind == "call_function":
+            if isinstance(self.target, str):  # an IR op: aten::flatten, aten.softmax.int
+                return self.target
             return describe_function(self.target)
         if self.kind == "call_method":
             return f".{self.target}()"

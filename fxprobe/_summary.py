@@ -324,6 +324,12 @@ def summary(obj: Any, fmt: str = "text") -> Table:
         return dataclasses.replace(table, notes=table.notes + captured) if captured else table
     if isinstance(obj, SiteNames):
         return sites_table(obj.records, obj.fallbacks, fmt)
+    from ._artifact import TappedArtifact, artifact_kind, artifact_sites
+
+    if isinstance(obj, TappedArtifact):  # a tapped ScriptModule or ExportedProgram
+        return tapped_table(list(obj.sites), dict(obj.taps), (), fmt)
+    if artifact_kind(obj) is not None:
+        return sites_table([s for s in artifact_sites(obj) if s.listed], (), fmt)
     if isinstance(obj, nn.Module):
         listing = list_sites(check_model(obj, "fxprobe.summary"), train=False, tracer="auto",
                              leaf_modules=(), autowrap_functions=())

@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import fx, nn
 
+from ._artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from ._dynamo import CaptureInfo
 from ._errors import ConfigError, RemovedError
 from ._hooks import HookSet
@@ -42,7 +43,11 @@ from ._site import Site
 from ._trace import Fallback
 
 if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+    from ._artifact import TappedScript
     from ._disk import Disk
+    from ._export import TappedExport
     from ._summary import Table
 
 
@@ -348,17 +353,54 @@ class TappedModule(nn.Module):
         return text + (f", dynamo={dyn} found so far)" if prog.dynamo else ")")
 
 
-def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detach: bool = True,
+@overload
+def tap(  # type: ignore[overload-overlap]  # a ScriptModule is an nn.Module too
+        model: torch.jit.ScriptModule, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
         copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
         leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
         seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule:
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedScript: ...
+
+
+@overload
+def tap(model: ExportedProgram, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
+        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
+        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
+        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedExport: ...
+
+
+@overload
+def tap(model: nn.Module, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
+        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
+        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
+        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule: ...
+
+
+def tap(model: Any, ops: Any = None, *,
+        capture: Capture = "output", detach: bool = True,
+        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
+        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
+        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
+        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None
+        ) -> TappedModule | TappedArtifact:
     """Tap ``model`` at the sites ``ops`` selects; run the result like the model.
 
     Args:
-        model: any ``nn.Module``; it is never modified.
+        model: any ``nn.Module``, a TorchScript module (scripted, traced or loaded) or a
+            ``torch.export`` ExportedProgram; it is never modified. See docs/artifacts.md.
         ops: ``None`` (every site), a selector, or a list of selectors (their union): an
             ``nn.Module`` type, a function or operator, a glob on site names, a ``re.Pattern``,
             or ``fxprobe.where(predicate)``.
@@ -386,26 +428,30 @@ def tap(model: nn.Module, ops: Any = None, *, capture: Capture = "output", detac
         grad_fn: ``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it.
 
     Returns:
-        A :class:`TappedModule`.
+        A :class:`TappedModule`; a :class:`TappedScript` for a ScriptModule, a
+        :class:`TappedExport` for an ExportedProgram.
 
     Raises:
         SelectorError: a selector matches no site. SelectorTypeError: a selector of unknown
         type. TraceError: ``tracer="fx"`` and part of the model cannot be traced.
-        UnsupportedModelError: not an ``nn.Module``, or a TorchScript module.
+        UnsupportedModelError: not an ``nn.Module``. ConfigError: an option a deployed
+        artifact cannot honour (``fn=``, ``grad=``, ``capture="input"``, ...).
 
     Example:
         >>> tapped = fxprobe.tap(model, ops=[nn.Conv2d, torch.flatten])
         >>> out = tapped(x); tapped.taps["flatten"].shape
     """
-    model = check_model(model)
-    options = make_options(
+    kwargs: dict[str, Any] = dict(
         capture=capture, detach=detach, copy=copy, tracer=tracer, leaf_modules=leaf_modules,
         autowrap_functions=autowrap_functions, reduce=reduce, sample_size=sample_size, seed=seed,
         keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn)
-    return TappedModule(model, as_selectors(ops), options)
+    if artifact_kind(model) is not None:  # a ScriptModule or an ExportedProgram
+        return tap_artifact(model, ops, **kwargs)
+    model = check_model(model)
+    return TappedModule(model, as_selectors(ops), make_options(**kwargs))
 
 
-def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
+def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
           leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
           example_input: Any = None, example_kwargs: dict[str, Any] | None = None
           ) -> SiteNames:
@@ -413,6 +459,8 @@ def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
 
     Names follow torchvision's ``get_graph_node_names``; inside modules that cannot be traced,
     module calls are listed by path in registration order. The model is not modified.
+    A ScriptModule or an ExportedProgram is read from its graph (``train`` and the tracing
+    arguments do not apply; see docs/artifacts.md).
 
     With ``tracer="dynamo"`` or ``"fx+dynamo"``, the sites of modules that dynamo captures are
     found by running them: pass ``example_input`` (a tensor or a tuple of positional
@@ -428,6 +476,12 @@ def sites(model: nn.Module, *, train: bool = False, tracer: TracerKind = "auto",
         >>> fxprobe.sites(gpt2, tracer="dynamo", example_kwargs={"input_ids": ids})[:2]
         ('transformer.view', 'transformer.wte')
     """
+    if artifact_kind(model) is not None:
+        given = {k: v for k, v in (("train", train), ("tracer", tracer),
+                                   ("leaf_modules", list(leaf_modules)),
+                                   ("autowrap_functions", list(autowrap_functions)))
+                 if v not in (False, "auto", [])}  # anything but the defaults
+        return SiteNames(artifact_sites(model, **given), ())
     model = check_model(model, "fxprobe.sites")
     check_choice("tracer", tracer, TracerKind)
     check_flag("train", train)

@@ -11,7 +11,7 @@ to buffers or to the random number generator).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,6 +83,8 @@ class _Scene:
     capture: str = "output"
     ran: bool = False
     """True when an example input ran: a site without a value did not run."""
+    run: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
+    """For a deployed artifact: run an example input, return every site's value."""
 
 
 def to_dot(obj: nn.Module, example_input: Any = None, *,
@@ -130,7 +132,11 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
     scene = _scene(obj, ops=ops, tracer=tracer, train=train)
     if example_input is not None or example_kwargs:
         args = _as_args(example_input)
-        infos = propagate(scene.plan, scene.root, args, dict(example_kwargs or {}))
+        if scene.run is not None:  # a deployed artifact: run a tapped copy of it
+            infos = {k: describe_value(v)
+                     for k, v in scene.run(args, dict(example_kwargs or {})).items()}
+        else:
+            infos = propagate(scene.plan, scene.root, args, dict(example_kwargs or {}))
         scene.infos.update(infos)
         scene.ran = True
     return _draw(graphviz, scene, depth, rankdir)
@@ -201,6 +207,10 @@ def _import_graphviz() -> Any:
 # -- what to draw ---------------------------------------------------------------------------
 
 def _scene(obj: nn.Module, *, ops: Any, tracer: TracerKind, train: bool | None) -> _Scene:
+    from ._artifact import TappedArtifact, artifact_kind
+
+    if artifact_kind(obj) is not None or isinstance(obj, TappedArtifact):
+        return _artifact_scene(obj, ops=ops, tracer=tracer, train=train)
     view = getattr(obj, "_fxprobe_view", None)
     if view is not None:
         given = [n for n, v in (("ops", ops), ("train", train)) if v is not None]
@@ -230,6 +240,41 @@ def _scene(obj: nn.Module, *, ops: Any, tracer: TracerKind, train: bool | None) 
                         fallbacks=p.fallbacks)
     return _Scene(f"{type(obj).__name__} ({'train' if training else 'eval'} mode)", p, root,
                   _drawn(p, chosen), {})
+
+
+def _artifact_scene(obj: Any, *, ops: Any, tracer: TracerKind, train: bool | None) -> _Scene:
+    """A ScriptModule or ExportedProgram (or what fxprobe.tap made of one), as a scene."""
+    from ._artifact import TappedArtifact, artifact_kind
+    from ._artifact_viz import export_picture, script_picture
+
+    given = ["train"] if train else []  # drawn in the mode the artifact is in
+    given += ["tracer"] if tracer != "auto" else []
+    tapped = obj if isinstance(obj, TappedArtifact) else None
+    given += ["ops"] if ops is not None and tapped is not None else []
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} cannot be given for a TorchScript module or an exported "
+            "program, which is drawn from its graph as it is (and a tapped one with its own "
+            "selection)")
+    source = tapped.source if tapped is not None else obj
+    if source is None:
+        raise ConfigError(
+            "this tapped artifact was loaded from a file and no longer holds the program it "
+            "was made from; draw the original (fxprobe.to_dot(program, ops=...))")
+    pic = script_picture(source) if artifact_kind(source) == "script" else export_picture(
+        source)
+    p = pic.plan
+    if tapped is not None:
+        chosen: Sequence[Site] = tapped.sites
+    elif ops is not None:
+        chosen = select(p.sites, as_selectors(ops), context=pic.title)
+    else:
+        chosen = []
+    scene = _Scene(pic.title, p, pic.root, _drawn(p, chosen), {}, run=pic.run)
+    if tapped is not None:
+        taps = tapped.taps
+        scene.infos.update({name: describe_value(taps[name]) for name in taps})
+    return scene
 
 
 def _drawn(p: Plan, selected: Sequence[Site]) -> frozenset[str]:
@@ -489,6 +534,8 @@ def _caption(scene: _Scene, depth: int | None) -> str:
     line = (f"{scene.title}: {len(nodes)} sites ({len(nodes) - hooks} fx, {hooks} hook), "
             f"{len(tapped)} tapped ({len(tapped) - tapped_hooks} fx, {tapped_hooks} hook), "
             f"{len(p.fallbacks)} module(s) run as written")
+    if scene.run is not None:  # a deployed artifact: every site is a value of its graph
+        line = f"{scene.title}: {len(nodes)} sites, {len(tapped)} tapped"
     if depth is not None:
         line += f", modules nested deeper than {depth} drawn as one node"
     return _text(line) + "\\l" + _text(_LEGEND) + "\\l"

@@ -8,7 +8,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = ["docs/modes.md", "docs/extractor.md", "README.md"]
+DOCS = ["docs/modes.md", "docs/extractor.md", "docs/artifacts.md", "README.md"]
 
 
 def _blocks(path: pathlib.Path) -> list[str]:

@@ -5,19 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 import zoo
 
 import fxprobe
-
-
-def test_script_module_is_rejected_with_a_reason() -> None:
-    model, _, _ = zoo.make("shared")
-    scripted = torch.jit.script(model)
-    with pytest.raises(fxprobe.UnsupportedModelError, match="TorchScript"):
-        fxprobe.tap(scripted)
-    with pytest.raises(fxprobe.UnsupportedModelError, match="TorchScript"):
-        fxprobe.sites(scripted)
 
 
 def test_not_a_module() -> None:

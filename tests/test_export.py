@@ -1,0 +1,165 @@
+"""Tapping torch.export programs: exported and loaded, against eager and fx references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from reference import clone
+from torch import nn
+
+import fxprobe
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 16)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(x, 1)
+        h = self.act(F.relu(self.fc1(x)))
+        return F.softmax(self.fc2(h), dim=-1)
+
+
+def _fx_values(model: nn.Module, *args: Any) -> dict[str, Any]:
+    ref = fxprobe.tap(model)
+    ref(*args)
+    return {k: clone(v) for k, v in ref.taps.items()}
+
+
+def _same_as_fx(model: nn.Module, program: Any, *args: Any) -> fxprobe.TappedExport:
+    expected = _fx_values(model, *args)
+    tapped = fxprobe.tap(program)
+    out = tapped(*args)
+    assert torch.equal(out, program.module()(*args)) and torch.equal(out, model(*args))
+    assert tuple(fxprobe.sites(program)) == tuple(fxprobe.sites(model))
+    assert list(tapped.taps) == list(expected)
+    for name, value in expected.items():
+        assert torch.equal(tapped.taps[name], value), name
+    return tapped
+
+
+@pytest.mark.parametrize("name", ["resnet", "inplace"])
+def test_names_and_values_equal_the_fx_frontend(name: str) -> None:
+    model, args, _ = zoo.make(name)
+    _same_as_fx(model, torch.export.export(model, args), *args)
+
+
+def test_pt2_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(3, 3, 4)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "m.pt2")
+    _same_as_fx(model, torch.export.load(tmp_path / "m.pt2"), x)
+
+
+def test_aten_ops_are_selected_by_every_spelling() -> None:
+    model, (x,), _ = zoo.make("encoder")
+    program = torch.export.export(model, (x,))
+    tapped = fxprobe.tap(program, ops=[F.softmax, torch.matmul, nn.LayerNorm, zoo.SelfAttention])
+    assert [(s.name, s.op) for s in tapped.sites] == [
+        ("norm1", "LayerNorm"), ("attn.matmul", "aten.matmul.default"),
+        ("attn.softmax", "aten.softmax.int"), ("attn.matmul_1", "aten.matmul.default"),
+        ("attn", "SelfAttention"), ("norm2", "LayerNorm")]
+    tapped(x)
+    expected = _fx_values(model, x)
+    assert all(torch.equal(tapped.taps[n], expected[n]) for n in expected if n in tapped.taps)
+    _, hooked = _hooked(model, "attn", x)
+    assert torch.equal(tapped.taps["attn"], hooked)
+
+
+def _hooked(model: nn.Module, path: str, *args: Any) -> tuple[Any, torch.Tensor]:
+    from reference import hook_values
+
+    out, seen = hook_values(model, [path], *args)
+    return out, seen[path]
+
+
+def test_inplace_hazards_copy_only_what_is_overwritten() -> None:
+    model, (x,), _ = zoo.make("inplace")
+    program = torch.export.export(model, (x,))
+    tapped = fxprobe.tap(program)
+    tapped(x)
+    # The ATen graph holds the same in-place ops as the eager code, so the same values are
+    # kept safe the same ways as by the fx frontend: bn and sigmoid by running the one
+    # in-place op that overwrites each out of place, mul, relu_ and view by a copy.
+    assert tapped.copied == {"mul", "relu_", "view"} and tapped.outplaced == {"bn", "sigmoid"}
+    ref = fxprobe.tap(model)
+    ref(x)
+    assert (tapped.copied, tapped.outplaced) == (ref.copied, ref.outplaced)
+    never = fxprobe.tap(program, ops="bn", copy="never")
+    never(x)
+    assert torch.equal(never.taps["bn"], model.act(model.bn(model.lin(x))))
+
+
+def test_tapped_program_saves_and_loads_with_its_taps(tmp_path: Path) -> None:
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(torch.export.export(model, (x,)), ops=[nn.Conv2d, "layer*.add", "x"])
+    out = tapped(x)
+    torch.export.save(tapped.exported(), tmp_path / "tapped.pt2")
+    loaded = torch.export.load(tmp_path / "tapped.pt2")
+    out2, values = loaded.module()(x)
+    assert torch.equal(out2, out) and len(values) == len(tapped.sites)
+    for site, value in zip(tapped.sites, values, strict=True):
+        assert torch.equal(value, tapped.taps[site.name])
+    again = fxprobe.tap(loaded)
+    again(x)
+    assert again.sites == tapped.sites
+    assert [s.name for s in fxprobe.sites(loaded).records] == [s.name for s in tapped.sites]
+    with pytest.raises(fxprobe.ConfigError, match="already tapped"):
+        fxprobe.tap(loaded, ops=nn.Conv2d)
+
+
+def test_stats_equal_the_fx_frontend() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    ref = fxprobe.tap(model, ops=[nn.Conv2d, torch.add], reduce="stats")
+    ref(x)
+    tapped = fxprobe.tap(torch.export.export(model, (x,)), ops=[nn.Conv2d, torch.add],
+                         reduce="stats", keep=2)
+    tapped(x)
+    assert dict(tapped.taps) == dict(ref.taps)
+
+
+def test_the_users_program_is_not_modified() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    program = torch.export.export(model, (x,))
+    before = (str(program.graph), [n.meta.get("custom") for n in program.graph.nodes],
+              list(program.graph_signature.output_specs), program.call_spec.out_spec,
+              program.module()(x))
+    fxprobe.tap(program)(x)
+    after = (str(program.graph), [n.meta.get("custom") for n in program.graph.nodes],
+             list(program.graph_signature.output_specs), program.call_spec.out_spec,
+             program.module()(x))
+    assert before[:4] == after[:4] and torch.equal(before[4], after[4])
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"fn": lambda s, v: None}, "fn="), ({"grad": True}, "grad="),
+    ({"capture": "both"}, "capture="), ({"reduce": "sample"}, "reduce="),
+    ({"leaf_modules": [nn.Linear]}, "leaf_modules="),
+])
+def test_modes_a_saved_graph_cannot_hold_are_refused(kwargs: dict[str, Any], word: str) -> None:
+    torch.manual_seed(0)
+    program = torch.export.export(MLP().eval(), (torch.randn(2, 12),))
+    with pytest.raises(fxprobe.ConfigError, match=word):
+        fxprobe.tap(program, **kwargs)
+
+
+def test_to_dot_and_cli_read_the_program(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    from fxprobe import _cli
+
+    model, (x,), _ = zoo.make("encoder")
+    program = torch.export.export(model, (x,))
+    dot = fxprobe.to_dot(program, x, ops=F.softmax).source
+    assert "attn.softmax" in dot and "aten.softmax.int" in dot and "cluster_attn" in dot
+    torch.export.save(program, tmp_path / "m.pt2")
+    assert _cli.main(["sites", str(tmp_path / "m.pt2"), "--ops", "op:softmax"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:2] == [
+        "attn.softmax", "aten.softmax.int"]

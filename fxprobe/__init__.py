@@ -13,7 +13,9 @@ from . import dist
 from ._artifact import TappedArtifact, TappedScript
 from ._captures import Captures, open_captures
 from ._disk import Disk
+from ._dynamo import CaptureInfo, attention_probs
 from ._errors import (
+    CaptureError,
     ConfigError,
     DiskError,
     FxProbeError,
@@ -43,6 +45,8 @@ from ._viz import render, to_dot
 
 __all__ = [
     "CallbackSink",
+    "CaptureError",
+    "CaptureInfo",
     "Captures",
     "ConfigError",
     "Disk",
@@ -74,6 +78,7 @@ __all__ = [
     "TraceError",
     "UnknownSiteError",
     "UnsupportedModelError",
+    "attention_probs",
     "dist",
     "extractor",
     "features",

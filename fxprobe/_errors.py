@@ -67,5 +67,9 @@ class UsageError(FxProbeError, ValueError):
     """What was typed on the command line cannot be used; the message says how to fix it."""
 
 
+class CaptureError(FxProbeError, RuntimeError):
+    """torch dynamo ran a module without fxprobe's graphs, so nothing in it was tapped."""
+
+
 class DiskError(FxProbeError, OSError):
     """Captures could not be written to, or read from, a directory (``fxprobe.Disk``)."""

@@ -13,7 +13,7 @@ from ._errors import ConfigError
 
 Capture = Literal["output", "input", "both"]
 CopyPolicy = Literal["auto", "always", "never"]
-TracerKind = Literal["auto", "fx", "hooks"]
+TracerKind = Literal["auto", "fx", "hooks", "dynamo", "fx+dynamo"]
 Reduce = Literal["stats", "sample"]
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ._dynamo import CaptureInfo, DynamoRegion
 from ._errors import UnsupportedModelError
 from ._mirror import mirror
 from ._options import TapOptions, TracerKind
@@ -23,7 +24,7 @@ from ._pipeline import Pipeline
 from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ._select import Selector, select
 from ._site import Site
-from ._trace import Fallback, Plan, plan
+from ._trace import Fallback, Plan, is_leaf, plan
 
 if TYPE_CHECKING:
     from ._summary import Table
@@ -53,6 +54,11 @@ class Program:
     guarded: dict[str, tuple[str, ...]]
     """Per region below untraced code: its sites that are hooked too (see ``HookSpec``). The
     region's capture counts as their first call, so a direct call after it is ``name_1``."""
+    dynamo: dict[str, DynamoRegion] = field(default_factory=dict)
+    """Modules run under torch dynamo, by path. Their selected sites join ``selected`` and
+    ``order`` as their graphs are captured (the first forward)."""
+    unchecked: list[Selector] | None = None
+    """With dynamo regions: the selectors to check once the first forward found their sites."""
 
     @property
     def hook_names(self) -> frozenset[str]:
@@ -131,8 +137,12 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         other.train(not training)
         return plan_model(other, options).sites
 
-    selected = select(p.sites, selectors, context=f"{model_name} ({mode} mode)",
-                      fallbacks=p.fallbacks, other_mode=other_mode if strict else None)
+    if p.dynamo:  # more sites appear as dynamo captures graphs: check after a forward
+        selected = [s for s in p.sites if not s.inlined] if selectors is None else [
+            s for s in p.sites if any(sel(s) for sel in selectors)]
+    else:
+        selected = select(p.sites, selectors, context=f"{model_name} ({mode} mode)",
+                          fallbacks=p.fallbacks, other_mode=other_mode if strict else None)
     names = {s.name for s in selected}
     compiled: dict[str, Compiled] = {}
     for path, region in p.regions.items():
@@ -153,8 +163,54 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         hooks.extend(HookSpec(s.name, str(s.target), path) for s in calls)
         if calls:
             guarded[path] = tuple(s.name for s in calls)
-    return Program(training, p, tuple(selected), compiled, tuple(hooks),
+    prog = Program(training, p, tuple(selected), compiled, tuple(hooks),
                    {s.name: i for i, s in enumerate(selected)}, guarded)
+    if p.dynamo:
+        prog.unchecked = list(selectors) if selectors is not None else None
+        for target in p.dynamo:
+            prog.dynamo[target.path] = _dynamo_region(root, target.path, selectors, options,
+                                                      pipeline, prog)
+    return prog
+
+
+def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
+                   options: TapOptions, pipeline: Pipeline, prog: Program) -> DynamoRegion:
+    """A module run under torch dynamo; the sites it selects join ``prog`` as they appear."""
+    leaf_types = tuple(t for t in options.leaf_modules if isinstance(t, type))
+    leaf_paths = frozenset(p for p in options.leaf_modules if isinstance(p, str))
+
+    def choose(found: Sequence[Site]) -> list[Site]:
+        if selectors is None:
+            return [s for s in found if not s.inlined]
+        return [s for s in found if any(sel(s) for sel in selectors)]
+
+    def on_sites(new: list[Site], chosen: list[Site]) -> None:
+        added = [s for s in chosen if s.name not in prog.order]
+        for s in added:
+            prog.order[s.name] = len(prog.order)
+        prog.selected = prog.selected + tuple(added)
+
+    module = root.get_submodule(path) if path else root
+    return DynamoRegion(
+        path, module, pipeline=pipeline, capture=options.capture, copy=options.copy,
+        is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths), choose=choose,
+        on_sites=on_sites)
+
+
+def check_found(prog: Program, model_name: str) -> None:
+    """After a forward of a program with dynamo regions: the selectors, against every site
+    found so far (``select``'s rules: a union may leave a type or function unmatched)."""
+    found = list(prog.plan.sites) + [
+        s for region in prog.dynamo.values() for s in region.sites.values()]
+    mode = "train" if prog.training else "eval"
+    select(found, prog.unchecked, fallbacks=prog.plan.fallbacks,
+           context=f"{model_name} ({mode} mode; sites found by the first forward: dynamo "
+           "captures graphs as the model runs)")
+    prog.unchecked = None
+
+
+def captures_of(prog: Program) -> tuple[CaptureInfo, ...]:
+    return tuple(region.info for region in prog.dynamo.values())
 
 
 @dataclass(frozen=True)
@@ -168,6 +224,8 @@ class View:
     capture: str
     taps: Mapping[str, Any] | None
     """The last forward's values, or None before any forward."""
+    captures: tuple[CaptureInfo, ...] = ()
+    """What torch dynamo captured (graphs, breaks), for modules it runs."""
 
 
 class SiteNames(tuple[str, ...]):

@@ -319,7 +319,9 @@ def summary(obj: Any, fmt: str = "text") -> Table:
     view = getattr(obj, "_fxprobe_view", None)
     if view is not None:  # a TappedModule
         v = view()
-        return tapped_table(v.selected, v.taps or {}, v.plan.fallbacks, fmt)
+        table = tapped_table(v.selected, v.taps or {}, v.plan.fallbacks, fmt)
+        captured = tuple(str(info) for info in v.captures)  # graphs and breaks (dynamo)
+        return dataclasses.replace(table, notes=table.notes + captured) if captured else table
     if isinstance(obj, SiteNames):
         return sites_table(obj.records, obj.fallbacks, fmt)
     from ._artifact import TappedArtifact, artifact_kind, artifact_sites

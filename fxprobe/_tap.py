@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 
 from ._artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
+from ._dynamo import CaptureInfo
 from ._errors import ConfigError, RemovedError
 from ._hooks import HookSet
 from ._mirror import drop_overrides, install_override, mirror, own_forward
@@ -26,7 +27,16 @@ from ._options import (
     make_options,
 )
 from ._pipeline import Pipeline
-from ._program import Program, SiteNames, View, build_program, check_model, list_sites
+from ._program import (
+    Program,
+    SiteNames,
+    View,
+    build_program,
+    captures_of,
+    check_found,
+    check_model,
+    list_sites,
+)
 from ._record import Grads, Recording, Taps
 from ._select import Selector, as_selectors
 from ._site import Site
@@ -114,10 +124,14 @@ class TappedModule(nn.Module):
         for spec in prog.hooks:
             module = root.get_submodule(spec.path) if spec.path else root
             self._hookset.ensure(spec.name, module, spec.region)
-        paths = {path for p in self._programs.values() for path in p.compiled if path}
+        paths = {path for p in self._programs.values() for path in (*p.compiled, *p.dynamo)
+                 if path}
         for path in paths:
             module = root.get_submodule(path)
             install_override(module, self._dispatcher(module, path))
+        if any("" in p.dynamo for p in self._programs.values()):
+            # model.generate() and other methods call the model itself: one frame per call.
+            install_override(root, self._root_dispatcher())
 
     def _dispatcher(self, module: nn.Module, path: str) -> Callable[..., Any]:
         programs, rec, store = self._programs, self._rec, self._pipeline.store
@@ -127,6 +141,9 @@ class TappedModule(nn.Module):
             prog = programs.get(module.training)
             comp = prog.compiled.get(path) if prog is not None else None
             if prog is None or comp is None:
+                dyn = prog.dynamo.get(path) if prog is not None else None
+                if dyn is not None:
+                    return dyn(*args, **kwargs)
                 return own(*args, **kwargs)
             state = rec.state
             running = state.running
@@ -144,6 +161,21 @@ class TappedModule(nn.Module):
 
         return forward
 
+    def _root_dispatcher(self) -> Callable[..., Any]:
+        rec, root = self._rec, self._root
+        own = own_forward(root)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            prog = self._programs.get(root.training)
+            dyn = prog.dynamo.get("") if prog is not None else None
+            if dyn is None:
+                return own(*args, **kwargs)
+            if rec.state.active:
+                return dyn(*args, **kwargs)
+            return self.forward(*args, **kwargs)
+
+        return forward
+
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
@@ -152,10 +184,13 @@ class TappedModule(nn.Module):
         state = self._rec.begin(prog.hook_names)
         try:
             root = prog.compiled.get("")
+            dyn = prog.dynamo.get("")
             if root is not None:
                 result = root.fn(root.holder, *args, **kwargs)
                 self._pipeline.store(root.names, result[1])
                 out = result[0]
+            elif dyn is not None:
+                out = dyn(*args, **kwargs)
             else:
                 out = own_forward(self._root)(*args, **kwargs)
             if state.frame.deferred:
@@ -164,7 +199,23 @@ class TappedModule(nn.Module):
             state.active = False
         if self._sink is not None:
             self._sink.write(self._rec.values(state.frame))
+        if prog.unchecked:
+            check_found(prog, self._model_name)
         return out
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``generate`` (HuggingFace), tapped: one frame per forward it makes.
+
+        Example:
+            >>> tapped = fxprobe.tap(model, ops=F.softmax, tracer="dynamo", keep="all")
+            >>> tokens = tapped.generate(input_ids, max_new_tokens=5)
+            >>> len(tapped.history)  # the prompt, then one forward per new token
+        """
+        gen = getattr(type(self._root), "generate", None)
+        if gen is None:
+            raise AttributeError(f"{self._model_name} has no generate() method")
+        self._program()
+        return gen(self._root, *args, **kwargs)
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)
@@ -205,6 +256,16 @@ class TappedModule(nn.Module):
         return self._program().selected
 
     @property
+    def captures(self) -> tuple[CaptureInfo, ...]:
+        """For each module run under torch dynamo: graphs captured, graph breaks, sites found.
+
+        Example:
+            >>> out = tapped(input_ids=ids); print(*tapped.captures)
+            <model>: 1 graph(s) captured by dynamo, 0 graph break(s) in the last forward, ...
+        """
+        return captures_of(self._program())
+
+    @property
     def fallbacks(self) -> tuple[Fallback, ...]:
         """Modules that could not be traced and run as written (current mode), with why."""
         return tuple(self._program().plan.fallbacks)
@@ -230,7 +291,8 @@ class TappedModule(nn.Module):
         frame = self._rec.frame
         mode = "train" if self.training else "eval"
         return View(f"{self._model_name} ({mode} mode)", prog.plan, self._root, prog.selected,
-                    self._options.capture, self.taps if frame.parts else None)
+                    self._options.capture, self.taps if frame.parts else None,
+                    captures_of(prog))
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.
@@ -286,7 +348,9 @@ class TappedModule(nn.Module):
         if prog is None or self._removed:
             return "removed" if self._removed else ""
         hooks = sum(1 for s in prog.selected if s.how == "hook")
-        return f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks}, hook={hooks})"
+        dyn = sum(1 for s in prog.selected if s.how == "dynamo")
+        text = f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks - dyn}, hook={hooks}"
+        return text + (f", dynamo={dyn} found so far)" if prog.dynamo else ")")
 
 
 @overload
@@ -388,7 +452,8 @@ def tap(model: Any, ops: Any = None, *,
 
 
 def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
-          leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = ()
+          leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
+          example_input: Any = None, example_kwargs: dict[str, Any] | None = None
           ) -> SiteNames:
     """Every tappable site name of ``model``, in execution order (eval mode unless ``train``).
 
@@ -397,9 +462,19 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
     A ScriptModule or an ExportedProgram is read from its graph (``train`` and the tracing
     arguments do not apply; see docs/artifacts.md).
 
+    With ``tracer="dynamo"`` or ``"fx+dynamo"``, the sites of modules that dynamo captures are
+    found by running them: pass ``example_input`` (a tensor or a tuple of positional
+    arguments) and/or ``example_kwargs``; they are listed after the other sites, in the order
+    the forward reached them.
+
+    Raises:
+        ConfigError: dynamo captures part of the model and no example input was given.
+
     Example:
         >>> fxprobe.sites(model)[:3]
         ('x', 'conv1', 'bn1')
+        >>> fxprobe.sites(gpt2, tracer="dynamo", example_kwargs={"input_ids": ids})[:2]
+        ('transformer.view', 'transformer.wte')
     """
     if artifact_kind(model) is not None:
         given = {k: v for k, v in (("train", train), ("tracer", tracer),
@@ -411,5 +486,35 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
     check_choice("tracer", tracer, TracerKind)
     check_flag("train", train)
     leaf_modules = check_sequence("leaf_modules", leaf_modules, "e.g. [MyBlock, 'encoder.0']")
-    return list_sites(model, train=train, tracer=tracer, leaf_modules=leaf_modules,
-                      autowrap_functions=autowrap_functions)
+    listed = list_sites(model, train=train, tracer=tracer, leaf_modules=leaf_modules,
+                        autowrap_functions=autowrap_functions)
+    if tracer not in ("dynamo", "fx+dynamo"):
+        return listed
+    options = make_options(
+        capture="output", detach=True, copy="auto", tracer=tracer, leaf_modules=leaf_modules,
+        autowrap_functions=autowrap_functions, reduce=None, sample_size=1, seed=0, keep="last",
+        to=None, fn=None, grad=False, grad_fn=None)
+    nothing = Selector(lambda s: False, "nothing")  # discovery only
+    probe = TappedModule(model, [nothing], options)
+    probe.train(train)
+    try:
+        prog = probe._program()
+        if not prog.dynamo:
+            return listed
+        if example_input is None and example_kwargs is None:
+            paths = ", ".join(repr(p) for p in prog.dynamo)
+            raise ConfigError(
+                f"torch dynamo captures {paths} of {type(model).__name__}, whose sites are "
+                "found by running it: pass example_input=(args...) and/or "
+                "example_kwargs={...}, e.g. fxprobe.sites(model, tracer='dynamo', "
+                "example_kwargs={'input_ids': ids})")
+        args = example_input if isinstance(example_input, tuple) else (
+            () if example_input is None else (example_input,))
+        prog.unchecked = None
+        with torch.no_grad():
+            probe(*args, **(example_kwargs or {}))
+        found = list(prog.plan.sites) + [
+            s for region in prog.dynamo.values() for s in region.sites.values()]
+    finally:
+        probe.remove()
+    return SiteNames(found, prog.plan.fallbacks)

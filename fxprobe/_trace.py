@@ -18,7 +18,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -70,6 +70,18 @@ class Fallback:
         return f"{where}: {self.error}{loc}"
 
 
+@dataclass(frozen=True)
+class DynamoTarget:
+    """A module that runs under torch dynamo (``_dynamo``): its sites are found as it runs."""
+
+    path: str
+    """Qualified path of the module ('' for the top-level model)."""
+    module_type: type[nn.Module]
+    """Its class."""
+    reason: str
+    """Why: the torch.fx error, one line, or that ``tracer="dynamo"`` asked for it."""
+
+
 @dataclass
 class Region:
     """A module traced into one fx graph whose nodes carry their sites (before any tap)."""
@@ -96,6 +108,8 @@ class Plan:
     regions: dict[str, Region]
     fallbacks: list[Fallback]
     sites: list[Site]
+    dynamo: list[DynamoTarget] = field(default_factory=list)
+    """Modules captured by torch dynamo; their sites are known after their first forward."""
 
 
 class SiteTracer(fx.Tracer):
@@ -374,6 +388,9 @@ class _Planner:
         self.regions: dict[str, Region] = {}
         self.fallbacks: list[Fallback] = []
         self.sites: list[Site] = []
+        self.dynamo: list[DynamoTarget] = []
+        # "fx+dynamo": what fx cannot trace goes to dynamo ("dynamo" sends everything there).
+        self.use_dynamo = tracer == "fx+dynamo"
 
     def visit(self, module: nn.Module, path: str) -> Region | None:
         """Trace ``module`` (marking untraceable descendants opaque) or make it opaque."""
@@ -383,6 +400,9 @@ class _Planner:
         if has_patched_forward(module):
             self.fallbacks.append(Fallback(path, type(module), _PATCHED, ""))
             self.open_up(module, path)
+            return None
+        if self.tracer == "dynamo":
+            self.dynamo.append(DynamoTarget(path, type(module), "tracer='dynamo'"))
             return None
         opaque: set[str] = set()
         errors: dict[str, Fallback] = {}
@@ -406,6 +426,9 @@ class _Planner:
                 sub = module.get_submodule(rel) if rel else module
                 failure = Fallback(_join(path, rel), type(sub), one_line(e),
                                    failure_location(e, sub))
+                if (rel == "" or rel in opaque) and self.use_dynamo:
+                    self.dynamo.append(DynamoTarget(path, type(module), failure.error))
+                    return None
                 if rel == "" or rel in opaque:
                     self.fallbacks.append(failure)
                     self.open_up(module, path)
@@ -417,8 +440,13 @@ class _Planner:
         for node in graph.nodes:
             if node.op == "call_module" and node.target in opaque:
                 rel = str(node.target)
-                self.fallbacks.append(errors[rel])
-                self.open_up(module.get_submodule(rel), _join(path, rel))
+                sub = module.get_submodule(rel)
+                if self.use_dynamo and not has_patched_forward(sub):
+                    self.dynamo.append(DynamoTarget(_join(path, rel), type(sub),
+                                                    errors[rel].error))
+                else:
+                    self.fallbacks.append(errors[rel])
+                    self.open_up(sub, _join(path, rel))
             self.sites.extend(sites_of(node))
         return region
 
@@ -473,4 +501,4 @@ def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (
     planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions),
                        library_blocks())
     root_region = planner.visit(root, "")
-    return Plan(root_region, planner.regions, planner.fallbacks, planner.sites)
+    return Plan(root_region, planner.regions, planner.fallbacks, planner.sites, planner.dynamo)

@@ -1,0 +1,267 @@
+"""The dynamo frontend: modules that torch.fx cannot trace, captured by torch dynamo.
+
+A :class:`DynamoRegion` runs a module's own ``forward`` under ``torch.compile`` with fxprobe's
+backend. Every graph dynamo captures (one per frame, per graph break, per recompilation) reaches
+the backend as an fx graph; the backend attaches a :class:`~fxprobe.Site` to its nodes
+(``node.meta["fxprobe_sites"]``, :mod:`fxprobe._dynamo_names`), selects sites, inserts the taps
+with the same pass as the fx frontend (:func:`fxprobe._rewrite.insert_taps`, which calls the
+shared :class:`~fxprobe._pipeline.Pipeline`) and returns a plain function that runs the result
+eagerly (no inductor)::
+
+    frame -> dynamo -> fx graph -> name_graph -> insert_taps -> compile_region -> run eagerly
+                                                                     |
+                                           kept values -> Pipeline.store (one frame/forward)
+
+Sites are discovered at the first call with real inputs; code between graphs (graph breaks) runs
+as written. With inlined ``nn.Module`` calls (always, from torch 2.5), one graph compiled for a
+frame of ``layers[0]`` may be reused for ``layers[1]``: each instrumented graph is therefore
+keyed by the identity of a parameter it receives, and a new instance gets its own names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ._dynamo_names import NamedGraph, Namer, name_graph, param_path
+from ._errors import CaptureError
+from ._options import Capture, CopyPolicy
+from ._pipeline import Pipeline
+from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
+from ._site import Site, attach
+
+
+def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """The attention probabilities inside ``F.scaled_dot_product_attention(query, key, ...)``.
+
+    ``softmax(query @ key.T * scale + mask)`` as the math path of SDPA computes it, before
+    dropout; a query that may attend to no key (a fully masked row) gets zeros, as in SDPA.
+
+    As a selector (``ops=fxprobe.attention_probs``) it taps these probabilities beside every
+    SDPA call that the dynamo frontend captured: computed on the side from the call's own
+    arguments, only for the selected calls, while the model keeps its fused attention. Each
+    such site is named ``<module path>.attention_probs``.
+
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
+            ``F.scaled_dot_product_attention`` (``value`` and ``dropout_p`` are not used).
+
+    Returns:
+        A tensor shaped ``(..., heads, query length, key length)``.
+
+    Example:
+        >>> tapped = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo")
+        >>> out = tapped(input_ids=ids)
+        >>> tapped.taps["transformer.h.0.attn.attention_probs"].shape  # (batch, heads, q, k)
+    """
+    q_len, k_len = query.size(-2), key.size(-2)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.size(-1))
+    if enable_gqa and key.dim() >= 3 and key.size(-3) != query.size(-3):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    # SDPA's math path (a "safe" softmax) gives rows that attend to nothing zeros, not NaN.
+    return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """What the dynamo frontend captured for one module (``tapped.captures``)."""
+
+    path: str
+    """Path of the module dynamo runs ('' for the whole model)."""
+    graphs: int
+    """Graphs captured so far: one per frame and graph break, plus one per recompilation."""
+    breaks: int
+    """Graph breaks in the last forward: the distinct graphs it ran, minus one (as
+    ``torch._dynamo.explain`` counts them)."""
+    sites: int
+    """Sites discovered so far in these graphs."""
+
+    def __str__(self) -> str:
+        where = self.path or "<model>"
+        return (f"{where}: {self.graphs} graph(s) captured by dynamo, {self.breaks} graph "
+                f"break(s) in the last forward, {self.sites} site(s)")
+
+
+class _Instrumented:
+    """One captured graph rewritten for one instance of its frame's module."""
+
+    __slots__ = ("fn", "holder", "names", "graph")
+
+    def __init__(self, compiled: Compiled) -> None:
+        self.graph = compiled.graph
+        self.fn = compiled.fn
+        self.holder = compiled.holder
+        self.names = compiled.names
+
+
+class _Captured:
+    """A graph dynamo handed to the backend, and its instrumented versions."""
+
+    def __init__(self, region: DynamoRegion, gm: fx.GraphModule,
+                 example_inputs: Sequence[Any]) -> None:
+        self.region = region
+        self.gm = gm
+        # A parameter the graph receives, to tell which module instance runs the frame:
+        # preferably one reached from the frame's ``self``.
+        self.anchor: int | None = None
+        self.anchor_rel = ""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders[: len(example_inputs)]):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = getattr(source, "name", None)
+            name = name() if callable(name) else name
+            if not isinstance(name, str) or not isinstance(example_inputs[i], nn.Parameter):
+                continue
+            rel = param_path(name)
+            if rel is not None and (self.anchor is None or name.startswith("L['self']")):
+                self.anchor, self.anchor_rel = i, rel
+                if name.startswith("L['self']"):
+                    break
+        self.captured_prefix = self.prefix_of(example_inputs)
+        self.versions: dict[int, _Instrumented] = {}
+        self.stamp = -1
+
+    def prefix_of(self, args: Sequence[Any]) -> str:
+        if self.anchor is None:
+            return ""
+        rel = self.anchor_rel
+        for owner in self.region.param_names.get(id(args[self.anchor]), ()):
+            if owner == rel or owner.endswith("." + rel):
+                return owner[: len(owner) - len(rel)].rstrip(".")
+        return ""
+
+    def version(self, args: Sequence[Any]) -> _Instrumented:
+        key = id(args[self.anchor]) if self.anchor is not None else 0
+        found = self.versions.get(key)
+        if found is None:
+            found = self.versions[key] = self.region.instrument(
+                self.gm, self.captured_prefix, self.prefix_of(args))
+        return found
+
+    def __call__(self, *args: Any) -> Any:
+        region = self.region
+        anchor = self.anchor
+        version = self.versions.get(id(args[anchor]) if anchor is not None else 0)
+        if version is None:
+            version = self.version(args)
+        result = version.fn(version.holder, *args)
+        if self.stamp != region.calls:  # the first run of this graph in this forward
+            self.stamp = region.calls
+            region.runs += 1
+        region.pipeline.store(version.names, result[1])
+        return result[0]
+
+
+class DynamoRegion:
+    """A module run under torch dynamo with fxprobe's backend (see the module docstring)."""
+
+    def __init__(self, path: str, module: nn.Module, *, pipeline: Pipeline,
+                 capture: Capture, copy: CopyPolicy,
+                 is_leaf: Callable[[nn.Module, str], bool],
+                 choose: Callable[[Sequence[Site]], list[Site]],
+                 on_sites: Callable[[list[Site], list[Site]], None]) -> None:
+        self.path = path
+        self.module = module
+        self.pipeline = pipeline
+        self.capture = capture
+        self.copy = copy
+        self.is_leaf = is_leaf
+        self.choose = choose
+        self.on_sites = on_sites
+        self.namer = Namer()
+        # Every name of each parameter (tied weights have several).
+        self.param_names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(p), []).append(name)
+        self.module_ids = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        self.sites: dict[str, Site] = {}
+        self.captured: list[_Captured] = []
+        self.graphs = 0
+        self.calls = 0
+        self.runs = 0
+        self.last_runs = 0
+        self._forward = type(module).forward
+        self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def info(self) -> CaptureInfo:
+        return CaptureInfo(self.path, self.graphs, max(self.last_runs - 1, 0), len(self.sites))
+
+    def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """The torch.compile backend: each captured graph is tapped and runs eagerly."""
+        self.graphs += 1
+        captured = _Captured(self, gm, example_inputs)
+        captured.version(example_inputs)
+        self.captured.append(captured)
+        return captured
+
+    def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str
+                   ) -> _Instrumented:
+        """Name the graph's nodes for the module instance at ``prefix`` and insert its taps."""
+        graph = copy_graph(gm.graph)
+        named: NamedGraph = name_graph(
+            graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
+            captured_prefix=captured_prefix, frame_prefix=prefix,
+            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
+        new = [s for s in named.order if s.name not in self.sites]
+        self.sites.update((s.name, s) for s in named.order)
+        selected = self.choose(named.order)
+        chosen = {s.name for s in selected}
+        for node, probs in named.sdpa.items():
+            if probs.name not in chosen:
+                continue  # computed only where selected: the model keeps its fused attention
+            with graph.inserting_after(node):
+                extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
+            attach(extra, probs)
+        self.on_sites(new, selected)
+        order, copied, outplaced = insert_taps(
+            graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
+            pipeline=self.pipeline)
+        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self._compiled
+        if compiled is None:
+            own_forward = self._forward
+
+            def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                # Not the forward itself: a decorated forward (transformers' wrappers) as the
+                # top frame is split at its first call; called from here it is inlined.
+                return own_forward(module, *args, **kwargs)
+
+            # A code object of its own: dynamo caches graphs (and counts recompilations
+            # against recompile_limit) per code object, and this one is per region.
+            run.__code__ = run.__code__.replace(co_name=f"fxprobe_{type(self.module).__name__}")
+            compiled = self._compiled = torch.compile(run, backend=self.backend)
+        self.calls += 1
+        before = self.runs
+        result = compiled(self.module, *args, **kwargs)
+        self.last_runs = ran = self.runs - before
+        if ran == 0:
+            raise CaptureError(
+                f"torch dynamo ran {type(self.module).__name__}"
+                f"{f' ({self.path})' if self.path else ''} without any of fxprobe's graphs, "
+                "so nothing could be tapped: it hit torch._dynamo.config.recompile_limit "
+                f"(now {torch._dynamo.config.recompile_limit}) or skipped the frame. Raise "
+                "that limit, call torch._dynamo.reset(), or use tracer='hooks'."
+            )
+        return result

@@ -1,0 +1,288 @@
+"""Op-level taps inside HuggingFace transformers models through the dynamo frontend.
+
+Tiny models from configs (random init, nothing downloaded). References: the eager model's
+outputs, ``output_attentions=True`` under eager attention, forward hooks, and hand-patched
+copies of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import model_state, states_equal
+from torch import nn
+
+import fxprobe
+
+tf = pytest.importorskip("transformers")
+
+FAMILIES = ("gpt2", "bert", "llama", "t5")
+ATTENTION = {  # attention modules in forward order, and the output_attentions fields
+    "gpt2": (["transformer.h.0.attn", "transformer.h.1.attn"], ["attentions"]),
+    "bert": (["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"],
+             ["attentions"]),
+    "llama": (["model.layers.0.self_attn", "model.layers.1.self_attn"], ["attentions"]),
+    "t5": (["encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention",
+            "decoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.1.EncDecAttention",
+            "decoder.block.1.layer.0.SelfAttention", "decoder.block.1.layer.1.EncDecAttention"],
+           ["encoder_attentions", "decoder_attentions", "cross_attentions"]),
+}
+
+
+def make(family: str, attn: str) -> nn.Module:
+    """Two layers, hidden 32, vocabulary 100; the same weights for every ``attn``."""
+    if family == "gpt2":
+        config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                               bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cls = tf.GPT2LMHeadModel
+    elif family == "bert":
+        config = tf.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                               intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+        cls = tf.BertModel
+    elif family == "llama":
+        config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                num_key_value_heads=1, intermediate_size=64, vocab_size=100,
+                                max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                                pad_token_id=0)
+        cls = tf.LlamaForCausalLM
+    else:
+        config = tf.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64,
+                             num_heads=2, d_kv=16, vocab_size=100, decoder_start_token_id=0,
+                             pad_token_id=0, eos_token_id=1)
+        cls = tf.T5ForConditionalGeneration
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def inputs(family: str, length: int = 7, batch: int = 2, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 100, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding in the first row: the mask matters
+    kw = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+    if family == "t5":
+        kw["decoder_input_ids"] = ids[:, : max(length - 2, 1)]
+    if family == "bert":
+        kw.pop("use_cache")
+    return kw
+
+
+def outputs_equal(a: Any, b: Any) -> bool:
+    """Same ModelOutput class, same keys, every tensor bitwise equal."""
+    if type(a) is not type(b) or list(a.keys()) != list(b.keys()):
+        return False
+    return all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(a.values(), b.values(), strict=True))
+
+
+@pytest.fixture(scope="module", params=[(f, a) for f in FAMILIES for a in ("eager", "sdpa")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def tapped_family(request: pytest.FixtureRequest) -> Any:
+    family, attn = request.param
+    model = make(family, attn)
+    before = model_state(model)
+    ops = [F.softmax, torch.matmul] if attn == "eager" else [fxprobe.attention_probs]
+    tapped = fxprobe.tap(model, ops=ops, tracer="dynamo")
+    yield family, attn, model, tapped
+    tapped.remove()
+    assert states_equal(before, model_state(model))
+
+
+def test_outputs_bitwise_equal_and_attention_equals_output_attentions(tapped_family: Any
+                                                                      ) -> None:
+    family, attn, model, tapped = tapped_family
+    kw = inputs(family)
+    with torch.no_grad():
+        out = tapped(**kw)
+        expected = model(**kw)
+        # The same weights with eager attention; a separate model, because
+        # output_attentions=True makes transformers install hooks on the model it runs.
+        eager = make(family, "eager")
+        assert all(torch.equal(p, q) for p, q in zip(
+            eager.parameters(), model.parameters(), strict=True))
+        reference = eager(**kw, output_attentions=True)
+    assert outputs_equal(out, expected)
+    paths, fields = ATTENTION[family]
+    probs = [a for field in fields for a in getattr(reference, field)]
+    if family == "t5":  # forward order: encoder, then per decoder layer self and cross
+        enc, dec, cross = (list(getattr(reference, f)) for f in fields)
+        probs = enc + [p for pair in zip(dec, cross, strict=True) for p in pair]
+    suffix = "softmax" if attn == "eager" else "attention_probs"
+    for path, p in zip(paths, probs, strict=True):
+        got = tapped.taps[f"{path}.{suffix}"]
+        if attn == "eager":
+            assert torch.equal(got, p), path
+            continue
+        # Causal models: the two left-padded queries of row 0 may attend to no key. Eager
+        # attention (a finite minimum as mask) spreads them evenly; SDPA gives them zeros.
+        empty = torch.zeros(got.shape[:-1], dtype=torch.bool)
+        if family in ("gpt2", "llama"):
+            empty[0, :, :2] = True
+        assert torch.equal(got[empty], torch.zeros_like(got[empty]))
+        torch.testing.assert_close(got[~empty], p[~empty], rtol=0, atol=1e-5)
+    assert all(s.how == "dynamo" for s in tapped.sites)
+    assert any(s.name == f"{paths[0]}.matmul" for s in tapped.sites) or attn == "sdpa"
+
+
+@pytest.fixture(scope="module")
+def gpt2_sdpa() -> Any:
+    model = make("gpt2", "sdpa")
+    tapped = fxprobe.tap(model, ops=["transformer.h.1.ln_1", "*.attn.attention_probs"],
+                         tracer="dynamo", keep="all")
+    return model, tapped
+
+
+def test_no_recompilation_across_sequence_lengths(gpt2_sdpa: Any) -> None:
+    model, tapped = gpt2_sdpa
+    seen = []
+    lengths = [5, 9, 6, 12, 7]
+    for i in range(20):
+        kw = inputs("gpt2", length=lengths[i % 5], seed=i)
+        with torch.no_grad():
+            out = tapped(**kw)
+            handle = model.transformer.h[1].ln_1.register_forward_hook(
+                lambda m, a, o: seen.append(o.clone()))
+            try:
+                expected = model(**kw)
+            finally:
+                handle.remove()
+        assert torch.equal(out.logits, expected.logits)
+        assert torch.equal(tapped.taps["transformer.h.1.ln_1"], seen[-1])  # no stale guards
+        if i == 1:
+            after_two = tapped.captures[0].graphs
+    assert tapped.captures[0].graphs == after_two
+
+
+def test_generate_captures_every_step_without_recompiling(gpt2_sdpa: Any) -> None:
+    model, tapped = gpt2_sdpa
+    prompt = torch.randint(2, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+    steps: list[torch.Tensor] = []
+    handle = model.transformer.h[1].ln_1.register_forward_hook(
+        lambda m, a, o: steps.append(o.clone()))
+    with torch.no_grad():
+        try:
+            expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        finally:
+            handle.remove()
+        for n in (4, 5):  # warm up: two prompt lengths, as dynamo specializes the first
+            tapped.generate(prompt[:, :n], max_new_tokens=3, do_sample=False)
+        graphs = tapped.captures[0].graphs
+        before = len(tapped.history)  # keep="all": every forward so far
+        tokens = tapped.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, expected)
+    assert tapped.captures[0].graphs == graphs  # new lengths and steps reuse the graphs
+    frames = tapped.history[before:]
+    assert len(frames) == len(steps) == 6  # one frame per forward
+    for frame, ref in zip(frames, steps, strict=True):
+        assert torch.equal(frame["transformer.h.1.ln_1"], ref)
+    shapes = [f["transformer.h.0.attn.attention_probs"].shape[-2:] for f in frames]
+    assert shapes == [(6, 6)] + [(1, 7 + i) for i in range(5)]  # the KV cache grows
+
+
+def test_kwargs_past_key_values_and_return_dict_pass_through(gpt2_sdpa: Any) -> None:
+    model, tapped = gpt2_sdpa
+    kw = inputs("gpt2")
+    kw["use_cache"] = True
+    with torch.no_grad():
+        out = tapped(**kw)
+        expected = model(**kw)
+        as_tuple = tapped(**kw, return_dict=False)
+    assert type(out) is type(expected) and torch.equal(out.logits, expected.logits)
+    got_cache, ref_cache = out.past_key_values, expected.past_key_values
+    assert type(got_cache) is type(ref_cache)
+    for a, b in zip(got_cache.layers, ref_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], expected.logits)
+    step = {"input_ids": kw["input_ids"][:, -1:], "use_cache": True,
+            "attention_mask": torch.cat([kw["attention_mask"], torch.ones(2, 1).long()], 1)}
+    with torch.no_grad():
+        nxt = tapped(**step, past_key_values=copy.deepcopy(ref_cache))
+        nxt_ref = model(**step, past_key_values=copy.deepcopy(ref_cache))
+    assert torch.equal(nxt.logits, nxt_ref.logits)
+    assert tapped.taps["transformer.h.0.attn.attention_probs"].shape[-2:] == (1, 8)
+
+
+def test_zero_an_attention_probability_and_patch_one_head() -> None:
+    model = make("gpt2", "eager")
+    kw = inputs("gpt2")
+
+    def fn(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor | None:
+        value = value.clone()
+        if site.name == "transformer.h.0.attn.softmax":
+            value[:, 1, 4, 3] = 0.0  # head 1: query 4 no longer attends to key 3
+        else:  # transformer.h.1.attn.matmul_1: head 0's output (batch, head, seq, dim)
+            value[:, 0] = 0.0
+        return value
+
+    tapped = fxprobe.tap(model, ops=["transformer.h.0.attn.softmax",
+                                     "transformer.h.1.attn.matmul_1"], tracer="dynamo", fn=fn)
+    # The hand-patched reference: F.softmax patched for its first call; head 0's 16 features
+    # zeroed at the input of layer 1's output projection (c_proj sees the heads merged).
+    patched = copy.deepcopy(model)
+    real_softmax, calls = F.softmax, []
+
+    def softmax_patched(*args: Any, **kw: Any) -> torch.Tensor:
+        out = real_softmax(*args, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            out = out.clone()
+            out[:, 1, 4, 3] = 0.0
+        return out
+
+    def zero_head(m: nn.Module, args: Any) -> Any:
+        h = args[0].clone()
+        h[..., :16] = 0.0
+        return (h,)
+
+    patched.transformer.h[1].attn.c_proj.register_forward_pre_hook(zero_head)
+    with torch.no_grad():
+        out = tapped(**kw)
+        try:
+            torch.nn.functional.softmax = softmax_patched
+            expected = patched(**kw)
+        finally:
+            torch.nn.functional.softmax = real_softmax
+        plain = model(**kw)
+    assert len(calls) == 2
+    assert torch.equal(out.logits, expected.logits)
+    assert not torch.equal(out.logits, plain.logits)
+
+
+def test_grads_of_attention_probabilities() -> None:
+    model = make("llama", "eager")
+    kw = inputs("llama")
+    tapped = fxprobe.tap(model, ops=["*.self_attn.softmax"], tracer="dynamo", grad=True)
+    tapped(**kw).logits.square().sum().backward()
+    reference = copy.deepcopy(model)
+    ref = reference(**kw, output_attentions=True)
+    for a in ref.attentions:
+        a.retain_grad()
+    ref.logits.square().sum().backward()
+    for i, a in enumerate(ref.attentions):
+        assert a.grad is not None and a.grad.abs().sum() > 0
+        assert torch.equal(tapped.grads[f"model.layers.{i}.self_attn.softmax"], a.grad)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+def test_transformers_doc_examples_run() -> None:
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "transformers.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert len(blocks) >= 4
+    scope: dict[str, Any] = {"__name__": "__docs__"}
+    for i, code in enumerate(blocks):
+        try:
+            exec(compile(code, f"{doc.name}[{i}]", "exec"), scope)
+        except Exception as e:  # name the block that failed
+            raise AssertionError(f"{doc.name} example {i} failed: {e!r}\n{code}") from e
+    assert list(scope["tapped"].taps) == ["transformer.h.0.attn.softmax",
+                                          "transformer.h.1.attn.softmax"]

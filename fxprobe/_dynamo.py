@@ -233,9 +233,11 @@ class DynamoRegion:
                 extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
             attach(extra, probs)
         self.on_sites(new, selected)
+        # A captured graph returns to dynamo's bytecode (the code between graph breaks, or
+        # the caller), which fxprobe does not see and which may write into what it returns.
         order, copied, outplaced = insert_taps(
             graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
-            pipeline=self.pipeline)
+            pipeline=self.pipeline, escapes=True)
         return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -130,7 +130,11 @@ def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
 class Hazards:
     """Answers: is a value captured at node N overwritten by a node that runs after it?"""
 
-    def __init__(self, graph: fx.Graph, modules: Callable[[str], nn.Module]) -> None:
+    def __init__(self, graph: fx.Graph, modules: Callable[[str], nn.Module],
+                 escapes: bool = False) -> None:
+        """``escapes``: what the graph returns goes to code fxprobe cannot see (a traced
+        module called from untraced code, a graph between dynamo graph breaks), which may
+        write into it: the output counts as a writer of every value it returns."""
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.groups = _Groups()
         self.writes: dict[fx.Node, list[int]] = {}
@@ -138,6 +142,8 @@ class Hazards:
         pending: list[tuple[fx.Node, fx.Node]] = []
         for n in graph.nodes:
             aliases, writes = _effects(n, modules)
+            if escapes and n.op == "output":
+                writes = _tensor_args(n)
             for a in aliases:
                 self.groups.union(n, a)
             pending.extend((n, w) for w in writes)

@@ -152,7 +152,8 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         graph = copy_graph(region.graph)
         order, copied, outplaced = insert_taps(
             graph, region.module.get_submodule, chosen, capture=options.capture,
-            copy=options.copy, pipeline=pipeline)
+            copy=options.copy, pipeline=pipeline,
+            escapes=bool(path))  # a region below the root returns to untraced code
         compiled[path] = compile_region(path, region.module, graph, order, copied, outplaced)
     hooks = [HookSpec(s.name, s.name, None) for s in selected if s.how == "hook"]
     guarded: dict[str, tuple[str, ...]] = {}

@@ -127,8 +127,8 @@ def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
 
 
 def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: set[str], *,
-                capture: Capture, copy: CopyPolicy, pipeline: Pipeline
-                ) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
+                capture: Capture, copy: CopyPolicy, pipeline: Pipeline,
+                escapes: bool = False) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
     """Make ``graph`` (a copy) return ``(model output, (kept values...))``, in place.
 
     For each selected site on a node, the value goes straight into the returned tuple when the
@@ -147,6 +147,8 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
         capture: what to keep of each site.
         copy: when to copy a value before a later in-place op can overwrite it.
         pipeline: the tapped module's pipeline.
+        escapes: what the graph returns goes to code fxprobe cannot see, which may write into
+            it (a traced module called from untraced code): returned values count as written.
 
     With ``copy="auto"``, a captured value that a single in-place op would overwrite, where
     nothing else sees the aliasing, is kept safe by running that op out of place
@@ -157,7 +159,7 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
         made safe by running their overwriting op out of place.
     """
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
-    hazards = Hazards(graph, modules) if copy == "auto" else None
+    hazards = Hazards(graph, modules, escapes) if copy == "auto" else None
     outplaced: set[str] = set()
     if hazards is not None and capture == "output" and pipeline.reduce is None:
         # Where one in-place op is all that would overwrite a captured value, run it out of
@@ -169,7 +171,7 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                 if writer is not None and run_out_of_place(writer, modules):
                     outplaced.update(chosen)
         if outplaced:
-            hazards = Hazards(graph, modules)
+            hazards = Hazards(graph, modules, escapes)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     names: list[str] = []
     values: list[Any] = []

@@ -122,3 +122,30 @@ def test_an_inplace_op_whose_aliasing_is_seen_is_not_run_out_of_place() -> None:
     assert torch.equal(out, expected) and torch.equal(expected, 2 * torch.relu(lin))
     assert torch.equal(tapped.taps["lin"], lin) and (lin < 0).any()
     assert tapped.copied == {"lin"} and tapped.outplaced == frozenset()
+
+
+class _WritesWhatItGets(torch.nn.Module):
+    """Untraceable code that writes in place into what a traced child returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        if y.sum() > -1e9:  # data-dependent: this forward runs as written
+            y.relu_()
+        return y
+
+
+def test_a_value_returned_to_untraced_code_is_kept_as_produced() -> None:
+    torch.manual_seed(0)
+    model = _WritesWhatItGets()
+    x = torch.randn(3, 4)
+    tapped = fxprobe.tap(model, ops="block.0")
+    with torch.no_grad():
+        out = tapped(x)
+        lin = model.block[0](x)
+    assert (lin < 0).any() and torch.equal(out, torch.relu(lin))
+    # The caller fxprobe cannot see writes into it after the traced block returns.
+    assert torch.equal(tapped.taps["block.0"], lin)

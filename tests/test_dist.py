@@ -8,6 +8,7 @@ scenario's verdict.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -16,7 +17,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,23 @@ def fsdp2(rank: int, tmp: Path) -> None:
         raise AssertionError("tracing through a fully_shard'ed block ran with sharded params")
 
 
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[list[int]]:
+    """Count the all-gathers this rank makes (one entry each) while the block runs."""
+    calls: list[int] = []
+    real = getattr(tdist, GATHER)
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    setattr(tdist, GATHER, counted)
+    try:
+        yield calls
+    finally:
+        setattr(tdist, GATHER, real)
+
+
 def _np_stats(t: np.ndarray) -> dict[str, float]:
     fin = t[np.isfinite(t)]
     return {"mean": fin.mean(), "std": fin.std(ddof=1), "min": fin.min(), "max": fin.max(),
@@ -153,20 +171,10 @@ def reduce_stats(rank: int, tmp: Path) -> None:
     tapped = fxprobe.tap(model, ops=["x", "blocks.*.relu", "head"], reduce="stats")
     with torch.no_grad():
         tapped(poisoned(rank))
-    calls = []
-    real = getattr(tdist, GATHER)
-
-    def counted(*a: Any, **k: Any) -> Any:
-        calls.append(1)
-        return real(*a, **k)
-
-    setattr(tdist, GATHER, counted)
-    try:
+    with counting_collectives() as calls:
         first = fxprobe.dist.reduce_stats(tapped)  # compares the ranks' sites, then reduces
         calls.clear()
         got = fxprobe.dist.reduce_stats(tapped)
-    finally:
-        setattr(tdist, GATHER, real)
     assert len(calls) == 1, f"{len(calls)} collectives"
     assert first == got
     refs: dict[str, list[np.ndarray]] = {}
@@ -231,24 +239,14 @@ def stats_logger(rank: int, tmp: Path) -> None:
     log.setLevel(logging.INFO)
     log.addHandler(Keep())
     slog = fxprobe.dist.StatsLogger(tapped, every=2, logger=log)
-    calls = []
-    real = getattr(tdist, GATHER)
-
-    def counted(*a: Any, **k: Any) -> Any:
-        calls.append(1)
-        return real(*a, **k)
-
-    setattr(tdist, GATHER, counted)
     per_step = []
-    try:
+    with counting_collectives() as calls:
         for step in range(5):
             with torch.no_grad():
                 tapped(batch(rank, step))
             slog.step()
             per_step.append(len(calls))
             calls.clear()
-    finally:
-        setattr(tdist, GATHER, real)
     assert per_step == [2, 0, 1, 0, 1], per_step  # the first also compares the ranks' sites
     assert len(records) == (3 if rank == 0 else 0)
     if rank == 0:

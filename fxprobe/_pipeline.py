@@ -64,7 +64,8 @@ class Pipeline:
         self.options = options
         self.rec = recording
         self.site = site
-        self.reduce = _reducer(options)
+        self.reduce = self._stats_of if options.reduce == "stats" else _reducer(options)
+        """What ``keep`` does instead of keeping the value (None: keep it, copied if at risk)."""
         self.fn = options.fn
         self.wants_grads = options.wants_grads
         self.finalize = _resolve_stats if options.reduce == "stats" else None
@@ -89,11 +90,12 @@ class Pipeline:
         return tuple(self.keep(a, copy) for a in args)
 
     def keep(self, value: Any, copy: bool) -> Any:
-        if self.options.reduce == "stats":
-            return map_tensors(lambda t: self._stats(t, copy), value)
         if self.reduce is not None:
-            return self.reduce(value)  # a reduction is new memory: never overwritten
+            return self.reduce(value, copy)
         return clone_tree(value) if copy else value
+
+    def _stats_of(self, value: Any, copy: bool) -> Any:
+        return map_tensors(lambda t: self._stats(t, copy), value)
 
     def _stats(self, t: torch.Tensor, copy: bool) -> _PendingStats:
         """Statistics of ``t``: now for a large tensor; for a small one, at the end of the
@@ -185,17 +187,17 @@ class Pipeline:
         state.frame.parts.append((names, values))
 
 
-def _reducer(options: TapOptions) -> Callable[[Any], Any] | None:
-    if options.reduce == "stats":
-        return lambda value: map_tensors(lambda t: _PendingStats(t, stats_vector(t)), value)
+def _reducer(options: TapOptions) -> Callable[[Any, bool], Any] | None:
+    """``reduce="sample"`` or a user's reduction: new memory, which no later op overwrites, so
+    the copy flag does not matter."""
     if options.reduce == "sample":
         from ._stats import sample_vector
 
         k, seed = options.sample_size, options.seed
-        return lambda value: map_tensors(lambda t: sample_vector(t, k, seed), value)
+        return lambda value, copy: map_tensors(lambda t: sample_vector(t, k, seed), value)
     if callable(options.reduce):
         user = options.reduce
-        return lambda value: map_tensors(user, value)
+        return lambda value, copy: map_tensors(user, value)
     return None
 
 

@@ -1,9 +1,12 @@
 """Summary statistics of captured tensors, computed on their device without stalling the host.
 
-:func:`stats_vector` reduces a tensor to eight numbers with tensor ops only: no ``.item()``, no
-branching on values, nothing that waits for the device (on CUDA with Triton: one fused kernel,
-:mod:`fxprobe._stats_triton`). :func:`stats_vectors` reduces many tensors with few ops (small
-ones of one size stacked into a matrix). :class:`StatsBatch` stacks the vectors
+:func:`stats_vector` reduces a tensor to eight numbers. On an accelerator it runs tensor ops
+only: no ``.item()``, no branching on values, nothing that waits for the device (on CUDA with
+Triton: one fused kernel, :mod:`fxprobe._stats_triton`). On a CPU, where reading a value waits
+for nothing, it branches: an all-finite tensor (the common case) takes four passes and a few
+host operations (numpy for small tensors), and only a tensor with NaN or Inf pays for the
+finite-only bookkeeping of the device path. :func:`stats_vectors` reduces many tensors with
+few ops (small ones of one size stacked into a matrix). :class:`StatsBatch` stacks the vectors
 of one forward and brings them to the host in a single transfer, the first time any is read.
 :class:`StatsLogger` does that every N steps of a training loop and logs a table.
 
@@ -31,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._errors import ConfigError
@@ -70,10 +74,12 @@ class Stats:
 def stats_vector(t: torch.Tensor) -> torch.Tensor:
     """The eight statistics of ``t`` as a 1-D tensor on its device, in :data:`FIELDS` order.
 
-    Runs tensor ops only, so it never blocks the host on an accelerator; the result is
+    On an accelerator it runs tensor ops only, so it never blocks the host; the result is
     detached from autograd. On CUDA, with Triton installed and outside ``torch.compile``, one
     Triton kernel reads ``t`` once (:mod:`fxprobe._stats_triton`); elsewhere about a dozen
-    torch reductions and in-place ops over one temporary, with no branch on values.
+    torch reductions and in-place ops over one temporary, with no branch on values. On a CPU
+    in eager mode (not under ``torch.compile`` or a functorch transform), where a branch on
+    values costs nothing, a tensor whose elements are all finite takes four passes instead.
 
     Args:
         t: a real tensor of any dtype (bool and integers are cast), any shape, any device.
@@ -104,9 +110,122 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
             fused = _stats_triton.try_stats_vector(x, dtype)
             if fused is not None:
                 return fused
+    if _host_reads_free(x):
+        if numel <= _SMALL:
+            row = _cpu_stats_small(_float64_array(x))
+            if row is not None:
+                return torch.from_numpy(row.astype(_NP_DTYPE[dtype]))
+        fast = _cpu_stats_vector(x.reshape(-1).to(dtype), dtype)
+        if fast is not None:
+            return fast
     if numel <= _SMALL:  # launch-bound: float64 needs no overflow guard, so fewer ops
         return _stats_of(x.reshape(-1).to(torch.float64), None, scaled=False).to(dtype)
     return _stats_of(x.reshape(-1).to(dtype), None)
+
+
+CPU_HOST_READS = True
+"""Whether :func:`stats_vector` may read values on the host for a CPU tensor (its fast path).
+
+On a CPU, reading a tensor's value is a memory read, not a wait for a device, so a branch on
+values costs nothing there and lets the common case (every element finite) skip the
+NaN/Inf bookkeeping. ``tests/nosync.py`` turns it off while it emulates a GPU on a CPU, so the
+path a GPU takes is the one checked for host synchronisation."""
+
+
+def _host_reads_free(x: torch.Tensor) -> bool:
+    """True for a plain CPU tensor in eager mode: reading its values waits for nothing."""
+    return (CPU_HOST_READS and x.device.type == "cpu" and type(x) is torch.Tensor
+            and not torch.compiler.is_compiling()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x))
+
+
+_CONDITIONED = 0.8
+"""One-pass variance ``(sum x^2 - n mean^2) / (n - 1)`` is used while ``n mean^2`` is at most
+this fraction of ``sum x^2`` (cancellation magnifies rounding at most 5x); beyond, two passes."""
+
+
+def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """:func:`stats_vector` of a large 1-D float CPU tensor whose elements are all finite, in
+    four passes (min/max, sum, sum of squares, zero count) and host arithmetic in float64; None
+    when an element is not finite or the squares could overflow (the general path handles
+    those). The sum, min and max read every element, and any NaN or Inf makes one of them
+    non-finite, so finite results prove that every element is finite."""
+    n = flat.numel()
+    lo_t, hi_t = torch.aminmax(flat)
+    lo, hi, total = torch.stack([lo_t, hi_t, flat.sum()]).tolist()
+    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(total)):
+        return None
+    absmax = max(-lo, hi)
+    if absmax * absmax * n >= torch.finfo(dtype).max / 4:  # the squares could overflow
+        return None
+    mean = total / n
+    squares = float(_sum_of_squares(flat, None))
+    if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first
+        squares = float(_sum_of_squares(flat - mean, None))
+    else:
+        squares = max(squares - total * mean, 0.0)
+    std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
+    zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(flat.numpy() == 0))
+    vector = np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0],
+                      dtype=np.float64 if dtype == torch.float64 else np.float32)
+    return torch.from_numpy(vector)
+
+
+def _float64_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's elements as a new 1-D float64 numpy array."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bfloat16:  # the one dtype numpy lacks
+        flat = flat.to(torch.float64)
+    return flat.numpy().astype(np.float64)
+
+
+def _cpu_stats_small(a: np.ndarray) -> np.ndarray | None:
+    """The stats of a small 1-D float64 array whose elements are all finite, by numpy (a
+    microsecond a call, where a torch op costs several); None otherwise."""
+    n = a.size
+    lo, hi, total = float(a.min()), float(a.max()), float(a.sum())
+    absmax = max(-lo, hi)
+    if not (math.isfinite(total) and absmax * absmax * n < _F64_MAX / 4):  # NaN fails too
+        return None
+    mean = total / n
+    squares = float(np.dot(a, a))
+    if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first
+        dev = a - mean
+        squares = float(np.dot(dev, dev))
+    else:
+        squares = max(squares - total * mean, 0.0)
+    std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
+    zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(a == 0))
+    return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
+
+
+def _cpu_stats_rows(m: torch.Tensor) -> torch.Tensor:
+    """The stats of each row of a small float64 CPU matrix: numpy for rows whose elements are
+    all finite (two passes in float64), the general path for the others."""
+    a = m.numpy()
+    r, n = a.shape
+    out = np.empty((r, 8))
+    lo, hi, total = a.min(axis=1, out=out[:, 2]), a.max(axis=1, out=out[:, 3]), a.sum(axis=1)
+    absmax = np.maximum(-lo, hi, out=out[:, 4])
+    with np.errstate(over="ignore", invalid="ignore"):
+        good = np.isfinite(total) & (absmax * absmax * n < _F64_MAX / 4)  # NaN fails too
+    mean = np.divide(total, n, out=out[:, 0])
+    dev = a - mean[:, None]
+    if n > 1:
+        np.sqrt(np.einsum("ij,ij->i", dev, dev) / (n - 1), out=out[:, 1])
+    else:
+        out[:, 1] = np.nan
+    out[:, 5] = (a == 0).sum(axis=1) / n
+    out[:, 6:] = 0.0
+    result = torch.from_numpy(out)
+    if not good.all():
+        bad = torch.from_numpy(np.flatnonzero(~good))
+        result[bad] = _stats_of(m[bad], 1, scaled=True)
+    return result
+
+
+_F64_MAX = float(torch.finfo(torch.float64).max)
+_NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -145,6 +264,8 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         )
     out_dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
                  else torch.float32)
+    if _host_reads_free(tensors[0].detach()):
+        return torch.from_numpy(_cpu_stats_table(tensors)).to(out_dtype)
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.dtype, int], list[int]] = {}  # same dtype and size: stackable
     for i, t in enumerate(tensors):
@@ -162,6 +283,32 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         for j, i in enumerate(members):
             rows[i] = result[j]
     return torch.stack([r.to(out_dtype) for r in rows if r is not None])
+
+
+_ROWS = 8
+"""On a CPU, same-size small tensors are reduced as one matrix from this many on."""
+
+
+def _cpu_stats_table(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """:func:`stats_vectors` on a CPU, rows in float64: one numpy call per statistic for a
+    group of many same-size small tensors, a few per tensor otherwise."""
+    out = np.empty((len(tensors), len(FIELDS)))
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if 0 < n <= _SMALL:
+            groups.setdefault((t.dtype, n), []).append(i)
+        else:
+            out[i] = stats_vector(t).double().numpy()
+    for (_, n), members in groups.items():
+        if len(members) >= _ROWS:
+            stacked = torch.stack([tensors[i].detach().reshape(n) for i in members])
+            out[members] = _cpu_stats_rows(stacked.to(torch.float64)).numpy()
+            continue
+        for i in members:
+            row = _cpu_stats_small(_float64_array(tensors[i]))
+            out[i] = row if row is not None else stats_vector(tensors[i]).double().numpy()
+    return out
 
 
 _SMALL = 1 << 16

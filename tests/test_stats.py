@@ -6,6 +6,7 @@ is installed, the torch fallback otherwise); the default is the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -96,6 +97,33 @@ def test_stats_vector_matches_numpy_without_sync(name: str) -> None:
     _assert_close(v, CASES[name])
 
 
+@pytest.mark.parametrize("name", [*CASES, "relu_2mib", "offset_2mib"])
+def test_cpu_stats_vector_with_host_reads_matches_numpy(name: str) -> None:
+    # On a CPU, outside forbid_sync(), stats_vector may branch on values (its fast path for
+    # all-finite tensors, with the general path as the fallback): the same numbers.
+    t = CASES.get(name)
+    if t is None:
+        base = torch.randn(512 * 1024, generator=_gen(14))
+        t = base.relu() if name == "relu_2mib" else base * 0.5 + 300.0  # two-pass variance
+    v = stats_vector(t)
+    want_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    assert v.dtype == want_dtype and v.shape == (len(FIELDS),)
+    _assert_close(v, t)
+
+
+def test_cpu_fast_path_is_taken_only_where_host_reads_are_free() -> None:
+    t = torch.randn(10_000, generator=_gen(15)).relu()
+    with record_ops() as ops:
+        fast = stats_vector(t)
+    assert {"tolist", "numpy"} & set(ops)  # values read on the host: the CPU path
+    with forbid_sync() as ops:  # emulating a GPU: the device path, no reads
+        slow = stats_vector(t)
+    assert not {"tolist", "numpy"} & set(ops)
+    torch.testing.assert_close(fast, slow, rtol=2e-6, atol=0)
+    zeros = int((t == 0).sum())
+    assert fast[5] == torch.tensor(zeros / t.numel())  # the exact count, as float32
+
+
 def _assert_close(v: torch.Tensor, t: torch.Tensor) -> None:
     rtol = 1e-10 if v.dtype == torch.float64 else 2e-5
     got, want = v.double().cpu().numpy(), np.array(reference(t))
@@ -104,12 +132,18 @@ def _assert_close(v: torch.Tensor, t: torch.Tensor) -> None:
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
 
 
-def test_stats_vectors_rows_match_numpy_without_sync() -> None:
+@pytest.mark.parametrize("host_reads", [False, True], ids=["device path", "cpu host reads"])
+def test_stats_vectors_rows_match_numpy_without_sync(host_reads: bool) -> None:
     names = list(CASES)
     tensors = [CASES[n].to(DEVICE) for n in names]
     tensors.append(torch.randn(70_000, generator=_gen(13)).to(DEVICE))  # above the batch size
     names.append("randn_70000")
-    with forbid_sync():
+    # Same-size groups mixing finite rows with NaN/Inf ones (numpy rows and the fallback).
+    for i in range(3):
+        odd = [NAN, 0.0] if i == 1 else [INF, 3.0] if i == 2 else [0.0, 3.0]
+        tensors.append(torch.tensor([1.0 + i, odd[0], -2.0, odd[1]]))
+        names.append(f"group_{i}")
+    with contextlib.nullcontext() if host_reads else forbid_sync():
         rows = stats_vectors(tensors)
     assert rows.shape == (len(tensors), len(FIELDS)) and rows.device == tensors[0].device
     assert rows.dtype == torch.float64  # one float64 input widens all rows

@@ -111,17 +111,17 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
             if fused is not None:
                 return fused
     if _host_reads_free(x):
-        if numel <= _SMALL:
-            row = _cpu_stats_small(_float64_array(x))
-            if row is not None:
-                return torch.from_numpy(row.astype(_NP_DTYPE[dtype]))
-        fast = _cpu_stats_vector(x.reshape(-1).to(dtype), dtype)
-        if fast is not None:
-            return fast
-    if numel <= _SMALL:  # launch-bound: float64 needs no overflow guard, so fewer ops
+        row = _cpu_row(x, dtype)
+        if row is not None:
+            return torch.from_numpy(row.astype(_NP_DTYPE[dtype]))
+    return _general_stats(x, dtype)
+
+
+def _general_stats(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor-op path of :func:`stats_vector` (no branch on values, any device)."""
+    if x.numel() <= _SMALL:  # launch-bound: float64 needs no overflow guard, so fewer ops
         return _stats_of(x.reshape(-1).to(torch.float64), None, scaled=False).to(dtype)
     return _stats_of(x.reshape(-1).to(dtype), None)
-
 
 CPU_HOST_READS = True
 """Whether :func:`stats_vector` may read values on the host for a CPU tensor (its fast path).
@@ -144,7 +144,20 @@ _CONDITIONED = 0.8
 this fraction of ``sum x^2`` (cancellation magnifies rounding at most 5x); beyond, two passes."""
 
 
-def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def _cpu_row(x: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
+    """The stats of a non-empty CPU tensor as a float64 numpy row, or None when an element is
+    not finite or the squares could overflow: numpy for small tensors, where a numpy call costs
+    a microsecond and a torch op several; torch (threads) for larger ones."""
+    if x.numel() <= _NUMPY_MAX:
+        return _cpu_stats_small(_float64_array(x))
+    return _cpu_stats_vector(x.reshape(-1).to(dtype), dtype)
+
+
+_NUMPY_MAX = 1 << 13
+"""Up to this many elements numpy computes a CPU tensor's statistics (measured crossover)."""
+
+
+def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
     """:func:`stats_vector` of a large 1-D float CPU tensor whose elements are all finite, in
     four passes (min/max, sum, sum of squares, zero count) and host arithmetic in float64; None
     when an element is not finite or the squares could overflow (the general path handles
@@ -159,16 +172,14 @@ def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
     if absmax * absmax * n >= torch.finfo(dtype).max / 4:  # the squares could overflow
         return None
     mean = total / n
-    squares = float(_sum_of_squares(flat, None))
+    squares = _cpu_sum_of_squares(flat)
     if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first
-        squares = float(_sum_of_squares(flat - mean, None))
+        squares = _cpu_sum_of_squares(flat - mean)
     else:
         squares = max(squares - total * mean, 0.0)
     std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
     zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(flat.numpy() == 0))
-    vector = np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0],
-                      dtype=np.float64 if dtype == torch.float64 else np.float32)
-    return torch.from_numpy(vector)
+    return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
 
 
 def _float64_array(t: torch.Tensor) -> np.ndarray:
@@ -177,6 +188,17 @@ def _float64_array(t: torch.Tensor) -> np.ndarray:
     if flat.dtype == torch.bfloat16:  # the one dtype numpy lacks
         flat = flat.to(torch.float64)
     return flat.numpy().astype(np.float64)
+
+
+def _cpu_sum_of_squares(flat: torch.Tensor) -> float:
+    """One BLAS dot up to 2**18 elements (relative error about 1e-6 in float32), batched dots
+    of 4096 elements beyond (:func:`_sum_of_squares`, about 1e-8)."""
+    if flat.numel() <= _ONE_DOT:
+        return float(torch.dot(flat, flat))
+    return float(_sum_of_squares(flat, None))
+
+
+_ONE_DOT = 1 << 18
 
 
 def _cpu_stats_small(a: np.ndarray) -> np.ndarray | None:
@@ -296,18 +318,18 @@ def _cpu_stats_table(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     groups: dict[tuple[torch.dtype, int], list[int]] = {}
     for i, t in enumerate(tensors):
         n = t.numel()
-        if 0 < n <= _SMALL:
-            groups.setdefault((t.dtype, n), []).append(i)
-        else:
-            out[i] = stats_vector(t).double().numpy()
+        groups.setdefault((t.dtype, n), []).append(i)
     for (_, n), members in groups.items():
-        if len(members) >= _ROWS:
+        if 0 < n <= _SMALL and len(members) >= _ROWS:
             stacked = torch.stack([tensors[i].detach().reshape(n) for i in members])
             out[members] = _cpu_stats_rows(stacked.to(torch.float64)).numpy()
             continue
         for i in members:
-            row = _cpu_stats_small(_float64_array(tensors[i]))
-            out[i] = row if row is not None else stats_vector(tensors[i]).double().numpy()
+            t = tensors[i].detach()
+            row = _cpu_row(t, _out_dtype(t)) if n else None
+            if row is None:  # NaN or Inf, or empty
+                row = (_general_stats(t, _out_dtype(t)) if n else stats_vector(t)).numpy()
+            out[i] = row
     return out
 
 

@@ -4,8 +4,9 @@ For float32 tensors from 4 KiB to 64 MiB, times in interleaved rounds (medians o
 
 - ``floor sum`` / ``floor amax``: one read of the tensor (the floor is the faster of the two);
 - ``stats_vector``: fxprobe's (the Triton kernel on CUDA when Triton imports);
-- ``torch fallback``: the torch-ops path that runs without Triton (CUDA only; on a CPU it is
-  ``stats_vector``);
+- ``torch fallback``: the torch-ops path that runs without Triton (CUDA only);
+- ``device path``: on a CPU, the same torch-ops path (no branch on values); ``stats_vector``
+  itself reads values on the host there (an all-finite tensor takes four passes);
 - ``before``: the implementation of project commit 97755d0, kept here as the baseline;
 - ``item hook``: ``(t.mean().item(), t.std().item())``, what the tutorial logging hook does.
 
@@ -55,6 +56,16 @@ def before_stats_vector(t: torch.Tensor) -> torch.Tensor:
 
 def _fallback(t: torch.Tensor) -> torch.Tensor:
     return _stats._stats_of(t, None)
+
+
+def _device_path(t: torch.Tensor) -> torch.Tensor:
+    """On a CPU: ``stats_vector`` without reading values on the host, the tensor-op path an
+    accelerator without Triton takes (and what a CPU took before that branch existed)."""
+    _stats.CPU_HOST_READS = False
+    try:
+        return stats_vector(t)
+    finally:
+        _stats.CPU_HOST_READS = True
 
 
 def _item_hook(t: torch.Tensor) -> tuple[float, float]:
@@ -114,6 +125,8 @@ def run(device: torch.device, rounds: int, sizes_kib: tuple[int, ...]) -> dict[s
         }
         if cuda:
             fns["torch fallback"] = lambda t=t: _fallback(t)
+        else:
+            fns["device path"] = lambda t=t: _device_path(t)
         med = _time(fns, rounds, cuda, 0.002 if kib < 1024 else 0.02)
         floor = min(med["floor sum"], med["floor amax"])
         rows.append({"kib": kib, "us": {k: v * 1e6 for k, v in med.items()},
@@ -140,7 +153,7 @@ def run(device: torch.device, rounds: int, sizes_kib: tuple[int, ...]) -> dict[s
 
 def markdown(res: dict[str, Any]) -> str:
     """The result as Markdown tables."""
-    kinds = [k for k in ("stats_vector", "torch fallback", "before", "item hook")
+    kinds = [k for k in ("stats_vector", "torch fallback", "device path", "before", "item hook")
              if k in res["sizes"][0]["us"]]
     lines = [f"stats_vector on {res['device']} ({res['device_name']}, torch "
              f"{res['torch_version']}, {res['threads']} threads, Triton kernel used: "

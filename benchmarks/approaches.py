@@ -8,6 +8,7 @@ ops (``out += identity``, attention matmuls, ``F.gelu``) only taps reach; they f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +21,8 @@ import fxprobe
 from .modes import Mode
 from .timing import Treatment
 
-APPROACHES = ("A/A control", "traced (no taps)", "taps", "module hooks", "global hook",
-              "logging hook")
+APPROACHES = ("A/A control", "traced (no taps)", "taps", "taps (dynamo)", "module hooks",
+              "global hook", "logging hook")
 DENSITIES = ("input only", "one", "10%", "all", "functional", "every site")
 
 
@@ -98,6 +99,8 @@ class Built:
     """Copies fxprobe inserted (taps only)."""
     d2h_per_call: int = 0
     """Bytes each captured value sends to the host regardless of the capture (``.item()``)."""
+    first_call_ms: float | None = None
+    """The one-time cost paid by the first call (the dynamo frontend's capture and rewrite)."""
 
 
 def step(fn: Callable[..., Any], model: nn.Module, inputs: tuple[Any, ...], train: bool,
@@ -155,6 +158,25 @@ def taps(model: nn.Module, inputs: tuple[Any, ...], train: bool, key: str, sites
     return Built(Treatment(key, step(tapped, model, inputs, train)),
                  captured=lambda: dict(tapped.taps), count=lambda: len(tapped.taps),
                  close=tapped.remove, per_call=per_call, copies=_count_copies(tapped))
+
+
+def taps_dynamo(model: nn.Module, inputs: tuple[Any, ...], train: bool, key: str,
+                sites: SiteSet, mode: Mode, device: torch.device) -> Built:
+    """``fxprobe.tap(..., tracer="dynamo")`` at the site set's names: the frontend that reaches
+    op level where fx cannot trace, run here on a model that fx traces too, so that the two
+    frontends and the hooks are measured side by side. The first call (dynamo's capture and
+    fxprobe's rewrite) is timed apart, since the steady-state slots never see it."""
+    names = sites.names
+    tapped = fxprobe.tap(model, ops=fxprobe.where(lambda s: s.name in names, "benchmark site set"),
+                         tracer="dynamo", **mode.tap_kwargs(device))
+    run = step(tapped, model, inputs, train)
+    t0 = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first = (time.perf_counter() - t0) * 1e3
+    return Built(Treatment(key, run), captured=lambda: dict(tapped.taps),
+                 count=lambda: len(tapped.taps), close=tapped.remove, first_call_ms=first)
 
 
 def _installer(modules: list[nn.Module], hook: Callable[..., Any]

@@ -16,6 +16,7 @@ from .records import CompileRecord, Measurement, Results
 PER_SITE_TARGET = 0.2
 STATS_FLOOR_TARGET = 1.5
 COMPILE_FLOOR_TARGET = 1.05
+DYNAMO_TARGET = 0.2
 DENSITY_ORDER = ("input only", "one", "10%", "all")
 
 
@@ -152,6 +153,44 @@ def targets(results: Results) -> list[list[str]]:
             verdict = f"missed on chain: {point:.2f} > {target} ({point / target:.1f}x the target)"
         rows.append([f"reference: host cost per site <= {target} x a forward hook's "
                      "(taps / hook, same module calls)", "; ".join(parts), verdict])
+
+    # 2b. The dynamo frontend: host cost per functional-op site vs a hook per module call.
+    parts, verdicts = [], []
+    for model in _models(results):
+        b = _first_batch(results, model)
+        t = find(results, model=model, batch=b, phase="inference", approach="taps (dynamo)",
+                 mode="reference", density="functional")
+        h = find(results, model=model, batch=b, phase="inference", approach="module hooks",
+                 mode="reference", density="all")
+        if t is None or h is None:
+            continue
+        point, bound, text = per_site_ratio(t, h)
+        parts.append(f"{model}: {text}" + (f"; {t.note}" if t.note else ""))
+        if point is None or bound is None:
+            verdicts.append(f"not resolved on {model}")
+        else:
+            verdicts.append(f"{'met' if bound <= DYNAMO_TARGET else 'missed'} on {model}")
+    if parts:
+        rows.append([f"dynamo frontend: host cost per site <= {DYNAMO_TARGET} x a forward "
+                     "hook's (its functional ops / hooks on every module call)",
+                     "; ".join(parts), "; ".join(verdicts)])
+
+    # 2c. Statistics never slower than the tutorial logging hook (.item() twice per call).
+    parts, slower = [], []
+    for m in _ok(results.measurements):
+        if m.approach != "taps" or m.mode != "stats" or m.phase != "inference":
+            continue
+        h = find(results, model=m.model, batch=m.batch, phase="inference",
+                 approach="logging hook", mode="stats", density=m.density)
+        if h is None or m.ratio is None or h.ratio is None:
+            continue
+        parts.append(f"{m.model} b{m.batch}: {m.ratio:.3f} vs {h.ratio:.3f}")
+        if m.ratio > h.ratio:
+            slower.append(f"{m.model} b{m.batch}")
+    if parts:
+        rows.append(["stats: never slower than the .item() logging hook (taps ratio vs hook "
+                     "ratio, same module calls)", "; ".join(parts),
+                     "met" if not slower else "slower on " + ", ".join(slower)])
 
     # 3. Reference mode on a device-bound batch.
     parts = []

@@ -77,6 +77,8 @@ _WARMUP_S = {True: 0.02, False: 0.3}
 # Models whose forward is expensive on a CPU get fewer hook variants at the first batch size.
 _HEAVY = ("resnet50", "gpt2")
 _MEMORY_MODES = ("reference", "clone", "stats")
+# Models on which the dynamo frontend is timed beside fx taps and hooks (its functional ops).
+_DYNAMO = ("gpt2",)
 
 
 def _site_cases(model: str, modes: Sequence[str], quick: bool) -> list[Case]:
@@ -92,6 +94,8 @@ def _site_cases(model: str, modes: Sequence[str], quick: bool) -> list[Case]:
         dens = ("all",) if model in _HEAVY else ("one", "10%", "all")
         cases += [Case("global hook", "reference", d) for d in dens]
         cases += [Case("taps", "reference", "functional")]
+        if model in _DYNAMO:
+            cases += [Case("taps (dynamo)", "reference", "functional")]
         if not short:
             cases += [Case("taps", "reference", "every site")]
     return cases
@@ -232,6 +236,8 @@ def _build(case: Case, model: torch.nn.Module, inputs: tuple[Any, ...], train: b
     if case.approach == "taps":
         return ap.taps(model, inputs, train, case.key, sites, MODES[case.mode], device,
                        every=case.density == "every site")
+    if case.approach == "taps (dynamo)":
+        return ap.taps_dynamo(model, inputs, train, case.key, sites, MODES[case.mode], device)
     if case.approach == "module hooks":
         return ap.module_hooks(model, inputs, train, case.key, sites, MODES[case.mode])
     if case.approach == "global hook":
@@ -386,6 +392,9 @@ class Runner:
                          "selected (a selector matching nothing raises SelectorError)")
         if case.approach == "global hook":
             notes.append("fires for every module call; selected modules filtered in the hook")
+        if b.first_call_ms is not None:
+            notes.append(f"first call {b.first_call_ms:.0f} ms (dynamo capture and rewrite, "
+                         "not in the timed slots)")
         if case.approach == "taps" and case.mode == "reference" and b.copies:
             notes.append(f"{b.copies} copies inserted before in-place ops")
         return replace(

@@ -624,7 +624,51 @@ def stats_table(stats: Mapping[str, Stats], fmt: str = "simple") -> str:
 StatsSource = Callable[[], Mapping[str, Any]]
 
 
-class StatsLogger:
+class _EveryN:
+    """Counts steps and acts on steps 0, N, 2N, ...: the loop shared by the stats loggers
+    (this module's and :class:`fxprobe.dist.StatsLogger`). Subclasses implement
+    :meth:`_act`."""
+
+    def __init__(self, every: int, logger: logging.Logger | None, level: int, fmt: str,
+                 sink: Callable[[int, Mapping[str, Stats]], Any] | None) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"StatsLogger(every={every!r}): every must be a positive int")
+        if sink is not None and not callable(sink):
+            raise ConfigError(f"StatsLogger(sink={sink!r}): sink must be callable as "
+                              "sink(step, stats)")
+        self.every = every
+        self.logger = logger if logger is not None else logging.getLogger("fxprobe")
+        self.level = level
+        self.fmt = fmt
+        self.sink = sink
+        """Also called as ``sink(step, stats)`` on logging steps (``fxprobe.TensorBoardSink``,
+        ``fxprobe.CallbackSink``), whether or not ``logger`` is enabled."""
+        self.count = 0
+        """How many steps have been taken."""
+
+    def step(self) -> Any:
+        """Count one step; on every ``every``-th (from the first) log and return the stats."""
+        index = self.count
+        self.count += 1
+        if index % self.every:
+            return None
+        return self._act(index)
+
+    def _act(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def __call__(self) -> Any:
+        return self.step()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.step()
+
+
+class StatsLogger(_EveryN):
     """Log a table of activation statistics every ``every`` steps of a training loop.
 
     Call :meth:`step` (or the logger itself) once after each forward, or run the forward inside
@@ -648,8 +692,7 @@ class StatsLogger:
     def __init__(self, source: Any, every: int = 100, logger: logging.Logger | None = None,
                  level: int = logging.INFO, fmt: str = "simple",
                  sink: Callable[[int, Mapping[str, Stats]], Any] | None = None) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"StatsLogger(every={every!r}): every must be a positive int")
+        super().__init__(every, logger, level, fmt, sink)
         # getattr_static: a ``taps`` property must not run (and maybe synchronise) here.
         if inspect.getattr_static(source, "taps", None) is not None:
             self._read: StatsSource = lambda: source.taps
@@ -660,24 +703,14 @@ class StatsLogger:
                 f"StatsLogger needs an object with a .taps mapping (a tapped module) or a "
                 f"zero-argument callable returning a mapping; got {type(source).__name__}"
             )
-        self.every = every
-        self.logger = logger if logger is not None else logging.getLogger("fxprobe")
-        self.level = level
-        self.fmt = fmt
-        self.sink = sink
-        """Also called as ``sink(step, stats)`` on logging steps (``fxprobe.TensorBoardSink``,
-        ``fxprobe.CallbackSink``), whether or not ``logger`` is enabled."""
-        self.count = 0
-        """How many steps have been taken."""
         self.last: Mapping[str, Stats] | None = None
         """The statistics logged last, or None."""
 
     def step(self) -> Mapping[str, Stats] | None:
         """Count one step; on every ``every``-th (from the first) log and return the stats."""
-        index = self.count
-        self.count += 1
-        if index % self.every:
-            return None
+        return super().step()  # type: ignore[no-any-return]
+
+    def _act(self, index: int) -> Mapping[str, Stats] | None:
         log = self.logger.isEnabledFor(self.level)
         if not log and self.sink is None:
             return None
@@ -690,14 +723,8 @@ class StatsLogger:
             self.sink(index, stats)
         return stats
 
-    __call__ = step
-
     def __enter__(self) -> StatsLogger:
         return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.step()
 
 
 def collect(values: Mapping[str, Any]) -> Mapping[str, Stats]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ import torch.distributed as tdist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._errors import ConfigError
-from ._stats import Stats, StatsBatch, stats_table
+from ._stats import Stats, StatsBatch, _EveryN, stats_table
 
 __all__ = ["StatsLogger", "gather", "reduce_stats"]
 
@@ -248,13 +248,14 @@ def gather(tapped: Any, names: Sequence[str] | str | None = None, dst: int = 0,
     return out
 
 
-class StatsLogger:
+class StatsLogger(_EveryN):
     """Log the cross-rank statistics table on one rank every ``every`` steps.
 
     Call :meth:`step` on every rank after each forward (all ranks must call it equally
-    often). On steps 0, N, 2N, ... every rank takes part in :func:`reduce_stats` (one
-    collective) and rank ``dst`` logs :func:`~fxprobe.stats_table` through :mod:`logging`; on
-    the other steps nothing happens: no collective, no device wait.
+    often), or run the forward inside ``with stats_logger:``. On steps 0, N, 2N, ... every
+    rank takes part in :func:`reduce_stats` (one collective) and rank ``dst`` logs
+    :func:`~fxprobe.stats_table` through :mod:`logging` and calls ``sink``; on the other steps
+    nothing happens: no collective, no device wait.
 
     Args:
         source: a tapped module (or DDP/FSDP wrapping one).
@@ -264,6 +265,9 @@ class StatsLogger:
         logger: a ``logging.Logger`` (default ``logging.getLogger("fxprobe")``).
         level: the logging level.
         fmt: a ``tabulate`` table format.
+        sink: also called on rank ``dst`` as ``sink(step, stats)`` with the cross-rank
+            :class:`~fxprobe.Stats` of every site (``fxprobe.TensorBoardSink``,
+            ``fxprobe.CallbackSink``), whether or not ``logger`` is enabled.
 
     Example:
         >>> slog = fxprobe.dist.StatsLogger(tapped, every=100)
@@ -274,35 +278,33 @@ class StatsLogger:
 
     def __init__(self, source: Any, every: int = 100, group: Any = None, dst: int = 0,
                  logger: logging.Logger | None = None, level: int = logging.INFO,
-                 fmt: str = "simple") -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"StatsLogger(every={every!r}): every must be a positive int")
+                 fmt: str = "simple",
+                 sink: Callable[[int, Mapping[str, Stats]], Any] | None = None) -> None:
+        super().__init__(every, logger, level, fmt, sink)
         self.source = source
-        self.every = every
         self.group = group
         self.dst = dst
-        self.logger = logger if logger is not None else logging.getLogger("fxprobe")
-        self.level = level
-        self.fmt = fmt
-        self.count = 0
-        """How many steps have been taken."""
         self.last: dict[str, Any] | None = None
         """The statistics of the last logging step, or None."""
 
     def step(self) -> dict[str, Any] | None:
         """Count one step; on every ``every``-th (from the first) reduce, log and return."""
-        index = self.count
-        self.count += 1
-        if index % self.every:
-            return None
+        return super().step()  # type: ignore[no-any-return]
+
+    def _act(self, index: int) -> dict[str, Any]:
         # Every rank joins the collective, whatever its own logger's level.
         stats = reduce_stats(self.source, self.group)
         self.last = stats
-        if tdist.get_rank() == self.dst and self.logger.isEnabledFor(self.level):
-            flat = {k: v for k, v in stats.items() if isinstance(v, Stats)}
+        if tdist.get_rank() != self.dst:
+            return stats
+        flat = {k: v for k, v in stats.items() if isinstance(v, Stats)}
+        if self.logger.isEnabledFor(self.level):
             world = tdist.get_world_size(self.group)
             self.logger.log(self.level, "fxprobe activation stats over %d ranks, step %d:\n%s",
                             world, index, stats_table(flat, self.fmt))
+        if self.sink is not None:
+            self.sink(index, flat)
         return stats
 
-    __call__ = step
+    def __enter__(self) -> StatsLogger:
+        return self

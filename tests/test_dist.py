@@ -238,21 +238,29 @@ def stats_logger(rank: int, tmp: Path) -> None:
     log = logging.getLogger(f"fxprobe.test.{rank}")
     log.setLevel(logging.INFO)
     log.addHandler(Keep())
-    slog = fxprobe.dist.StatsLogger(tapped, every=2, logger=log)
+    sunk: list[tuple[int, dict[str, Any]]] = []
+    slog = fxprobe.dist.StatsLogger(tapped, every=2, logger=log,
+                                    sink=lambda i, stats: sunk.append((i, dict(stats))))
     per_step = []
     with counting_collectives() as calls:
         for step in range(5):
-            with torch.no_grad():
-                tapped(batch(rank, step))
-            slog.step()
+            if step == 4:  # the context-manager spelling counts a step on exit
+                with slog, torch.no_grad():
+                    tapped(batch(rank, step))
+            else:
+                with torch.no_grad():
+                    tapped(batch(rank, step))
+                slog.step()
             per_step.append(len(calls))
             calls.clear()
     assert per_step == [2, 0, 1, 0, 1], per_step  # the first also compares the ranks' sites
     assert len(records) == (3 if rank == 0 else 0)
+    assert [i for i, _ in sunk] == ([0, 2, 4] if rank == 0 else [])  # the sink: rank dst only
     if rank == 0:
         assert "over 2 ranks, step 4" in records[-1].getMessage()
         numel = sum(batch(r, 4).shape[0] for r in range(WORLD)) * 2
         assert slog.last is not None and slog.last["head"].numel == numel
+        assert sunk[-1][1]["head"] == slog.last["head"]  # the same cross-rank Stats
 
 
 def disk(rank: int, tmp: Path) -> None:
@@ -335,6 +343,8 @@ def test_needs_an_initialized_process_group() -> None:
         fxprobe.dist.reduce_stats({})
     with pytest.raises(fxprobe.ConfigError, match="every must be"):
         fxprobe.dist.StatsLogger(nn.Linear(1, 1), every=0)
+    with pytest.raises(fxprobe.ConfigError, match="sink must be callable"):
+        fxprobe.dist.StatsLogger(nn.Linear(1, 1), sink="tensorboard")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":  # python tests/test_dist.py: the scenarios, verbosely

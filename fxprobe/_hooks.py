@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._mirror import fxprobe_hook
 from ._options import Capture, CopyPolicy
 from ._pipeline import Pipeline
 
@@ -54,7 +55,7 @@ class HookSet:
                         rec.state.pending.setdefault(name, []).append(kept)
                 return None
 
-            handles.append(module.register_forward_pre_hook(pre_hook))
+            handles.append(module.register_forward_pre_hook(fxprobe_hook(pre_hook)))
 
         if capture in ("output", "both"):
             def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -68,7 +69,7 @@ class HookSet:
                 pipeline.store((key,), (kept,))
                 return None if flow is output else flow
 
-            handles.append(module.register_forward_hook(hook))
+            handles.append(module.register_forward_hook(fxprobe_hook(hook)))
         self.handles[name] = handles
 
     def remove(self) -> None:

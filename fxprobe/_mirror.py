@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ._errors import TracedStateError
 from ._ops import INPLACE_DUNDERS, inplace_name
@@ -98,6 +99,50 @@ def drop_overrides(root: nn.Module) -> None:
     for m in root.modules():
         if getattr(m.__dict__.get("forward"), _OVERRIDE, False):
             del m.__dict__["forward"]
+
+
+_FXPROBE_HOOK = "_fxprobe_hook"
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def fxprobe_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a hook as fxprobe's own: :func:`user_hooks` and :class:`HookWatch` ignore it."""
+    setattr(fn, _FXPROBE_HOOK, True)
+    return fn
+
+
+def user_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that are not fxprobe's (forward, pre-forward, backward)."""
+    return any(not getattr(fn, _FXPROBE_HOOK, False)
+               for table in _HOOK_TABLES for fn in getattr(module, table).values())
+
+
+def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(k for k, fn in getattr(module, table).items()
+                       if not getattr(fn, _FXPROBE_HOOK, False)) for table in _HOOK_TABLES)
+
+
+class HookWatch:
+    """Notices a hook registered on (or removed from) a module whose forward a traced graph
+    inlined, where the graph would never run it.
+
+    Every hook registration in the process (modules and tensors alike) draws a number from
+    ``RemovableHandle.next_id``: while it has not moved, no hook was added, and the check is
+    one comparison. When it has, the watched modules' hook tables are compared with the ones
+    the graphs were traced with. Inlined modules have no hooks of their own when traced (a
+    hooked module is a region boundary, see ``_trace``), so a removal cannot go unseen."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.modules = modules
+        self.keys = {path: _hook_keys(m) for path, m in modules.items()}
+        self.epoch = RemovableHandle.next_id
+
+    def changed(self) -> list[str]:
+        """The paths of the watched modules whose hooks changed (empty: none did)."""
+        if RemovableHandle.next_id == self.epoch:
+            return []
+        self.epoch = RemovableHandle.next_id
+        return [path for path, m in self.modules.items() if _hook_keys(m) != self.keys[path]]
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

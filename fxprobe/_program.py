@@ -18,7 +18,7 @@ from torch import nn
 
 from ._dynamo import CaptureInfo, DynamoRegion
 from ._errors import UnsupportedModelError
-from ._mirror import mirror
+from ._mirror import HookWatch, mirror
 from ._options import TapOptions, TracerKind
 from ._pipeline import Pipeline
 from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
@@ -59,6 +59,8 @@ class Program:
     ``order`` as their graphs are captured (the first forward)."""
     unchecked: list[Selector] | None = None
     """With dynamo regions: the selectors to check once the first forward found their sites."""
+    watch: HookWatch | None = None
+    """Watches the modules the graphs inlined for hooks registered after tracing."""
 
     @property
     def hook_names(self) -> frozenset[str]:
@@ -171,7 +173,29 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         for target in p.dynamo:
             prog.dynamo[target.path] = _dynamo_region(root, target.path, selectors, options,
                                                       pipeline, prog)
+    inlined = _inlined(root, compiled, prog.dynamo)
+    prog.watch = HookWatch(inlined) if inlined else None
     return prog
+
+
+def _inlined(root: nn.Module, compiled: Mapping[str, Compiled],
+             dynamo: Mapping[str, DynamoRegion]) -> dict[str, nn.Module]:
+    """The modules whose forwards the compiled graphs inlined (they are not called, so a hook
+    registered on one later would never run), by path: below each compiled region, all but
+    the modules its graph calls (and their own modules); below each dynamo region, all."""
+    out: dict[str, nn.Module] = {}
+    for path, comp in compiled.items():
+        called = {str(n.target) for n in comp.graph.nodes if n.op == "call_module"}
+        module = root.get_submodule(path) if path else root
+        for rel, m in module.named_modules():
+            parts = rel.split(".")
+            if rel and not any(".".join(parts[:i]) in called for i in range(1, len(parts) + 1)):
+                out[f"{path}.{rel}" if path else rel] = m
+    for path, region in dynamo.items():
+        for rel, m in region.module.named_modules():
+            if rel:
+                out[f"{path}.{rel}" if path else rel] = m
+    return out
 
 
 def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,

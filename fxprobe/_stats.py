@@ -205,10 +205,11 @@ def _cpu_stats_small(a: np.ndarray) -> np.ndarray | None:
     """The stats of a small 1-D float64 array whose elements are all finite, by numpy (a
     microsecond a call, where a torch op costs several); None otherwise."""
     n = a.size
-    lo, hi, total = float(a.min()), float(a.max()), float(a.sum())
+    lo, hi = float(a.min()), float(a.max())  # NaN if any element is: fails the test below
     absmax = max(-lo, hi)
-    if not (math.isfinite(total) and absmax * absmax * n < _F64_MAX / 4):  # NaN fails too
+    if not (math.isfinite(lo) and math.isfinite(hi) and absmax * absmax * n < _F64_MAX / 4):
         return None
+    total = float(a.sum())
     mean = total / n
     squares = float(np.dot(a, a))
     if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first

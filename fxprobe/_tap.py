@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
@@ -14,7 +15,7 @@ from ._artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifa
 from ._dynamo import CaptureInfo
 from ._errors import ConfigError, RemovedError
 from ._hooks import HookSet
-from ._mirror import drop_overrides, install_override, mirror, own_forward
+from ._mirror import drop_overrides, install_override, mirror, own_forward, user_hooks
 from ._options import (
     Capture,
     CopyPolicy,
@@ -68,6 +69,7 @@ class TappedModule(nn.Module):
     _pipeline: Pipeline
     _hookset: HookSet
     _programs: dict[bool, Program]
+    _root_hooked: bool
     _removed: bool
     _sink: Any
 
@@ -87,6 +89,7 @@ class TappedModule(nn.Module):
         d["_options"] = options
         d["_model_name"] = type(model).__name__
         d["_programs"] = {}
+        d["_root_hooked"] = user_hooks(root)
         rec = Recording(detach=options.detach, both=options.capture == "both",
                         keep=options.keep, to=options.to)
         pipeline = Pipeline(options, rec, self._site)
@@ -129,7 +132,8 @@ class TappedModule(nn.Module):
         for path in paths:
             module = root.get_submodule(path)
             install_override(module, self._dispatcher(module, path))
-        if any("" in p.dynamo for p in self._programs.values()):
+        if self._root_hooked or any("" in p.dynamo for p in self._programs.values()):
+            # The root's own hooks run around the program (fxprobe calls the root); and
             # model.generate() and other methods call the model itself: one frame per call.
             install_override(root, self._root_dispatcher())
 
@@ -162,37 +166,36 @@ class TappedModule(nn.Module):
         return forward
 
     def _root_dispatcher(self) -> Callable[..., Any]:
-        rec, root = self._rec, self._root
-        own = own_forward(root)
+        rec = self._rec
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            prog = self._programs.get(root.training)
-            dyn = prog.dynamo.get("") if prog is not None else None
-            if dyn is None:
-                return own(*args, **kwargs)
-            if rec.state.active:
-                return dyn(*args, **kwargs)
-            return self.forward(*args, **kwargs)
+            if rec.state.active:  # called by fxprobe (the root's hooks ran) or by the model
+                prog = self._programs.get(self._root.training) or self._program()
+                return self._body(prog, args, kwargs)
+            return self._run(args, kwargs, through_root=False)  # generate(): a new frame
 
         return forward
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(args, kwargs, through_root=self._root_hooked)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], through_root: bool) -> Any:
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
-        prog = self._programs.get(self.training) or self._program()
+        prog = self._programs.get(self.training)
+        if prog is not None and prog.watch is not None:
+            changed = prog.watch.changed()
+            if changed:
+                prog = self._retrace(changed)
+        if prog is None:
+            prog = self._program()
         state = self._rec.begin(prog.hook_names)
         try:
-            root = prog.compiled.get("")
-            dyn = prog.dynamo.get("")
-            if root is not None:
-                result = root.fn(root.holder, *args, **kwargs)
-                self._pipeline.store(root.names, result[1])
-                out = result[0]
-            elif dyn is not None:
-                out = dyn(*args, **kwargs)
+            if through_root:  # the root's own hooks run around the body (its override)
+                out = self._root(*args, **kwargs)
             else:
-                out = own_forward(self._root)(*args, **kwargs)
+                out = self._body(prog, args, kwargs)
             if state.frame.deferred:
                 self._pipeline.finish(state.frame)
         finally:
@@ -202,6 +205,27 @@ class TappedModule(nn.Module):
         if prog.unchecked:
             check_found(prog, self._model_name)
         return out
+
+    def _body(self, prog: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        root = prog.compiled.get("")
+        if root is not None:
+            result = root.fn(root.holder, *args, **kwargs)
+            self._pipeline.store(root.names, result[1])
+            return result[0]
+        dyn = prog.dynamo.get("")
+        if dyn is not None:
+            return dyn(*args, **kwargs)
+        return own_forward(self._root)(*args, **kwargs)
+
+    def _retrace(self, changed: list[str]) -> Program:
+        """Hooks were registered on modules a graph inlined: plan and compile again."""
+        warnings.warn(
+            f"fxprobe: hooks were registered on {', '.join(repr(p) for p in changed[:3])}"
+            f"{' ...' if len(changed) > 3 else ''} after tap(), inside code fxprobe had traced "
+            "through (where they would never run); the model is traced again, so that they "
+            "run. Register hooks before tap() to avoid the second trace.", stacklevel=4)
+        self._programs.clear()
+        return self._program()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (HuggingFace), tapped: one frame per forward it makes.

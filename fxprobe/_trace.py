@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from ._errors import TracedStateError, TraceError
 from ._inplace import OUT_OF_PLACE
-from ._mirror import guard_state, has_patched_forward
+from ._mirror import guard_state, has_patched_forward, user_hooks
 from ._ops import method_key, module_key, op_key
 from ._options import TracerKind
 from ._site import CALL_ARGS, Site, attach, sites_of
@@ -159,6 +159,8 @@ class SiteTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opaque:
             return True
+        if module_qualified_name and user_hooks(m):
+            return True  # a boundary: called as a module, so its hooks run at every call
         return is_leaf(m, self.absolute(module_qualified_name), self.leaf_types, self.leaf_paths)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
@@ -389,6 +391,7 @@ class _Planner:
         self.fallbacks: list[Fallback] = []
         self.sites: list[Site] = []
         self.dynamo: list[DynamoTarget] = []
+        self.bounded: set[str] = set()  # modules with hooks, called from a traced region
         # "fx+dynamo": what fx cannot trace goes to dynamo ("dynamo" sends everything there).
         self.use_dynamo = tracer == "fx+dynamo"
 
@@ -447,8 +450,24 @@ class _Planner:
                 else:
                     self.fallbacks.append(errors[rel])
                     self.open_up(sub, _join(path, rel))
+            elif node.op == "call_module":
+                self._enter_boundary(module, path, str(node.target))
             self.sites.extend(sites_of(node))
         return region
+
+    def _enter_boundary(self, module: nn.Module, path: str, rel: str) -> None:
+        """A module with hooks of its own is called, not inlined (its hooks run at each call);
+        what it computes is reached as a region of its own, as any traced module is."""
+        sub = module.get_submodule(rel)
+        cpath = _join(path, rel)
+        if (cpath in self.bounded or not user_hooks(sub)
+                or is_leaf(sub, cpath, self.leaf_types, self.leaf_paths)):
+            return
+        self.bounded.add(cpath)
+        if isinstance(sub, _CONTAINERS):
+            self.open_up(sub, cpath)
+        else:
+            self.visit(sub, cpath)
 
     def open_up(self, module: nn.Module, path: str) -> None:
         """Reach inside a module that runs as written: hooks on leaves, regions elsewhere."""

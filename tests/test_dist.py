@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -121,19 +122,19 @@ def fsdp2(rank: int, tmp: Path) -> None:
         return model
 
     want = train(sharded(None), rank)
-    for kw in ({"leaf_modules": [Block]}, {"tracer": "hooks"}):
+    for kw in ({"leaf_modules": [Block]}, {"tracer": "hooks"}, {}):
         model = sharded(kw)
-        got = train(model, rank)
+        # fully_shard after tap() hooks blocks fxprobe had traced through: with nothing
+        # said, it notices and traces again, each block a region of its own that is called
+        # as a module (so FSDP's unshard hook runs), its ops still sites.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = train(model, rank)
         assert all(same(a, b) for a, b in zip(got, want, strict=True)), f"{kw}: params differ"
         assert model.taps["blocks.1"].shape == (3 + 2 * rank, 8)  # type: ignore[operator]
-    # Tracing through a sharded block skips its unshard hook: torch refuses, loudly.
-    traced = sharded({})
-    try:
-        traced(batch(rank, 0))
-    except RuntimeError as e:
-        assert "DTensor" in str(e), e
-    else:
-        raise AssertionError("tracing through a fully_shard'ed block ran with sharded params")
+        if not kw:
+            assert any("traced again" in str(w.message) for w in caught)
+            assert same(model.taps["blocks.1.mul"], model.taps["blocks.1"])  # type: ignore
 
 
 @contextlib.contextmanager

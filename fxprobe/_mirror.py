@@ -123,26 +123,36 @@ def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], ...]:
 
 
 class HookWatch:
-    """Notices a hook registered on (or removed from) a module whose forward a traced graph
-    inlined, where the graph would never run it.
+    """Notices a hook registered on (or removed from) a module whose forward a graph inlined,
+    where the graph would never run it.
 
     Every hook registration in the process (modules and tensors alike) draws a number from
     ``RemovableHandle.next_id``: while it has not moved, no hook was added, and the check is
-    one comparison. When it has, the watched modules' hook tables are compared with the ones
-    the graphs were traced with. Inlined modules have no hooks of their own when traced (a
-    hooked module is a region boundary, see ``_trace``), so a removal cannot go unseen."""
+    one comparison. When it has, the watched modules are looked at: a module the fx frontend
+    inlined had no hooks when traced (a hooked module is a region boundary, see ``_trace``),
+    so any hook on it now is new. A module under torch dynamo may have been captured with its
+    hooks; those few are compared with their hook tables at every check, since removing a hook
+    draws no number."""
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.modules = modules
-        self.keys = {path: _hook_keys(m) for path, m in modules.items()}
+        self.hooked = {path: _hook_keys(m) for path, m in modules.items() if user_hooks(m)}
         self.epoch = RemovableHandle.next_id
 
     def changed(self) -> list[str]:
         """The paths of the watched modules whose hooks changed (empty: none did)."""
+        out = [p for p, keys in self.hooked.items() if _hook_keys(self.modules[p]) != keys
+               ] if self.hooked else []
         if RemovableHandle.next_id == self.epoch:
-            return []
+            return out
         self.epoch = RemovableHandle.next_id
-        return [path for path, m in self.modules.items() if _hook_keys(m) != self.keys[path]]
+        for path, m in self.modules.items():
+            d = m.__dict__
+            if (path not in self.hooked and (d["_forward_hooks"] or d["_forward_pre_hooks"]
+                                             or d["_backward_hooks"] or d["_backward_pre_hooks"])
+                    and user_hooks(m)):
+                out.append(path)
+        return out
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

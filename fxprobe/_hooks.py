@@ -32,11 +32,15 @@ class HookSet:
         # fxprobe cannot see what runs after a hooked call, so "auto" copies here.
         self.copy = copy != "never"
         self.handles: dict[str, list[RemovableHandle]] = {}
+        self.modules: dict[str, nn.Module] = {}
 
     def ensure(self, name: str, module: nn.Module, region: str | None = None) -> None:
         """Hook ``module`` as site ``name``; with ``region``, only while it is not running."""
         if name in self.handles:
-            return
+            if self.modules[name] is module:
+                return
+            for h in self.handles.pop(name):  # the module was replaced: hook the new one
+                h.remove()
         rec, capture, pipeline, copy = self.rec, self.capture, self.pipeline, self.copy
         handles = []
 
@@ -71,9 +75,11 @@ class HookSet:
 
             handles.append(module.register_forward_hook(fxprobe_hook(hook)))
         self.handles[name] = handles
+        self.modules[name] = module
 
     def remove(self) -> None:
         for handles in self.handles.values():
             for h in handles:
                 h.remove()
         self.handles.clear()
+        self.modules.clear()

@@ -45,11 +45,97 @@ def mirror(model: nn.Module, *, share_state: bool = True) -> nn.Module:
             tapped module). ``False`` gives the copy dicts of its own holding the same tensors,
             for private runs that replace buffers (shape propagation).
     """
-    memo: dict[int, nn.Module] = {}
+    return _Copier(share_state).copy(model)
 
-    def copy_module(m: nn.Module) -> nn.Module:
+
+class _Children(dict):  # type: ignore[type-arg]
+    """A copied module's submodule dict that counts its changes (``tapped.fc = new``,
+    ``add_module``, ``del``) in a cell shared by the tapped module's tree, so that the tapped
+    module sees with one comparison per forward that its graphs call modules no longer
+    there (see :func:`count_changes`)."""
+
+    def __init__(self, items: Any = (), changes: list[int] | None = None) -> None:
+        super().__init__(items)
+        self.changes = changes if changes is not None else [0]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.changes[0] += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.changes[0] += 1
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self.changes[0] += 1
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self.changes[0] += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.changes[0] += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.changes[0] += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.changes[0] += 1
+        return super().setdefault(key, default)
+
+    def __reduce__(self) -> Any:  # pickles and deep-copies as a plain dict
+        return (dict, (dict(self),))
+
+
+def count_changes(root: nn.Module, cell: list[int], skip: tuple[str, ...] = ()) -> None:
+    """Make the submodule dicts of ``root``'s copied tree count their changes in ``cell``, but
+    below the paths in ``skip`` (torch dynamo guards on those itself, and inlines plain dicts
+    only)."""
+    for path, m in list(root.named_modules()):
+        if any(path == p or path.startswith(p + ".") for p in skip if p) or "" in skip:
+            continue
+        children = m.__dict__["_modules"]
+        if type(children) is dict:
+            m.__dict__["_modules"] = _Children(children, cell)
+        elif isinstance(children, _Children):
+            children.changes = cell
+
+
+def adopt(root: nn.Module) -> list[str]:
+    """Replace every module placed into ``root``'s copied tree after it was made (the user's
+    own object, ``tapped.fc = nn.Linear(...)``) by a copy sharing its state, so that fxprobe
+    never installs anything on it; return their paths."""
+    copier = _Copier(True, keep_copies=True)
+    adopted = []
+    for path, m in list(root.named_modules()):
+        for key, child in list(m._modules.items()):
+            if child is not None and not child.__dict__.get(_COPY, False):
+                m._modules[key] = copier.copy(child)
+                adopted.append(f"{path}.{key}" if path else key)
+    return adopted
+
+
+_COPY = "_fxprobe_copy"
+
+
+class _Copier:
+    """Copies module trees (see :func:`mirror`); ``keep_copies``: fxprobe's own copies met on
+    the way stay as they are (:func:`adopt`)."""
+
+    def __init__(self, share_state: bool, keep_copies: bool = False) -> None:
+        self.share_state = share_state
+        self.keep_copies = keep_copies
+        self.memo: dict[int, nn.Module] = {}
+
+    def copy(self, m: nn.Module) -> nn.Module:
+        memo, share_state = self.memo, self.share_state
         if id(m) in memo:  # a module registered under two names stays one module
             return memo[id(m)]
+        if self.keep_copies and m.__dict__.get(_COPY, False):
+            return m
         c = object.__new__(type(m))
         memo[id(m)] = c
         state = dict(m.__dict__)
@@ -66,12 +152,10 @@ def mirror(model: nn.Module, *, share_state: bool = True) -> nn.Module:
                 # runs on the copy, so that the copy's children are the ones it calls.
                 state[key] = types.MethodType(value.__func__, c)
         state["_modules"] = {
-            k: (copy_module(v) if v is not None else None) for k, v in m._modules.items()
-        }
+            k: (self.copy(v) if v is not None else None) for k, v in m._modules.items()}
+        state[_COPY] = True
         c.__dict__.update(state)
         return c
-
-    return copy_module(model)
 
 
 def own_forward(module: nn.Module) -> Callable[..., Any]:

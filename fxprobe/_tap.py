@@ -15,7 +15,15 @@ from ._artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifa
 from ._dynamo import CaptureInfo
 from ._errors import ConfigError, RemovedError
 from ._hooks import HookSet
-from ._mirror import drop_overrides, install_override, mirror, own_forward, user_hooks
+from ._mirror import (
+    adopt,
+    count_changes,
+    drop_overrides,
+    install_override,
+    mirror,
+    own_forward,
+    user_hooks,
+)
 from ._options import (
     Capture,
     CopyPolicy,
@@ -70,6 +78,8 @@ class TappedModule(nn.Module):
     _hookset: HookSet
     _programs: dict[bool, Program]
     _root_hooked: bool
+    _changes: list[int]
+    _structure: int
     _removed: bool
     _sink: Any
 
@@ -90,6 +100,8 @@ class TappedModule(nn.Module):
         d["_model_name"] = type(model).__name__
         d["_programs"] = {}
         d["_root_hooked"] = user_hooks(root)
+        d["_changes"] = [0]  # counts changes of the copied tree's submodule dicts
+        d["_structure"] = -1  # the count the programs were built at
         rec = Recording(detach=options.detach, both=options.capture == "both",
                         keep=options.keep, to=options.to)
         pipeline = Pipeline(options, rec, self._site)
@@ -116,6 +128,9 @@ class TappedModule(nn.Module):
                                  self._pipeline, model_name=self._model_name, strict=strict)
             self._programs[self.training] = prog
             self._install(prog)
+            count_changes(self._root, self._changes, tuple(prog.dynamo))
+            self.__dict__["_modules"] = self._root._modules  # maybe a counting dict now
+            self.__dict__["_structure"] = self._changes[0]
         return prog
 
     def _site(self, name: str) -> Site | None:
@@ -184,11 +199,14 @@ class TappedModule(nn.Module):
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
         prog = self._programs.get(self.training)
-        if prog is not None and prog.watch is not None:
-            changed = prog.watch.changed()
-            if changed:
-                prog = self._retrace(changed)
-        if prog is None:
+        if prog is not None:
+            if self._changes[0] != self._structure:
+                prog = self._restructure()
+            elif prog.watch is not None:
+                changed = prog.watch.changed()
+                if changed:
+                    prog = self._retrace(changed)
+        else:
             prog = self._program()
         state = self._rec.begin(prog.hook_names)
         try:
@@ -217,13 +235,27 @@ class TappedModule(nn.Module):
             return dyn(*args, **kwargs)
         return own_forward(self._root)(*args, **kwargs)
 
+    def _restructure(self) -> Program:
+        """Submodules of the tapped module were replaced, added or deleted: the graphs call
+        modules that are gone. Copy what was put in (fxprobe never installs on the user's
+        objects), plan and compile again."""
+        adopted = adopt(self._root)
+        warnings.warn(
+            "fxprobe: submodules of the tapped module changed after tap()"
+            + (f" ({', '.join(repr(p) for p in adopted[:3])}{' ...' if len(adopted) > 3 else ''}"
+               " assigned; each is replaced by a copy sharing its parameters, so that fxprobe "
+               "never installs anything on your object)" if adopted else "")
+            + "; the model is traced again.", stacklevel=6)
+        self._programs.clear()
+        return self._program()
+
     def _retrace(self, changed: list[str]) -> Program:
         """Hooks were registered on modules a graph inlined: plan and compile again."""
         warnings.warn(
             f"fxprobe: hooks were registered on {', '.join(repr(p) for p in changed[:3])}"
             f"{' ...' if len(changed) > 3 else ''} after tap(), inside code fxprobe had traced "
             "through (where they would never run); the model is traced again, so that they "
-            "run. Register hooks before tap() to avoid the second trace.", stacklevel=4)
+            "run. Register hooks before tap() to avoid the second trace.", stacklevel=6)
         self._programs.clear()
         return self._program()
 

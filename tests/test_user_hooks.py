@@ -132,3 +132,66 @@ def test_a_backward_hook_on_a_traced_through_module_fires() -> None:
     tapped = fxprobe.tap(model, ops="a.add")
     tapped(x).sum().backward()
     assert len(grads) == 1 and torch.equal(grads[0], want)
+
+
+# -- submodules replaced after tap() ---------------------------------------------------------
+
+@pytest.mark.parametrize("tracer", ["auto", "dynamo"])
+@pytest.mark.parametrize("where", ["b", "a.lin", "a"])
+def test_a_submodule_assigned_to_the_tapped_module_after_tap_is_the_one_that_runs(
+        where: str, tracer: str) -> None:
+    model = _model()
+    tapped = fxprobe.tap(model, ops=["a.add", "b"], tracer=tracer)
+    tapped(X)
+    torch.manual_seed(2)
+    new = Inner() if where == "a" else nn.Linear(4, 2 if where == "b" else 4)
+    parent, _, name = where.rpartition(".")
+    setattr(tapped.get_submodule(parent), name, new)
+    if tracer == "dynamo":  # dynamo guards on the modules it inlined: it captures again
+        got = tapped(X)
+    else:  # fxprobe notices, copies the module in, and traces again
+        with pytest.warns(UserWarning, match="traced again"):
+            got = tapped(X)
+        kept = tapped.get_submodule(where)  # a copy sharing the parameters
+        assert kept is not new and all(
+            p is q for p, q in zip(kept.parameters(), new.parameters(), strict=True))
+    # The reference: the model with the same module put in its place (eagerly).
+    setattr(model.get_submodule(parent), name, new)
+    assert torch.equal(got, model(X))
+    assert torch.equal(tapped.taps["a.add"], model.a(X))
+    # The object given is never instrumented.
+    assert "forward" not in new.__dict__ and not new._forward_hooks
+
+
+def test_a_submodule_deleted_from_the_tapped_module_fails_as_the_model_would() -> None:
+    model = _model()
+    tapped = fxprobe.tap(model, ops="a.add")
+    tapped(X)
+    del tapped.b
+    with pytest.raises(AttributeError, match="b"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped(X)
+
+
+def test_a_hook_on_a_swapped_in_module_reached_by_hooks_is_moved() -> None:
+    # A module that runs as written is reached by fxprobe's hook; swapped, the hook follows.
+    class Untraceable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 1e9:  # data-dependent control flow: fx cannot trace it
+                return x
+            return self.lin(x)
+
+    model = nn.Sequential(Untraceable(), nn.ReLU()).eval()
+    tapped = fxprobe.tap(model, ops="0.lin", tracer="hooks")
+    tapped(X)
+    assert {s.name: s.how for s in tapped.sites}["0.lin"] == "hook"
+    new = nn.Linear(4, 4)
+    tapped.get_submodule("0").lin = new
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped(X)
+    assert torch.equal(tapped.taps["0.lin"], new(X))

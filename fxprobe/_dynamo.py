@@ -101,16 +101,29 @@ class CaptureInfo:
                 f"break(s) in the last forward, {self.sites} site(s)")
 
 
+def dynamo_failed(e: BaseException) -> bool:
+    """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
+    return isinstance(e, (torch._dynamo.exc.TorchDynamoException, CaptureError))
+
+
+def _join_path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
 class _Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
-    __slots__ = ("fn", "holder", "names", "graph")
+    __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix")
 
-    def __init__(self, compiled: Compiled) -> None:
+    def __init__(self, compiled: Compiled, prefix: str) -> None:
         self.graph = compiled.graph
         self.fn = compiled.fn
         self.holder = compiled.holder
         self.names = compiled.names
+        self.copied = compiled.copied
+        self.outplaced = compiled.outplaced
+        self.prefix = prefix
+        """The path, relative to the region, of the module instance it runs for."""
 
 
 class _Captured:
@@ -193,7 +206,10 @@ class DynamoRegion:
         for name, p in module.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
         self.module_ids = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        self.state = [*module.parameters(), *module.buffers()]
         self.sites: dict[str, Site] = {}
+        self.modules: set[str] = set()
+        """The paths of the modules whose code ran in a captured graph."""
         self.captured: list[_Captured] = []
         self.graphs = 0
         self.calls = 0
@@ -201,6 +217,31 @@ class DynamoRegion:
         self.last_runs = 0
         self._forward = type(module).forward
         self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def what(self) -> str:
+        """``GPT2Model ('transformer')``, for messages."""
+        return type(self.module).__name__ + (f" ({self.path!r})" if self.path else "")
+
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of the module's parameters and buffers: a change shows an
+        in-place write by the forward (see ``_tap.TappedModule._run_deferred``)."""
+        return tuple(t._version for t in self.state)
+
+    def instrumented(self) -> dict[str, _Instrumented]:
+        """Every instrumented graph so far, by key (``tapped.graphs``):
+        ``"dynamo:<region path>:<graph number>"``, the graphs numbered from 0 in the order
+        dynamo captured them, then ``"@<module path>"`` for a graph dynamo reuses for another
+        instance of the module it was captured for (``layers.1`` running ``layers.0``'s graph).
+        """
+        out: dict[str, _Instrumented] = {}
+        for i, captured in enumerate(self.captured):
+            for version in captured.versions.values():
+                key = f"dynamo:{self.path}:{i}"
+                if version.prefix != captured.captured_prefix:
+                    key += f"@{_join_path(self.path, version.prefix)}"
+                out[key] = version
+        return out
 
     @property
     def info(self) -> CaptureInfo:
@@ -222,6 +263,7 @@ class DynamoRegion:
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
+        self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
         selected = self.choose(named.order)
@@ -238,7 +280,8 @@ class DynamoRegion:
         order, copied, outplaced = insert_taps(
             graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
             pipeline=self.pipeline, escapes=True)
-        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced))
+        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
+                             prefix)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled

@@ -71,6 +71,12 @@ class HookSet:
             handles.append(module.register_forward_hook(hook))
         self.handles[name] = handles
 
+    def discard(self, names: set[str] | frozenset[str]) -> None:
+        """Remove the hooks of these sites (a module dynamo runs again, see ``_tap``)."""
+        for name in names:
+            for h in self.handles.pop(name, ()):
+                h.remove()
+
     def remove(self) -> None:
         for handles in self.handles.values():
             for h in handles:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ._dynamo_names import NamedGraph, Namer, name_graph, param_path
+from ._dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
 from ._errors import CaptureError
 from ._options import Capture, CopyPolicy
 from ._pipeline import Pipeline
@@ -149,13 +149,39 @@ class _Captured:
                 self.anchor, self.anchor_rel = i, rel
                 if name.startswith("L['self']"):
                     break
+        self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
         self.versions: dict[int, _Instrumented] = {}
         self.stamp = -1
 
+    def _locate(self) -> str:
+        """Without a parameter to tell: the one module of the region whose ``forward`` holds
+        the frame's own code (a module's forward split by a graph break runs as a frame of
+        its own); "" (the region's module) if none or several do."""
+        lines = set()
+        for node in self.gm.graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module") and not node.meta.get(
+                    "nn_module_stack"):
+                found = FILE_LINE.findall(node.meta.get("stack_trace") or "")
+                if found:
+                    lines.add((found[-1][0], int(found[-1][1])))
+        if not lines:
+            return ""
+        owners = set()
+        for rel, m in self.region.module.named_modules():
+            code = getattr(type(m).forward, "__code__", None)
+            if code is None:
+                continue
+            last = max((ln for _, _, ln in code.co_lines() if ln is not None),
+                       default=code.co_firstlineno)
+            if all(f == code.co_filename and code.co_firstlineno <= ln <= last
+                   for f, ln in lines):
+                owners.add(rel)
+        return owners.pop() if len(owners) == 1 else ""
+
     def prefix_of(self, args: Sequence[Any]) -> str:
         if self.anchor is None:
-            return ""
+            return self.located
         rel = self.anchor_rel
         for owner in self.region.param_names.get(id(args[self.anchor]), ()):
             if owner == rel or owner.endswith("." + rel):

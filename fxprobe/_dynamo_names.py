@@ -26,7 +26,7 @@ from ._site import CALL_ARGS, Site, attach
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
-_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def module_path(stack_path: str) -> str:
@@ -70,7 +70,7 @@ def dynamo_op_key(node: fx.Node) -> str | None:
 
 def _location(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
-    found = _FILE_LINE.findall(trace)
+    found = FILE_LINE.findall(trace)
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 

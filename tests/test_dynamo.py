@@ -548,3 +548,33 @@ def test_graphs_copied_and_outplaced_include_dynamo_graphs() -> None:
     assert keys[0] == "dynamo::0" and len(keys) == len(set(keys)) >= 3
     assert all(k.startswith("dynamo::") for k in keys)
     assert any("@blocks.1" in k for k in keys)  # a graph reused for another block
+
+
+class _Skips(nn.Module):
+    """Calls its untraceable gate only for inputs with a positive sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = zoo.Gate(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) if x.sum() > 0 else x
+
+
+def test_a_module_split_by_a_graph_break_names_its_ops_by_its_own_path() -> None:
+    # The gate's forward breaks the graph, so dynamo runs it as a frame of its own, whose
+    # graph receives no parameter: its module is found from the code the frame runs.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Skips()).eval()
+    gen = torch.Generator().manual_seed(0)
+    x = next(x for x in (torch.randn(2, 8, generator=gen) for _ in range(20))
+             if model[0](x).sum() > 0)  # the gate runs
+    tapped = fxprobe.tap(model, ops=["1.gate.sum", "1.sum"])
+    with torch.no_grad():
+        out = tapped(x)
+    assert torch.equal(out, model(x))
+    assert [(s.name, s.how) for s in tapped.sites] == [("1.sum", "dynamo"),
+                                                       ("1.gate.sum", "dynamo")]
+    h = model[0](x)
+    assert torch.equal(tapped.taps["1.sum"], h.sum())  # _Skips' own test
+    assert torch.equal(tapped.taps["1.gate.sum"], h.sum())  # the Gate's, on the same input

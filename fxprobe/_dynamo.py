@@ -332,7 +332,8 @@ class DynamoRegion:
                 f"torch dynamo ran {type(self.module).__name__}"
                 f"{f' ({self.path})' if self.path else ''} without any of fxprobe's graphs, "
                 "so nothing could be tapped: it hit torch._dynamo.config.recompile_limit "
-                f"(now {torch._dynamo.config.recompile_limit}) or skipped the frame. Raise "
+                f"(now {torch._dynamo.config.recompile_limit}) or skipped the frame (as it "
+                "does inside an outer torch.compile, which traces through it). Raise "
                 "that limit, call torch._dynamo.reset(), or use tracer='hooks'."
             )
         return result

@@ -527,6 +527,9 @@ def test_sites_under_auto_lists_dynamo_sites_only_with_an_example_input() -> Non
     how = {r.name: r.how for r in found.records}
     assert how["stem"] == "fx" and how["gate.sum"] == "dynamo"
     assert found.fallbacks == ()
+    vit = make_vit()  # fx traces it whole: an example input changes nothing, runs no dynamo
+    for tracer in ("auto", "fx+dynamo"):
+        assert fxprobe.sites(vit, tracer=tracer, example_input=image()) == fxprobe.sites(vit)
 
 
 def test_graphs_copied_and_outplaced_include_dynamo_graphs() -> None:
@@ -578,3 +581,29 @@ def test_a_module_split_by_a_graph_break_names_its_ops_by_its_own_path() -> None
     h = model[0](x)
     assert torch.equal(tapped.taps["1.sum"], h.sum())  # _Skips' own test
     assert torch.equal(tapped.taps["1.gate.sum"], h.sum())  # the Gate's, on the same input
+
+
+class _FailsOnNegative(nn.Module):
+    """Untraceable, and raises for some inputs whether run eagerly or under dynamo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.min() < -100:
+            raise ValueError("out of range")
+        return self.lin(x)
+
+
+def test_auto_keeps_dynamo_when_the_model_itself_raises() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_FailsOnNegative())
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    with pytest.raises(ValueError, match="out of range"), torch.no_grad():
+        tapped(torch.full((2, 4), -1000.0))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = tapped(x)
+    assert torch.equal(out, model(x)) and torch.equal(tapped.taps["0.lin"], model[0].lin(x))
+    assert tapped.fallbacks == () and [s.how for s in tapped.sites] == ["dynamo"]

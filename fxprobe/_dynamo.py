@@ -249,10 +249,10 @@ class DynamoRegion:
         """``GPT2Model ('transformer')``, for messages."""
         return type(self.module).__name__ + (f" ({self.path!r})" if self.path else "")
 
-    def versions(self) -> tuple[int, ...]:
+    def versions(self) -> list[int]:
         """The version counters of the module's parameters and buffers: a change shows an
         in-place write by the forward (see ``_tap.TappedModule._run_deferred``)."""
-        return tuple(t._version for t in self.state)
+        return [t._version for t in self.state]
 
     def instrumented(self) -> dict[str, _Instrumented]:
         """Every instrumented graph so far, by key (``tapped.graphs``):

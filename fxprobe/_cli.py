@@ -283,8 +283,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         render(tapped, out, example_input=x)
         print(f"\n{e}\nwrote {out} instead (DOT text; any Graphviz viewer opens it)")
         return 0
-    print(f"\nwrote {out}: tapped sites are orange; the head runs as written (red dashed "
-          "box, hover for why) and its layers are reached by hooks (dashed)")
+    print(f"\nwrote {out}: tapped sites are orange; the head, which torch.fx cannot "
+          "trace, runs under torch dynamo (one call in the picture; its layers are tapped at "
+          "op level in dynamo's graphs)")
     return 0
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ._dynamo_names import NamedGraph, Namer, name_graph, param_path
+from ._dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
 from ._errors import CaptureError
 from ._options import Capture, CopyPolicy
 from ._pipeline import Pipeline
@@ -101,16 +101,29 @@ class CaptureInfo:
                 f"break(s) in the last forward, {self.sites} site(s)")
 
 
+def dynamo_failed(e: BaseException) -> bool:
+    """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
+    return isinstance(e, (torch._dynamo.exc.TorchDynamoException, CaptureError))
+
+
+def _join_path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
 class _Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
-    __slots__ = ("fn", "holder", "names", "graph")
+    __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix")
 
-    def __init__(self, compiled: Compiled) -> None:
+    def __init__(self, compiled: Compiled, prefix: str) -> None:
         self.graph = compiled.graph
         self.fn = compiled.fn
         self.holder = compiled.holder
         self.names = compiled.names
+        self.copied = compiled.copied
+        self.outplaced = compiled.outplaced
+        self.prefix = prefix
+        """The path, relative to the region, of the module instance it runs for."""
 
 
 class _Captured:
@@ -136,13 +149,39 @@ class _Captured:
                 self.anchor, self.anchor_rel = i, rel
                 if name.startswith("L['self']"):
                     break
+        self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
         self.versions: dict[int, _Instrumented] = {}
         self.stamp = -1
 
+    def _locate(self) -> str:
+        """Without a parameter to tell: the one module of the region whose ``forward`` holds
+        the frame's own code (a module's forward split by a graph break runs as a frame of
+        its own); "" (the region's module) if none or several do."""
+        lines = set()
+        for node in self.gm.graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module") and not node.meta.get(
+                    "nn_module_stack"):
+                found = FILE_LINE.findall(node.meta.get("stack_trace") or "")
+                if found:
+                    lines.add((found[-1][0], int(found[-1][1])))
+        if not lines:
+            return ""
+        owners = set()
+        for rel, m in self.region.module.named_modules():
+            code = getattr(type(m).forward, "__code__", None)
+            if code is None:
+                continue
+            last = max((ln for _, _, ln in code.co_lines() if ln is not None),
+                       default=code.co_firstlineno)
+            if all(f == code.co_filename and code.co_firstlineno <= ln <= last
+                   for f, ln in lines):
+                owners.add(rel)
+        return owners.pop() if len(owners) == 1 else ""
+
     def prefix_of(self, args: Sequence[Any]) -> str:
         if self.anchor is None:
-            return ""
+            return self.located
         rel = self.anchor_rel
         for owner in self.region.param_names.get(id(args[self.anchor]), ()):
             if owner == rel or owner.endswith("." + rel):
@@ -193,7 +232,10 @@ class DynamoRegion:
         for name, p in module.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(p), []).append(name)
         self.module_ids = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        self.state = [*module.parameters(), *module.buffers()]
         self.sites: dict[str, Site] = {}
+        self.modules: set[str] = set()
+        """The paths of the modules whose code ran in a captured graph."""
         self.captured: list[_Captured] = []
         self.graphs = 0
         self.calls = 0
@@ -201,6 +243,31 @@ class DynamoRegion:
         self.last_runs = 0
         self._forward = type(module).forward
         self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def what(self) -> str:
+        """``GPT2Model ('transformer')``, for messages."""
+        return type(self.module).__name__ + (f" ({self.path!r})" if self.path else "")
+
+    def versions(self) -> list[int]:
+        """The version counters of the module's parameters and buffers: a change shows an
+        in-place write by the forward (see ``_tap.TappedModule._run_deferred``)."""
+        return [t._version for t in self.state]
+
+    def instrumented(self) -> dict[str, _Instrumented]:
+        """Every instrumented graph so far, by key (``tapped.graphs``):
+        ``"dynamo:<region path>:<graph number>"``, the graphs numbered from 0 in the order
+        dynamo captured them, then ``"@<module path>"`` for a graph dynamo reuses for another
+        instance of the module it was captured for (``layers.1`` running ``layers.0``'s graph).
+        """
+        out: dict[str, _Instrumented] = {}
+        for i, captured in enumerate(self.captured):
+            for version in captured.versions.values():
+                key = f"dynamo:{self.path}:{i}"
+                if version.prefix != captured.captured_prefix:
+                    key += f"@{_join_path(self.path, version.prefix)}"
+                out[key] = version
+        return out
 
     @property
     def info(self) -> CaptureInfo:
@@ -222,6 +289,7 @@ class DynamoRegion:
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
+        self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
         selected = self.choose(named.order)
@@ -238,7 +306,8 @@ class DynamoRegion:
         order, copied, outplaced = insert_taps(
             graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
             pipeline=self.pipeline, escapes=True)
-        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced))
+        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
+                             prefix)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled
@@ -263,7 +332,8 @@ class DynamoRegion:
                 f"torch dynamo ran {type(self.module).__name__}"
                 f"{f' ({self.path})' if self.path else ''} without any of fxprobe's graphs, "
                 "so nothing could be tapped: it hit torch._dynamo.config.recompile_limit "
-                f"(now {torch._dynamo.config.recompile_limit}) or skipped the frame. Raise "
+                f"(now {torch._dynamo.config.recompile_limit}) or skipped the frame (as it "
+                "does inside an outer torch.compile, which traces through it). Raise "
                 "that limit, call torch._dynamo.reset(), or use tracer='hooks'."
             )
         return result

@@ -22,11 +22,11 @@ import torch
 from torch import fx, nn
 
 from ._ops import method_key, module_key, op_key
-from ._site import Site, attach
+from ._site import CALL_ARGS, Site, attach
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
-_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def module_path(stack_path: str) -> str:
@@ -70,7 +70,7 @@ def dynamo_op_key(node: fx.Node) -> str | None:
 
 def _location(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
-    found = _FILE_LINE.findall(trace)
+    found = FILE_LINE.findall(trace)
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 
@@ -108,6 +108,8 @@ class NamedGraph:
     """The attention-probabilities site beside each scaled_dot_product_attention call."""
     order: list[Site]
     """Every site in graph order (attention probabilities right after their SDPA call)."""
+    modules: frozenset[str] = frozenset()
+    """The paths of the modules whose code ran in the graph (the frame's own included)."""
 
 
 def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
@@ -131,6 +133,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         probs_fn: the function that stands for attention probabilities.
     """
     modules: dict[str, nn.Module | None] = {}
+    seen_modules: set[str] = {_join(root_path, frame_prefix)}
 
     def resolve(key: str, path: str) -> str:
         ident = key.split("@", 1)[0]
@@ -171,6 +174,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     for node, (key, _rel, _m) in leaf_call.items():
         members.setdefault(key, []).append(node)
     outputs: dict[fx.Node, tuple[str, nn.Module]] = {}
+    inputs: dict[fx.Node, tuple[tuple[fx.Node, ...], fx.Node]] = {}
     for nodes in members.values():
         group = set(nodes)
         out = nodes[-1]
@@ -179,6 +183,37 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                 out = n
         _k, rel, m = leaf_call[out]
         outputs[out] = (_join(root_path, rel), m)
+        inputs[out] = (_call_inputs(nodes, group), nodes[0])
+    # Calls of modules dynamo traced through (``h.0.mlp``): a site on the one node whose value
+    # leaves the call. Without nested graph breaks (dynamo's default) a call that a graph
+    # break splits runs as a frame of its own, so every call seen here is whole.
+    whole = not getattr(torch._dynamo.config, "nested_graph_breaks", False)
+    calls_of: dict[str, list[fx.Node]] = {}
+    where: dict[str, tuple[str, nn.Module]] = {}
+    for node in calls:
+        for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+            rel = resolve(str(key), str(path))
+            m = module_at(rel)
+            if m is None or not rel:
+                continue
+            seen_modules.add(_join(root_path, rel))
+            if whole and not is_leaf(m, _join(root_path, rel)):
+                calls_of.setdefault(str(key), []).append(node)
+                where[str(key)] = (rel, m)
+    module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node]]] = {}
+    for key, nodes in calls_of.items():
+        group = set(nodes)
+        leaving = [n for n in nodes if any(u not in group for u in n.users)]
+        if len(leaving) > 1:
+            # Values that only leave the graph (a KV cache dynamo writes back) are not
+            # what the code after the call reads.
+            leaving = [n for n in leaving
+                       if any(u not in group and u.op != "output" for u in n.users)]
+        if len(leaving) != 1:
+            continue  # several values (a tuple) or none: no one node holds the output
+        rel, m = where[key]
+        module_calls.setdefault(leaving[0], []).append(
+            (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0]))
 
     seen: dict[tuple[str, str], int] = {}
     sites: dict[fx.Node, Site] = {}
@@ -196,6 +231,8 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
             path, m = outputs[node]
             site = Site(next_name(path, loc), "dynamo", "call_module", path, path, type(m),
                         module_key(type(m)))
+            # Its inputs are the module's, not the functional call's (``F.linear(x, w, b)``).
+            node.meta.setdefault(CALL_ARGS, {})[site.name] = inputs[node]
         else:
             mpath = innermost[node]
             base = _join(mpath, op_name(node))
@@ -204,10 +241,35 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         attach(node, site)
         sites[node] = site
         order.append(site)
+        # Outer calls end after inner ones: the innermost module's site comes first.
+        for path, m, args, first in reversed(module_calls.get(node, ())):
+            call = Site(next_name(path, _location(first)), "dynamo", "call_module", path, path,
+                        type(m), module_key(type(m)), inlined=True, listed=False)
+            attach(node, call)
+            node.meta.setdefault(CALL_ARGS, {})[call.name] = (args, first)
+            order.append(call)
         if site.op_key == "scaled_dot_product_attention":
             base = _join(site.module_path, "attention_probs")
             probs = Site(next_name(base, loc), "dynamo", "call_function", probs_fn,
                          site.module_path, None, None)
             sdpa[node] = probs
             order.append(probs)
-    return NamedGraph(sites, sdpa, order)
+    return NamedGraph(sites, sdpa, order, frozenset(seen_modules))
+
+
+def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ...]:
+    """The values a module call read from outside it, in first-use order: its tensor inputs,
+    without the parameters and buffers (graph inputs that dynamo sourced from a module)."""
+    found: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in group or a in found or a.op == "get_attr":
+                continue
+            if a.op == "placeholder":
+                source = getattr(a.meta.get("grapharg"), "source", None)
+                name = getattr(source, "name", None)
+                name = name() if callable(name) else name
+                if isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name):
+                    continue
+            found[a] = None
+    return tuple(found)

@@ -77,6 +77,12 @@ class HookSet:
         self.handles[name] = handles
         self.modules[name] = module
 
+    def discard(self, names: set[str] | frozenset[str]) -> None:
+        """Remove the hooks of these sites (a module dynamo runs again, see ``_tap``)."""
+        for name in names:
+            for h in self.handles.pop(name, ()):
+                h.remove()
+
     def remove(self) -> None:
         for handles in self.handles.values():
             for h in handles:

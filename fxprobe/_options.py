@@ -53,7 +53,7 @@ class TapOptions:
     copy: CopyPolicy = "auto"
     """When to copy a value that a later in-place op would overwrite."""
     tracer: TracerKind = "auto"
-    """How to reach the model: fx with hook fallback, fx only, or hooks only."""
+    """How to reach the model: fx, then dynamo, then hooks ("auto"), or one frontend alone."""
     leaf_modules: tuple[Any, ...] = ()
     """Module types or paths that are not traced into."""
     autowrap_functions: tuple[Callable[..., Any], ...] = ()

@@ -8,6 +8,7 @@ regions) and running it is the runtime's part (``_tap.TappedModule``).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,14 +18,14 @@ import torch
 from torch import nn
 
 from ._dynamo import CaptureInfo, DynamoRegion
-from ._errors import UnsupportedModelError
+from ._errors import SelectorError, UnsupportedModelError
 from ._mirror import HookWatch, mirror
 from ._options import TapOptions, TracerKind
 from ._pipeline import Pipeline
 from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ._select import Selector, select
 from ._site import Site
-from ._trace import Fallback, Plan, is_leaf, plan
+from ._trace import Deferred, Fallback, Plan, is_leaf, plan
 
 if TYPE_CHECKING:
     from ._summary import Table
@@ -61,10 +62,119 @@ class Program:
     """With dynamo regions: the selectors to check once the first forward found their sites."""
     watch: HookWatch | None = None
     """Watches the modules the graphs inlined for hooks registered after tracing."""
+    deferred: dict[str, Deferred] = field(default_factory=dict)
+    """``tracer="auto"``: fallbacks tried with torch dynamo at their first call, by path."""
+    state: dict[str, str] = field(default_factory=dict)
+    """Of each deferred module: "pending" (before its first call), "dynamo" (captured: its
+    dynamo sites replace the fallback's) or "fallback" (dynamo failed: hooks, as written)."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Why dynamo failed on a deferred module, by path."""
+    base: tuple[Site, ...] = ()
+    """The sites selected before any forward (fx and hooks)."""
+    added: dict[str, tuple[str, Site]] = field(default_factory=dict)
+    """The sites dynamo regions selected, by name: the region's path and the site, in the
+    order found."""
+    hook_names: frozenset[str] = frozenset()
+    """The hooked sites that record now (not those inside a module dynamo runs)."""
+
+    def __post_init__(self) -> None:
+        self.base = self.selected
+        self.refresh()
+
+    def hidden(self) -> frozenset[str]:
+        """Site names of fallbacks that dynamo runs instead (or will, before the first call)."""
+        return frozenset(n for path, d in self.deferred.items()
+                         if self.state.get(path) != "fallback" for n in d.sites)
+
+    def refresh(self) -> None:
+        """Recompute ``selected``, ``order`` and ``hook_names`` from the deferred states."""
+        seen: set[str] = set()
+        selected = []
+        for s in self._current(self.base, in_place=True):
+            if s.name not in seen:
+                seen.add(s.name)
+                selected.append(s)
+        for path, s in self.added.values():
+            if self.state.get(path) != "fallback" and s.name not in seen:
+                seen.add(s.name)
+                selected.append(s)
+        self.selected = tuple(selected)
+        self.order = {s.name: i for i, s in enumerate(selected)}
+        hidden = self.hidden()
+        self.hook_names = frozenset(h.name for h in self.hooks if h.name not in hidden)
+
+    def _current(self, sites: Sequence[Site], in_place: bool = False) -> list[Site]:
+        """``sites`` as they stand now: a fallback's site inside a module dynamo runs is gone
+        once dynamo ran its module's code (dynamo's own sites replace it), and a dynamo site
+        not run yet before that (a branch not taken: dynamo names a module call by its path,
+        as the hook did). With ``in_place``, dynamo's site of the same name takes its place."""
+        captured = {n for path, d in self.deferred.items() if self.state.get(path) == "dynamo"
+                    for n in d.sites}
+        if not captured:
+            return list(sites)
+        reached = {m for region in self.dynamo.values() for m in region.modules}
+        out = []
+        for s in sites:
+            found = self.added.get(s.name) if in_place and s.name in captured else None
+            if s.name not in captured:
+                out.append(s)
+            elif found is not None:
+                out.append(found[1])
+            elif (s.module_path not in reached and s.name not in reached
+                  and s.kind not in ("placeholder", "get_attr")):
+                out.append(dataclasses.replace(s, how="dynamo"))
+        return out
+
+    def set_state(self, path: str, state: str, reason: str = "") -> None:
+        self.state[path] = state
+        if reason:
+            self.reasons[path] = reason
+        self.refresh()
+
+    def active(self, path: str) -> bool:
+        """Whether the hooks and regions at ``path`` run: not inside a module dynamo runs."""
+        return not any(d.covers(path) for p, d in self.deferred.items()
+                       if self.state.get(p) != "fallback")
 
     @property
-    def hook_names(self) -> frozenset[str]:
-        return frozenset(h.name for h in self.hooks)
+    def fallbacks(self) -> tuple[Fallback, ...]:
+        """The modules that run as written now (a deferred one once dynamo failed on it,
+        with dynamo's reason)."""
+        gone = {f for p, d in self.deferred.items() if self.state.get(p) == "dynamo"
+                for f in d.fallbacks}
+        out = []
+        for f in self.plan.fallbacks:
+            if f in gone:
+                continue
+            reason = self.reasons.get(f.path)
+            if reason is not None and f.path in self.deferred and f is self.deferred[
+                    f.path].fallback:
+                f = dataclasses.replace(f, error=f"{f.error}; torch dynamo failed too: {reason}")
+            out.append(f)
+        return tuple(out)
+
+    def known_sites(self) -> list[Site]:
+        """Every site known now: the plan's (see :meth:`_current`), then the sites dynamo
+        found so far."""
+        found = self._current(self.plan.sites)
+        for path, region in self.dynamo.items():
+            if self.state.get(path) != "fallback":
+                found.extend(region.sites.values())
+        return found
+
+    def current_plan(self) -> Plan:
+        """The plan as the pictures draw it now: without the fallbacks dynamo replaced (the
+        modules dynamo runs are drawn as one call each)."""
+        if not self.deferred:
+            return self.plan
+        gone = {r for p, d in self.deferred.items() if self.state.get(p) == "dynamo"
+                for r in d.regions}
+        captured = {n for path, d in self.deferred.items() if self.state.get(path) == "dynamo"
+                    for n in d.sites}
+        return dataclasses.replace(
+            self.plan, fallbacks=list(self.fallbacks),
+            sites=[s for s in self.plan.sites if s.name not in captured],
+            regions={k: r for k, r in self.plan.regions.items() if k not in gone})
 
     def site(self, name: str) -> Site | None:
         """The selected site of ``name`` (``name_1``, a hooked module's second call: its site)."""
@@ -143,8 +253,16 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         selected = [s for s in p.sites if not s.inlined] if selectors is None else [
             s for s in p.sites if any(sel(s) for sel in selectors)]
     else:
-        selected = select(p.sites, selectors, context=f"{model_name} ({mode} mode)",
-                          fallbacks=p.fallbacks, other_mode=other_mode if strict else None)
+        try:
+            selected = select(p.sites, selectors, context=f"{model_name} ({mode} mode)",
+                              fallbacks=p.fallbacks, other_mode=other_mode if strict else None)
+        except SelectorError:
+            if not p.deferred:
+                raise
+            # Dynamo may find the sites inside the modules fx could not trace: the check
+            # waits for the first forward (check_found), which raises if still nothing matched.
+            assert selectors is not None  # None selects everything and cannot fail
+            selected = [s for s in p.sites if any(sel(s) for sel in selectors)]
     names = {s.name for s in selected}
     compiled: dict[str, Compiled] = {}
     for path, region in p.regions.items():
@@ -167,12 +285,13 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         if calls:
             guarded[path] = tuple(s.name for s in calls)
     prog = Program(training, p, tuple(selected), compiled, tuple(hooks),
-                   {s.name: i for i, s in enumerate(selected)}, guarded)
-    if p.dynamo:
+                   {s.name: i for i, s in enumerate(selected)}, guarded,
+                   deferred={d.path: d for d in p.deferred},
+                   state={d.path: "pending" for d in p.deferred})
+    if p.dynamo or p.deferred:
         prog.unchecked = list(selectors) if selectors is not None else None
-        for target in p.dynamo:
-            prog.dynamo[target.path] = _dynamo_region(root, target.path, selectors, options,
-                                                      pipeline, prog)
+        for path in [*(t.path for t in p.dynamo), *(d.path for d in p.deferred)]:
+            prog.dynamo[path] = _dynamo_region(root, path, selectors, options, pipeline, prog)
     inlined = _inlined(root, compiled, prog.dynamo)
     prog.watch = HookWatch(inlined) if inlined else None
     return prog
@@ -210,10 +329,10 @@ def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
         return [s for s in found if any(sel(s) for sel in selectors)]
 
     def on_sites(new: list[Site], chosen: list[Site]) -> None:
-        added = [s for s in chosen if s.name not in prog.order]
-        for s in added:
-            prog.order[s.name] = len(prog.order)
-        prog.selected = prog.selected + tuple(added)
+        fresh = [s for s in chosen if s.name not in prog.added]
+        if fresh:
+            prog.added.update((s.name, (path, s)) for s in fresh)
+            prog.refresh()
 
     module = root.get_submodule(path) if path else root
     return DynamoRegion(
@@ -225,12 +344,13 @@ def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
 def check_found(prog: Program, model_name: str) -> None:
     """After a forward of a program with dynamo regions: the selectors, against every site
     found so far (``select``'s rules: a union may leave a type or function unmatched)."""
-    found = list(prog.plan.sites) + [
-        s for region in prog.dynamo.values() for s in region.sites.values()]
+    found = prog.known_sites()
     mode = "train" if prog.training else "eval"
-    select(found, prog.unchecked, fallbacks=prog.plan.fallbacks,
+    select(found, prog.unchecked, fallbacks=prog.fallbacks,
            context=f"{model_name} ({mode} mode; sites found by the first forward: dynamo "
-           "captures graphs as the model runs)")
+           "captures graphs as the model runs; a module call that a graph break splits, or "
+           "that returns several values, is no site under dynamo: select the ops inside it, "
+           "or use tracer='hooks')")
     prog.unchecked = None
 
 

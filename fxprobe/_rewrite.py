@@ -229,7 +229,8 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
 
 def _call_args(node: fx.Node, site: Site) -> tuple[tuple[Any, ...], fx.Node]:
     """The positional arguments of a site's call and the node before which they are read."""
-    if site.inlined:
+    calls = node.meta.get(CALL_ARGS)
+    if site.inlined or (calls and site.name in calls):  # a module call: the module's inputs
         args, first = node.meta[CALL_ARGS][site.name]
         return args, first
     return tuple(node.args), node

@@ -257,9 +257,11 @@ def tapped_table(sites: Sequence[Site], taps: Mapping[str, Any], fallbacks: Iter
         rows.append((key, site.op, site.how, info.shape, info.dtype, human_bytes(info.nbytes),
                      *(stats.get(k, "") for k in stat_names)))
     hooks = sum(1 for s in sites if s.how == "hook")
+    dyn = sum(1 for s in sites if s.how == "dynamo")
     ran = sum(1 for _, _, v in records if v is not _NOT_RUN)
     size = f", {human_bytes(total)} in all" if total is not None else ""
-    notes = [f"{len(sites)} sites tapped ({len(sites) - hooks} fx, {hooks} hook); "
+    notes = [f"{len(sites)} sites tapped ({len(sites) - hooks - dyn} fx, {hooks} hook"
+             f"{f', {dyn} dynamo' if dyn else ''}); "
              f"{ran} values captured in the last forward{size}"]
     notes += _fallback_notes(fallbacks)
     return Table(headers, tuple(rows), tuple(notes), fmt,
@@ -279,8 +281,10 @@ def sites_table(sites: Sequence[Site], fallbacks: Iterable[Any], fmt: str = "tex
             row += ("yes" if s.name in chosen else "",)
         rows.append(row)
     hooks = sum(1 for s in sites if s.how == "hook")
-    notes = [f"{len(sites)} sites: {len(sites) - hooks} at op level (fx), {hooks} by module "
-             "hook only (inside code torch.fx could not trace)"]
+    dyn = sum(1 for s in sites if s.how == "dynamo")
+    notes = [f"{len(sites)} sites: {len(sites) - hooks - dyn} at op level (fx), "
+             + (f"{dyn} at op level (torch dynamo), " if dyn else "")
+             + f"{hooks} by module hook only (inside code torch.fx could not trace)"]
     notes += _fallback_notes(fallbacks)
     return Table(headers, tuple(rows), tuple(notes), fmt)
 

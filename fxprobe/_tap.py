@@ -12,8 +12,8 @@ import torch
 from torch import fx, nn
 
 from ._artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
-from ._dynamo import CaptureInfo
-from ._errors import ConfigError, RemovedError
+from ._dynamo import CaptureInfo, DynamoRegion, dynamo_failed
+from ._errors import CaptureError, ConfigError, RemovedError, SelectorError
 from ._hooks import HookSet
 from ._mirror import (
     adopt,
@@ -49,7 +49,7 @@ from ._program import (
 from ._record import Grads, Recording, Taps
 from ._select import Selector, as_selectors
 from ._site import Site
-from ._trace import Fallback
+from ._trace import Fallback, one_line
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -140,10 +140,12 @@ class TappedModule(nn.Module):
     def _install(self, prog: Program) -> None:
         root = self._root
         for spec in prog.hooks:
+            if not prog.active(spec.path):
+                continue  # inside a module dynamo runs: installed if dynamo fails on it
             module = root.get_submodule(spec.path) if spec.path else root
             self._hookset.ensure(spec.name, module, spec.region)
         paths = {path for p in self._programs.values() for path in (*p.compiled, *p.dynamo)
-                 if path}
+                 if path and p.active(path)}
         for path in paths:
             module = root.get_submodule(path)
             install_override(module, self._dispatcher(module, path))
@@ -161,7 +163,9 @@ class TappedModule(nn.Module):
             comp = prog.compiled.get(path) if prog is not None else None
             if prog is None or comp is None:
                 dyn = prog.dynamo.get(path) if prog is not None else None
-                if dyn is not None:
+                if prog is not None and dyn is not None:
+                    if path in prog.deferred:
+                        return self._run_deferred(prog, path, dyn, own, args, kwargs)
                     return dyn(*args, **kwargs)
                 return own(*args, **kwargs)
             state = rec.state
@@ -190,6 +194,61 @@ class TappedModule(nn.Module):
             return self._run(args, kwargs, through_root=False)  # generate(): a new frame
 
         return forward
+
+    def _run_deferred(self, prog: Program, path: str, region: DynamoRegion,
+                      own: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> Any:
+        """``tracer="auto"``: run a module fx could not trace under dynamo; if dynamo fails on
+        it, run it as written with its hook fallback instead, and say why in ``fallbacks``."""
+        state = prog.state[path]
+        if state == "fallback":
+            return own(*args, **kwargs)
+        if state == "pending":
+            self._set_state(prog, path, "dynamo")
+        versions = region.versions()
+        frame = self._rec.frame
+        stored = len(frame.parts)
+        try:
+            return region(*args, **kwargs)
+        except Exception as e:
+            if not dynamo_failed(e):
+                if state == "pending":  # the model's own error: dynamo may still work
+                    self._set_state(prog, path, "pending")
+                raise
+            if region.versions() != versions:
+                raise CaptureError(
+                    f"torch dynamo failed on {region.what} "
+                    f"({one_line(getattr(e, 'inner_exception', None) or e)}) after the "
+                    "forward had written the module's parameters or buffers in place, so it "
+                    "cannot be run again as written without writing them twice. Use "
+                    "tracer='hooks' for this model, or tracer='fx+dynamo' to see dynamo's "
+                    "error."
+                ) from e
+            # dynamo's own one-line summary of a backend failure names no cause
+            reason = one_line(getattr(e, "inner_exception", None) or e)
+        # Nothing the failed attempt kept stays: the module runs again, as written.
+        del frame.parts[stored:]
+        frame._cache = None
+        self._set_state(prog, path, "fallback", reason)
+        try:
+            return own(*args, **kwargs)
+        except Exception:
+            if state == "pending":  # fails as written too: not dynamo's failure
+                self._set_state(prog, path, "pending")
+            raise
+
+    def _set_state(self, prog: Program, path: str, state: str, reason: str = "") -> None:
+        """Move a deferred module to ``state``: its hooks and inner regions are installed
+        exactly while it runs as written."""
+        prog.set_state(path, state, reason)
+        if state != "fallback":
+            self._hookset.discard(prog.deferred[path].sites)
+            drop_overrides(self._root)
+        for p in self._programs.values():
+            self._install(p)
+        rec = self._rec.state
+        if rec.active:
+            rec.hook_paths = prog.hook_names
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -232,6 +291,8 @@ class TappedModule(nn.Module):
             return result[0]
         dyn = prog.dynamo.get("")
         if dyn is not None:
+            if "" in prog.deferred:
+                return self._run_deferred(prog, "", dyn, own_forward(self._root), args, kwargs)
             return dyn(*args, **kwargs)
         return own_forward(self._root)(*args, **kwargs)
 
@@ -323,30 +384,60 @@ class TappedModule(nn.Module):
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
-        """Modules that could not be traced and run as written (current mode), with why."""
-        return tuple(self._program().plan.fallbacks)
+        """Modules that could not be traced and run as written (current mode), with why.
+
+        Under ``tracer="auto"``, a module that torch dynamo captured at the first forward is
+        no longer listed; one that dynamo failed on says dynamo's reason too.
+        """
+        return self._program().fallbacks
 
     @property
     def graphs(self) -> dict[str, fx.Graph]:
-        """The instrumented fx graph of each traced region with a tap, by module path."""
-        return {path: c.graph for path, c in self._program().compiled.items()}
+        """The instrumented fx graph of each traced region with a tap, by module path; then,
+        once a forward captured them, each instrumented graph of torch dynamo, keyed
+        ``"dynamo:<module path dynamo runs>:<n>"`` (the n-th graph dynamo captured there,
+        from 0: one per graph break and recompilation), with ``"@<module path>"`` appended
+        for a graph that dynamo reuses for another instance of its module.
+
+        Example:
+            >>> list(tapped.graphs)  # GPT-2, tracer="dynamo", after a forward
+            ['dynamo::0']
+        """
+        prog = self._program()
+        out = {path: c.graph for path, c in prog.compiled.items()}
+        for key, version in self._dynamo_graphs(prog).items():
+            out[key] = version.graph
+        return out
+
+    @staticmethod
+    def _dynamo_graphs(prog: Program) -> dict[str, Any]:
+        return {key: version for path, region in prog.dynamo.items()
+                if prog.state.get(path) != "fallback"
+                for key, version in region.instrumented().items()}
 
     @property
     def copied(self) -> frozenset[str]:
-        """The traced sites whose value is copied before a later in-place op overwrites it."""
-        return frozenset(n for c in self._program().compiled.values() for n in c.copied)
+        """The traced sites whose value is copied before a later in-place op overwrites it
+        (in dynamo's graphs too, once a forward captured them)."""
+        prog = self._program()
+        return frozenset([n for c in prog.compiled.values() for n in c.copied]
+                         + [n for v in self._dynamo_graphs(prog).values() for n in v.copied])
 
     @property
     def outplaced(self) -> frozenset[str]:
         """The traced sites kept safe by running the one in-place op that would overwrite
-        their value out of place (``ReLU(inplace=True)`` as ``relu``), instead of a copy."""
-        return frozenset(n for c in self._program().compiled.values() for n in c.outplaced)
+        their value out of place (``ReLU(inplace=True)`` as ``relu``), instead of a copy (in
+        dynamo's graphs too, once a forward captured them)."""
+        prog = self._program()
+        return frozenset([n for c in prog.compiled.values() for n in c.outplaced]
+                         + [n for v in self._dynamo_graphs(prog).values() for n in v.outplaced])
 
     def _fxprobe_view(self) -> View:
         prog = self._program()
         frame = self._rec.frame
         mode = "train" if self.training else "eval"
-        return View(f"{self._model_name} ({mode} mode)", prog.plan, self._root, prog.selected,
+        return View(f"{self._model_name} ({mode} mode)", prog.current_plan(), self._root,
+                    prog.selected,
                     self._options.capture, self.taps if frame.parts else None,
                     captures_of(prog))
 
@@ -464,8 +555,16 @@ def tap(model: Any, ops: Any = None, *,
         detach: keep captured tensors out of the autograd graph (the default).
         copy: ``"auto"`` copies a value only when a later in-place op would overwrite it;
             ``"always"`` or ``"never"``.
-        tracer: ``"auto"`` traces what it can and reaches the rest by hooks; ``"fx"`` fails
-            if anything cannot be traced; ``"hooks"`` uses hooks only.
+        tracer: ``"auto"`` traces with torch.fx what it can, captures each module fx cannot
+            trace with torch dynamo at its first call, and runs a module that dynamo fails on
+            too as written, reaching the module calls inside it by hooks
+            (``tapped.fallbacks`` says why). Before the first forward ``tapped.sites`` lists
+            what fx and hooks know; dynamo's sites replace the hooked ones as the first
+            forward captures them. A model fx traces whole never meets dynamo.
+            ``"fx+dynamo"``: the same without hooks, sites inside dynamo's modules known only
+            after the first forward; ``"dynamo"``: the whole model under dynamo
+            (docs/transformers.md); ``"fx"`` fails if anything cannot be traced; ``"hooks"``
+            uses hooks only.
         leaf_modules: module types or qualified paths not to trace into.
         autowrap_functions: functions to record as single calls instead of tracing into.
         reduce: keep a reduction instead of each tensor: ``"stats"`` (a :class:`Stats` per
@@ -488,7 +587,9 @@ def tap(model: Any, ops: Any = None, *,
         :class:`TappedExport` for an ExportedProgram.
 
     Raises:
-        SelectorError: a selector matches no site. SelectorTypeError: a selector of unknown
+        SelectorError: a selector matches no site (with modules that dynamo captures, at the
+        end of the first forward if it matches none before). SelectorTypeError: a selector
+        of unknown
         type. TraceError: ``tracer="fx"`` and part of the model cannot be traced.
         UnsupportedModelError: not an ``nn.Module``. ConfigError: an option a deployed
         artifact cannot honour (``fn=``, ``grad=``, ``capture="input"``, ...).
@@ -523,8 +624,15 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
     arguments) and/or ``example_kwargs``; they are listed after the other sites, in the order
     the forward reached them.
 
+    With ``tracer="auto"`` (the default) and no example input, the answer is what fx and hooks
+    know: fx's sites, and the module calls inside modules fx cannot trace. The op-level sites
+    that torch dynamo finds inside those modules at a tapped model's first forward are listed
+    only with ``example_input``/``example_kwargs`` (the model then runs once, on a copy of
+    its module tree); they replace the module calls of the modules dynamo captured.
+
     Raises:
-        ConfigError: dynamo captures part of the model and no example input was given.
+        ConfigError: ``tracer="dynamo"``/``"fx+dynamo"``, dynamo captures part of the model and
+            no example input was given.
 
     Example:
         >>> fxprobe.sites(model)[:3]
@@ -544,14 +652,18 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
     leaf_modules = check_sequence("leaf_modules", leaf_modules, "e.g. [MyBlock, 'encoder.0']")
     listed = list_sites(model, train=train, tracer=tracer, leaf_modules=leaf_modules,
                         autowrap_functions=autowrap_functions)
-    if tracer not in ("dynamo", "fx+dynamo"):
+    if tracer in ("fx", "hooks") or (tracer == "auto" and example_input is None
+                                      and example_kwargs is None):
         return listed
     options = make_options(
         capture="output", detach=True, copy="auto", tracer=tracer, leaf_modules=leaf_modules,
         autowrap_functions=autowrap_functions, reduce=None, sample_size=1, seed=0, keep="last",
         to=None, fn=None, grad=False, grad_fn=None)
     nothing = Selector(lambda s: False, "nothing")  # discovery only
-    probe = TappedModule(model, [nothing], options)
+    try:
+        probe = TappedModule(model, [nothing], options)
+    except SelectorError:  # checked now: nothing runs under dynamo
+        return listed
     probe.train(train)
     try:
         prog = probe._program()
@@ -569,8 +681,7 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
         prog.unchecked = None
         with torch.no_grad():
             probe(*args, **(example_kwargs or {}))
-        found = list(prog.plan.sites) + [
-            s for region in prog.dynamo.values() for s in region.sites.values()]
+        found = prog.known_sites()
     finally:
         probe.remove()
-    return SiteNames(found, prog.plan.fallbacks)
+    return SiteNames(found, prog.fallbacks)

@@ -82,6 +82,34 @@ class DynamoTarget:
     """Why: the torch.fx error, one line, or that ``tracer="dynamo"`` asked for it."""
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """``tracer="auto"``: a module fx could not trace, tried with torch dynamo at its first call.
+
+    Until then (and for good if dynamo fails on it) it is a :class:`Fallback` like any other:
+    its hook sites and the regions traced inside it are in the plan, so that they are known
+    before the first forward. Once dynamo captured it, its dynamo sites replace them.
+    """
+
+    fallback: Fallback
+    """The module as a fallback: path, type, the torch.fx error."""
+    sites: frozenset[str]
+    """The names of the sites the fallback reaches inside it (hooks, regions traced inside)."""
+    regions: frozenset[str]
+    """The paths of the regions traced inside it."""
+    fallbacks: tuple[Fallback, ...]
+    """Its own fallback and those of untraceable modules inside it."""
+
+    @property
+    def path(self) -> str:
+        return self.fallback.path
+
+    def covers(self, path: str) -> bool:
+        """Whether ``path`` is a module strictly inside this one."""
+        own = self.fallback.path
+        return path != own and (not own or path.startswith(own + "."))
+
+
 @dataclass
 class Region:
     """A module traced into one fx graph whose nodes carry their sites (before any tap)."""
@@ -110,6 +138,8 @@ class Plan:
     sites: list[Site]
     dynamo: list[DynamoTarget] = field(default_factory=list)
     """Modules captured by torch dynamo; their sites are known after their first forward."""
+    deferred: list[Deferred] = field(default_factory=list)
+    """``tracer="auto"``: fallbacks to try with torch dynamo at their first call."""
 
 
 class SiteTracer(fx.Tracer):
@@ -394,6 +424,10 @@ class _Planner:
         self.bounded: set[str] = set()  # modules with hooks, called from a traced region
         # "fx+dynamo": what fx cannot trace goes to dynamo ("dynamo" sends everything there).
         self.use_dynamo = tracer == "fx+dynamo"
+        # "auto": what fx cannot trace falls back to hooks, and is tried with dynamo at run
+        # time; not inside such a module (dynamo runs all of it, or none).
+        self.deferred: list[Deferred] = []
+        self.defer = tracer == "auto"
 
     def visit(self, module: nn.Module, path: str) -> Region | None:
         """Trace ``module`` (marking untraceable descendants opaque) or make it opaque."""
@@ -433,8 +467,7 @@ class _Planner:
                     self.dynamo.append(DynamoTarget(path, type(module), failure.error))
                     return None
                 if rel == "" or rel in opaque:
-                    self.fallbacks.append(failure)
-                    self.open_up(module, path)
+                    self.fall_back(failure, module, path)
                     return None
                 opaque.add(rel)
                 errors[rel] = failure
@@ -448,8 +481,7 @@ class _Planner:
                     self.dynamo.append(DynamoTarget(_join(path, rel), type(sub),
                                                     errors[rel].error))
                 else:
-                    self.fallbacks.append(errors[rel])
-                    self.open_up(sub, _join(path, rel))
+                    self.fall_back(errors[rel], sub, _join(path, rel))
             elif node.op == "call_module":
                 self._enter_boundary(module, path, str(node.target))
             self.sites.extend(sites_of(node))
@@ -468,6 +500,23 @@ class _Planner:
             self.open_up(sub, cpath)
         else:
             self.visit(sub, cpath)
+
+    def fall_back(self, failure: Fallback, module: nn.Module, path: str) -> None:
+        """``module`` runs as written; under "auto", dynamo gets a try at it first."""
+        if not self.defer or has_patched_forward(module):
+            self.fallbacks.append(failure)
+            self.open_up(module, path)
+            return
+        n_sites, n_fallbacks, regions = len(self.sites), len(self.fallbacks), set(self.regions)
+        self.fallbacks.append(failure)
+        self.defer = False  # nothing inside is deferred on its own
+        try:
+            self.open_up(module, path)
+        finally:
+            self.defer = True
+        self.deferred.append(Deferred(
+            failure, frozenset(s.name for s in self.sites[n_sites:]),
+            frozenset(set(self.regions) - regions), tuple(self.fallbacks[n_fallbacks:])))
 
     def open_up(self, module: nn.Module, path: str) -> None:
         """Reach inside a module that runs as written: hooks on leaves, regions elsewhere."""
@@ -520,4 +569,5 @@ def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (
     planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions),
                        library_blocks())
     root_region = planner.visit(root, "")
-    return Plan(root_region, planner.regions, planner.fallbacks, planner.sites, planner.dynamo)
+    return Plan(root_region, planner.regions, planner.fallbacks, planner.sites, planner.dynamo,
+                planner.deferred)

@@ -89,6 +89,8 @@ class _Scene:
     """True when an example input ran: a site without a value did not run."""
     run: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
     """For a deployed artifact: run an example input, return every site's value."""
+    dynamo: dict[str, int] = field(default_factory=dict)
+    """Modules torch dynamo runs (drawn as one call each): their tapped sites, by path."""
 
 
 def to_dot(obj: nn.Module, example_input: Any = None, *,
@@ -234,6 +236,11 @@ def _scene(obj: nn.Module, *, ops: Any, tracer: TracerKind, train: bool | None) 
             )
         v = view()
         scene = _Scene(v.title, v.plan, v.root, _drawn(v.plan, v.selected), {}, v.capture)
+        for info in v.captures:
+            scene.dynamo[info.path] = sum(
+                1 for s in v.selected if s.how == "dynamo" and (
+                    not info.path or s.module_path == info.path
+                    or s.module_path.startswith(info.path + ".")))
         if v.taps is not None:
             scene.infos.update({name: describe_value(v.taps[name]) for name in v.taps})
         return scene
@@ -626,6 +633,9 @@ def _caption(scene: _Scene, depth: int | None, folded: int = 0) -> str:
     line = (f"{scene.title}: {len(nodes)} sites ({len(nodes) - hooks} fx, {hooks} hook), "
             f"{len(tapped)} tapped ({len(tapped) - tapped_hooks} fx, {tapped_hooks} hook), "
             f"{len(p.fallbacks)} module(s) run as written")
+    for path, n in scene.dynamo.items():
+        line += (f", {path or 'the model'} runs under torch dynamo ({n} tapped site(s) in "
+                 "its graphs, drawn as one call)")
     if scene.run is not None:  # a deployed artifact: every site is a value of its graph
         line = f"{scene.title}: {len(nodes)} sites, {len(tapped)} tapped"
     if depth is not None:

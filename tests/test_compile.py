@@ -31,3 +31,26 @@ def test_compile_tapped_module_without_graph_breaks(kwargs: dict[str, object]) -
         assert tapped.taps[name] == value if not isinstance(value, torch.Tensor) else (
             torch.equal(tapped.taps[name], value)), name
     torch._dynamo.reset()
+
+
+def test_compile_a_tapped_model_whose_untraceable_module_dynamo_would_capture() -> None:
+    # tracer="auto" runs the module fx cannot trace under a dynamo of its own, which an outer
+    # torch.compile traces through: that module falls back to hooks, and says why.
+    from reference import hook_values
+    from torch import nn
+
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    torch._dynamo.reset()
+    compiled = torch.compile(tapped, backend="eager")
+    for inp in (x, -x):
+        with torch.no_grad():
+            got = compiled(inp)
+            expected, ref = hook_values(model, ["stem", "gate.pos", "gate.neg.0", "head"], inp)
+        assert torch.equal(got, expected)
+        assert sorted(tapped.taps) == sorted(ref)
+        for name, value in ref.items():
+            assert torch.equal(tapped.taps[name], value), name
+    (fb,) = tapped.fallbacks
+    assert fb.path == "gate" and "torch dynamo failed too" in fb.error
+    torch._dynamo.reset()

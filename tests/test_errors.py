@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import zoo
 
 import fxprobe
@@ -44,7 +45,12 @@ def test_tap_leaves_the_model_alone_when_it_fails() -> None:
     with pytest.raises(fxprobe.TraceError):
         fxprobe.tap(model, tracer="fx")
     with pytest.raises(fxprobe.SelectorError):
-        fxprobe.tap(model, ops="nothing*here")
+        fxprobe.tap(model, ops="nothing*here", tracer="hooks")
+    # tracer="auto": dynamo may find the name inside the module fx cannot trace, so the
+    # error comes at the first forward, which runs that module under dynamo.
+    tapped = fxprobe.tap(model, ops="nothing*here")
+    with pytest.raises(fxprobe.SelectorError, match="nothing"), torch.no_grad():
+        tapped(*zoo.make("data_dependent")[1])
     assert states_equal(before, model_state(model))
 
 

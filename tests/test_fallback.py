@@ -11,7 +11,7 @@ from torch import nn
 import fxprobe
 
 
-def test_data_dependent_submodule_falls_back() -> None:
+def test_data_dependent_submodule_falls_back(dynamo_fails: None) -> None:
     model, (x,), _ = zoo.make("data_dependent")
     tapped = fxprobe.tap(model)
     (fb,) = tapped.fallbacks
@@ -35,6 +35,8 @@ def test_data_dependent_submodule_falls_back() -> None:
         branch_not_taken = "gate.neg.0" if sign > 0 else "gate.pos"
         with pytest.raises(fxprobe.SiteNotRunError, match=branch_not_taken):
             tapped.taps[branch_not_taken]
+    (fb,) = tapped.fallbacks  # tracer="auto" tried dynamo first, and says why it failed
+    assert "torch dynamo failed too" in fb.error and "dynamo fails here" in fb.error
 
 
 def test_untraceable_top_level_with_traceable_children() -> None:
@@ -163,7 +165,7 @@ class _Outer(nn.Module):
         return self.bare(x) - 1
 
 
-def test_untraceable_module_inside_untraced_code_is_hooked() -> None:
+def test_untraceable_module_inside_untraced_code_is_hooked(dynamo_fails: None) -> None:
     model = _Outer()
     tapped = fxprobe.tap(model)
     assert [(s.name, s.how) for s in tapped.sites] == [("bare", "hook")]
@@ -222,7 +224,8 @@ class _UsesInner(nn.Module):
         return self.inner.lin(y) if y.sum() > 0 else y
 
 
-def test_a_grandchild_called_both_ways_is_captured_once_per_call() -> None:
+def test_a_grandchild_called_both_ways_is_captured_once_per_call(dynamo_fails: None
+                                                                 ) -> None:
     torch.manual_seed(0)
     model = _UsesInner()
     tapped = fxprobe.tap(model, ops=["inner.lin"])

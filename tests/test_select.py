@@ -109,12 +109,26 @@ def test_in_a_list_a_type_or_function_may_match_nothing_but_a_pattern_may_not() 
         fxprobe.tap(model, ops=nn.LayerNorm)
 
 
-def test_no_match_says_which_fallback_hid_the_op() -> None:
-    model, _, _ = zoo.make("data_dependent")
-    with pytest.raises(fxprobe.SelectorError) as err:
-        fxprobe.tap(model, ops=torch.sum)
+def test_no_match_says_which_fallback_hid_the_op(dynamo_fails: None) -> None:
+    # tracer="auto" tries dynamo on the module fx cannot trace, so the check waits for the
+    # first forward; with dynamo failing there too, the module runs as written.
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=torch.sum)
+    with pytest.raises(fxprobe.SelectorError, match="first forward") as err:
+        tapped(x)
     text = str(err.value)
     assert "run as written" in text and "gate" in text and "control flow" in text
+    assert "torch dynamo failed too" in text
+
+
+def test_an_op_inside_an_untraceable_module_is_reached_by_dynamo() -> None:
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=torch.sum)  # only the module fx cannot trace has one
+    with torch.no_grad():
+        tapped(x)
+        h = model.stem(x)  # the Gate's input (zoo.DataDependent)
+    assert [(s.name, s.how) for s in tapped.sites] == [("gate.sum", "dynamo")]
+    assert torch.equal(tapped.taps["gate.sum"], h.sum())
 
 
 class _Branchy(nn.Module):
@@ -143,18 +157,31 @@ class _ManyFallbacks(nn.Module):
 
 
 @pytest.mark.parametrize("ops", [torch.flatten, "gate.flatten", "gate.*.add"])
-def test_no_match_names_the_fallback_that_hid_it_first(ops: object) -> None:
-    # Four modules run as written; the message lists three, so the one that holds the op
-    # (its forward calls torch.flatten; the pattern is under its path) must come first.
+def test_no_match_names_the_fallback_that_hid_it_first(ops: object, dynamo_fails: None
+                                                      ) -> None:
+    # Four modules run as written (fx and then dynamo failed on them); the message lists
+    # three, so the one that holds the op (its forward calls torch.flatten; the pattern is
+    # under its path) must come first.
+    tapped = fxprobe.tap(_ManyFallbacks(), ops=ops)
     with pytest.raises(fxprobe.SelectorError) as err:
-        fxprobe.tap(_ManyFallbacks(), ops=ops)
+        tapped(torch.randn(2, 4))
     text = str(err.value)
     assert "4 module(s) run as written" in text and "(and 1 more)" in text
     assert text.index("gate: TraceError") < text.index("a: TraceError")
     assert "is probably inside module 'gate' (_FlattenGate)" in text
 
 
-def test_no_match_with_no_likely_fallback_guesses_none() -> None:
+def test_no_match_with_no_likely_fallback_guesses_none(dynamo_fails: None) -> None:
+    tapped = fxprobe.tap(_ManyFallbacks(), ops=torch.tanh)
     with pytest.raises(fxprobe.SelectorError) as err:
-        fxprobe.tap(_ManyFallbacks(), ops=torch.tanh)
+        tapped(torch.randn(2, 4))
     assert "run as written" in str(err.value) and "probably inside" not in str(err.value)
+
+
+def test_no_match_after_dynamo_captured_everything_is_raised_at_the_first_forward() -> None:
+    tapped = fxprobe.tap(_ManyFallbacks(), ops=torch.tanh)  # no tanh anywhere
+    x = torch.randn(2, 4)
+    with pytest.raises(fxprobe.SelectorError, match="torch.tanh") as err:
+        tapped(x)
+    assert "first forward" in str(err.value) and "run as written" not in str(err.value)
+    assert tapped.fallbacks == ()  # dynamo ran all four modules fx could not trace

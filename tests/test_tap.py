@@ -172,7 +172,7 @@ def test_multiple_inputs_keyword_arguments_and_dict_output() -> None:
     assert torch.equal(tapped.taps["a_1"], model.a(args[0]))
 
 
-def test_context_manager_removes_on_exception() -> None:
+def test_context_manager_removes_on_exception(dynamo_fails: None) -> None:
     model, (x,), _ = zoo.make("data_dependent")
     before = model_state(model)
     with pytest.raises(RuntimeError, match="boom"):

@@ -286,3 +286,63 @@ def test_transformers_doc_examples_run() -> None:
             raise AssertionError(f"{doc.name} example {i} failed: {e!r}\n{code}") from e
     assert list(scope["tapped"].taps) == ["transformer.h.0.attn.softmax",
                                           "transformer.h.1.attn.softmax"]
+
+
+def test_the_default_tracer_reaches_gpt2s_attention_softmax() -> None:
+    model = make("gpt2", "eager")
+    kw = inputs("gpt2")
+    tapped = fxprobe.tap(model, ops=F.softmax)  # tracer="auto": fx fails, dynamo captures
+    with torch.no_grad():
+        out = tapped(**kw)
+        expected = model(**kw)
+        reference = make("gpt2", "eager")(**kw, output_attentions=True)
+    assert outputs_equal(out, expected)
+    assert list(tapped.taps) == ["transformer.h.0.attn.softmax", "transformer.h.1.attn.softmax"]
+    for i, probs in enumerate(reference.attentions):
+        assert torch.equal(tapped.taps[f"transformer.h.{i}.attn.softmax"], probs)
+    assert {s.how for s in tapped.sites} == {"dynamo"}
+    assert tapped.fallbacks == () and tapped.captures[0].graphs >= 1
+
+
+MODULES = ["transformer.h.0.mlp", "transformer.h.1", "transformer.h.0.ln_1",
+           "transformer.h.1.attn.c_attn", "transformer.h.1.mlp.act"]
+
+
+@pytest.mark.parametrize("tracer", ["dynamo", "auto"])
+def test_module_calls_are_sites_under_dynamo_and_equal_hooks(tracer: str) -> None:
+    model = make("gpt2", "eager")
+    kw = inputs("gpt2")
+    mlp = type(model.transformer.h[0].mlp)  # GPT2MLP
+    ops = [mlp, *MODULES[1:]]
+    tapped = fxprobe.tap(model, ops=ops, tracer=tracer, capture="both")
+    if tracer == "auto":  # before the first forward: what fx and hooks know
+        assert ("transformer.h.1", "hook") in [(s.name, s.how) for s in tapped.sites]
+        assert "dynamo" not in {s.how for s in tapped.sites}
+    outs: dict[str, torch.Tensor] = {}
+    ins: dict[str, torch.Tensor] = {}
+    paths = MODULES + ["transformer.h.1.mlp"]
+    handles = []
+    for path in paths:
+        m = model.get_submodule(path)
+        handles.append(m.register_forward_pre_hook(
+            lambda m, a, p=path: ins.__setitem__(p, a[0].clone()) or None))
+        handles.append(m.register_forward_hook(
+            lambda m, a, o, p=path: outs.__setitem__(p, o.clone()) or None))
+    with torch.no_grad():
+        out = tapped(**kw)
+        try:
+            expected = model(**kw)
+        finally:
+            for h in handles:
+                h.remove()
+    assert outputs_equal(out, expected)
+    assert sorted(s.name for s in tapped.sites) == sorted(paths)  # named as fx names them
+    assert {s.how for s in tapped.sites} == {"dynamo"}
+    for path in paths:
+        got = tapped.taps[path]
+        assert torch.equal(got.output, outs[path]), path
+        assert torch.equal(got.inputs[0], ins[path]), path
+    # A call of a module whose value is one tensor has a site; dropout of the attention
+    # weights is not called under eager attention, and the first input of a block is the
+    # hidden state whatever else it reads.
+    assert len(tapped.taps["transformer.h.0.ln_1"].inputs) == 1  # not the weight and bias

@@ -27,7 +27,8 @@ from ._errors import InterventionError
 from ._options import TapOptions
 from ._record import Frame, Recording
 from ._site import Site
-from ._stats import _SMALL, stats_vector, stats_vectors
+from ._stats import _NUMPY_MAX as _CPU_BATCHED
+from ._stats import _SMALL, host_reads_free, stats_vector, stats_vectors
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -100,7 +101,9 @@ class Pipeline:
     def _stats(self, t: torch.Tensor, copy: bool) -> _PendingStats:
         """Statistics of ``t``: now for a large tensor; for a small one, at the end of the
         forward, together with the forward's other small tensors (a few launches for all)."""
-        if t.numel() > _SMALL or torch.compiler.is_compiling():
+        n = t.numel()
+        if n > _SMALL or torch.compiler.is_compiling() or (
+                n > _CPU_BATCHED and host_reads_free(t)):  # on a CPU, batching pays less
             return _PendingStats(t, stats_vector(t))
         pending = _PendingStats(t, None, t.detach().clone() if copy else t.detach())
         state = self.rec.state

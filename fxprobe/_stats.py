@@ -110,7 +110,7 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
             fused = _stats_triton.try_stats_vector(x, dtype)
             if fused is not None:
                 return fused
-    if _host_reads_free(x):
+    if host_reads_free(x):
         row = _cpu_row(x, dtype)
         if row is not None:
             return torch.from_numpy(row.astype(_NP_DTYPE[dtype]))
@@ -132,7 +132,7 @@ NaN/Inf bookkeeping. ``tests/nosync.py`` turns it off while it emulates a GPU on
 path a GPU takes is the one checked for host synchronisation."""
 
 
-def _host_reads_free(x: torch.Tensor) -> bool:
+def host_reads_free(x: torch.Tensor) -> bool:
     """True for a plain CPU tensor in eager mode: reading its values waits for nothing."""
     return (CPU_HOST_READS and x.device.type == "cpu" and type(x) is torch.Tensor
             and not torch.compiler.is_compiling()
@@ -165,7 +165,7 @@ def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> np.ndarray | No
     non-finite, so finite results prove that every element is finite."""
     n = flat.numel()
     lo_t, hi_t = torch.aminmax(flat)
-    lo, hi, total = torch.stack([lo_t, hi_t, flat.sum()]).tolist()
+    lo, hi, total = lo_t.item(), hi_t.item(), flat.sum().item()
     if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(total)):
         return None
     absmax = max(-lo, hi)
@@ -184,10 +184,7 @@ def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> np.ndarray | No
 
 def _float64_array(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's elements as a new 1-D float64 numpy array."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bfloat16:  # the one dtype numpy lacks
-        flat = flat.to(torch.float64)
-    return flat.numpy().astype(np.float64)
+    return _numpy_view(t.detach()).reshape(-1).astype(np.float64)
 
 
 def _cpu_sum_of_squares(flat: torch.Tensor) -> float:
@@ -220,31 +217,6 @@ def _cpu_stats_small(a: np.ndarray) -> np.ndarray | None:
     std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
     zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(a == 0))
     return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
-
-
-def _cpu_stats_rows(m: torch.Tensor) -> torch.Tensor:
-    """The stats of each row of a small float64 CPU matrix: numpy for rows whose elements are
-    all finite (two passes in float64), the general path for the others."""
-    a = m.numpy()
-    r, n = a.shape
-    out = np.empty((r, 8))
-    lo, hi, total = a.min(axis=1, out=out[:, 2]), a.max(axis=1, out=out[:, 3]), a.sum(axis=1)
-    absmax = np.maximum(-lo, hi, out=out[:, 4])
-    with np.errstate(over="ignore", invalid="ignore"):
-        good = np.isfinite(total) & (absmax * absmax * n < _F64_MAX / 4)  # NaN fails too
-    mean = np.divide(total, n, out=out[:, 0])
-    dev = a - mean[:, None]
-    if n > 1:
-        np.sqrt(np.einsum("ij,ij->i", dev, dev) / (n - 1), out=out[:, 1])
-    else:
-        out[:, 1] = np.nan
-    out[:, 5] = (a == 0).sum(axis=1) / n
-    out[:, 6:] = 0.0
-    result = torch.from_numpy(out)
-    if not good.all():
-        bad = torch.from_numpy(np.flatnonzero(~good))
-        result[bad] = _stats_of(m[bad], 1, scaled=True)
-    return result
 
 
 _F64_MAX = float(torch.finfo(torch.float64).max)
@@ -287,7 +259,7 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         )
     out_dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
                  else torch.float32)
-    if _host_reads_free(tensors[0].detach()):
+    if host_reads_free(tensors[0].detach()):
         return torch.from_numpy(_cpu_stats_table(tensors)).to(out_dtype)
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.dtype, int], list[int]] = {}  # same dtype and size: stackable
@@ -308,30 +280,74 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([r.to(out_dtype) for r in rows if r is not None])
 
 
-_ROWS = 8
-"""On a CPU, same-size small tensors are reduced as one matrix from this many on."""
 
 
 def _cpu_stats_table(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """:func:`stats_vectors` on a CPU, rows in float64: one numpy call per statistic for a
-    group of many same-size small tensors, a few per tensor otherwise."""
+    """:func:`stats_vectors` on a CPU, rows in float64: the small tensors (up to
+    :data:`_NUMPY_MAX` elements, any sizes) together, one numpy call per statistic for all of
+    them (:func:`_cpu_stats_segments`); the larger ones one by one."""
     out = np.empty((len(tensors), len(FIELDS)))
-    groups: dict[tuple[torch.dtype, int], list[int]] = {}
+    small = []
     for i, t in enumerate(tensors):
+        t = t.detach()
         n = t.numel()
-        groups.setdefault((t.dtype, n), []).append(i)
-    for (_, n), members in groups.items():
-        if 0 < n <= _SMALL and len(members) >= _ROWS:
-            stacked = torch.stack([tensors[i].detach().reshape(n) for i in members])
-            out[members] = _cpu_stats_rows(stacked.to(torch.float64)).numpy()
+        if 0 < n <= _NUMPY_MAX:
+            small.append(i)
             continue
-        for i in members:
+        row = _cpu_row(t, _out_dtype(t)) if n else None
+        out[i] = row if row is not None else _general_or_empty(t)
+    if len(small) < _SEGMENTS:  # a dozen numpy calls for all do not pay for a few
+        for i in small:
             t = tensors[i].detach()
-            row = _cpu_row(t, _out_dtype(t)) if n else None
-            if row is None:  # NaN or Inf, or empty
-                row = (_general_stats(t, _out_dtype(t)) if n else stats_vector(t)).numpy()
-            out[i] = row
+            row = _cpu_row(t, _out_dtype(t))
+            out[i] = row if row is not None else _general_or_empty(t)
+    elif small:
+        rows, good = _cpu_stats_segments([tensors[i].detach() for i in small])
+        out[small] = rows
+        for j in np.flatnonzero(~good):  # NaN, Inf, or squares that could overflow
+            out[small[j]] = _general_or_empty(tensors[small[j]].detach())
     return out
+
+
+_SEGMENTS = 8
+"""On a CPU, small tensors are reduced together from this many on (:func:`_cpu_stats_table`)."""
+
+
+def _general_or_empty(t: torch.Tensor) -> np.ndarray:
+    if t.numel() == 0:
+        return stats_vector(t).double().numpy()
+    return _general_stats(t, _out_dtype(t)).double().numpy()
+
+
+def _cpu_stats_segments(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """The stats of many small non-empty CPU tensors of any sizes, as ``(rows, good)``: their
+    elements laid end to end in one float64 array and reduced segment by segment
+    (``np.minimum.reduceat`` and the like), two passes in float64. ``good`` is False for the
+    rows to take from the general path instead (an element not finite, or squares that
+    could overflow)."""
+    sizes = np.array([t.numel() for t in tensors])
+    offsets = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    a = np.concatenate([_numpy_view(t).reshape(-1) for t in tensors], dtype=np.float64)
+    out = np.empty((len(sizes), len(FIELDS)))
+    with np.errstate(all="ignore"):  # the rows with NaN or Inf are recomputed anyway
+        lo = np.minimum.reduceat(a, offsets, out=out[:, 2])
+        hi = np.maximum.reduceat(a, offsets, out=out[:, 3])
+        absmax = np.maximum(-lo, hi, out=out[:, 4])
+        good = np.isfinite(absmax) & (absmax * absmax * sizes < _F64_MAX / 4)  # NaN fails
+        mean = np.divide(np.add.reduceat(a, offsets), sizes, out=out[:, 0])
+        dev = a - np.repeat(mean, sizes)
+        np.sqrt(np.add.reduceat(dev * dev, offsets) / (sizes - 1), out=out[:, 1])
+        out[sizes == 1, 1] = np.nan
+        out[:, 5] = np.add.reduceat(a == 0, offsets, dtype=np.int64) / sizes
+    out[:, 6:] = 0.0
+    return out, good
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's elements as numpy sees them (bfloat16, which numpy lacks, as float32)."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
 
 
 _SMALL = 1 << 16

@@ -296,21 +296,68 @@ def _cpu_stats_table(tensors: Sequence[torch.Tensor]) -> np.ndarray:
             continue
         row = _cpu_row(t, _out_dtype(t)) if n else None
         out[i] = row if row is not None else _general_or_empty(t)
-    if len(small) < _SEGMENTS:  # a dozen numpy calls for all do not pay for a few
-        for i in small:
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}
+    for i in small:
+        groups.setdefault((tensors[i].dtype, tensors[i].numel()), []).append(i)
+    single = []
+    for members in groups.values():
+        if len(members) < _ROWS or tensors[members[0]].numel() > _ROWS_MAX:
+            single.extend(members)
+        else:  # same size: one matrix, a numpy call per statistic
+            stacked = torch.stack([tensors[i].detach().reshape(-1) for i in members])
+            _fill(out, members, tensors, _cpu_stats_rows(_numpy_view(stacked)))
+    tiny = sum(tensors[i].numel() for i in single) <= _SEGMENTS_MAX
+    if len(single) >= _SEGMENTS and tiny:  # many tiny ones of many sizes: end to end
+        _fill(out, single, tensors, _cpu_stats_segments([tensors[i].detach() for i in single]))
+    else:
+        for i in single:
             t = tensors[i].detach()
             row = _cpu_row(t, _out_dtype(t))
             out[i] = row if row is not None else _general_or_empty(t)
-    elif small:
-        rows, good = _cpu_stats_segments([tensors[i].detach() for i in small])
-        out[small] = rows
-        for j in np.flatnonzero(~good):  # NaN, Inf, or squares that could overflow
-            out[small[j]] = _general_or_empty(tensors[small[j]].detach())
     return out
 
 
+def _fill(out: np.ndarray, members: list[int], tensors: Sequence[torch.Tensor],
+          found: tuple[np.ndarray, np.ndarray]) -> None:
+    rows, good = found
+    out[members] = rows
+    for j in np.flatnonzero(~good):  # NaN, Inf, or squares that could overflow
+        out[members[j]] = _general_or_empty(tensors[members[j]].detach())
+
+
+_ROWS = 4
+"""On a CPU, from this many small tensors of one size on, they are reduced as one matrix."""
+_ROWS_MAX = 1 << 12
+"""... of at most this many elements each (larger ones cost as much one by one)."""
+_SEGMENTS_MAX = 1 << 14
+"""... and small tensors of many sizes laid end to end when they hold this many elements at
+most in all (beyond, the float64 copy costs more than the calls it saves)."""
+
+
+def _cpu_stats_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The stats of each row of a matrix of same-size tensors (as :func:`_cpu_stats_segments`
+    returns them): reductions along rows in the tensors' own float dtype, sums accumulated in
+    float64, two passes."""
+    if a.dtype not in (np.float32, np.float64):
+        a = a.astype(np.float32)
+    r, n = a.shape
+    out = np.empty((r, len(FIELDS)))
+    with np.errstate(all="ignore"):  # the rows with NaN or Inf are recomputed anyway
+        out[:, 2] = a.min(axis=1)
+        out[:, 3] = a.max(axis=1)
+        absmax = np.maximum(-out[:, 2], out[:, 3], out=out[:, 4])
+        good = np.isfinite(absmax) & (absmax * absmax * n < _F64_MAX / 4)  # NaN fails
+        mean = np.divide(a.sum(axis=1, dtype=np.float64), n, out=out[:, 0])
+        dev = a - mean.astype(a.dtype)[:, None]
+        squares = np.einsum("ij,ij->i", dev, dev, dtype=np.float64)
+        out[:, 1] = np.sqrt(squares / (n - 1)) if n > 1 else np.nan
+        out[:, 5] = np.count_nonzero(a == 0, axis=1) / n
+    out[:, 6:] = 0.0
+    return out, good
+
+
 _SEGMENTS = 8
-"""On a CPU, small tensors are reduced together from this many on (:func:`_cpu_stats_table`)."""
+"""On a CPU, tiny tensors of many sizes are reduced together from this many on."""
 
 
 def _general_or_empty(t: torch.Tensor) -> np.ndarray:

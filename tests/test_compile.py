@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 import zoo
@@ -28,8 +31,18 @@ def test_compile_tapped_module_without_graph_breaks(kwargs: dict[str, object]) -
     assert torch.equal(got, expected) and torch.equal(got, model(x * 2))
     assert list(tapped.taps) == list(reference.taps)
     for name, value in reference.taps.items():
-        assert tapped.taps[name] == value if not isinstance(value, torch.Tensor) else (
-            torch.equal(tapped.taps[name], value)), name
+        got_value = tapped.taps[name]
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got_value, value), name
+        elif isinstance(value, fxprobe.Stats):
+            # Compiled, statistics take the device path; eager on a CPU, the host-read path:
+            # the same numbers to float32 rounding.
+            a, b = dataclasses.astuple(got_value), dataclasses.astuple(value)
+            assert a[:3] == b[:3] and all(
+                math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6) or (x != x and y != y)
+                for x, y in zip(a[3:], b[3:], strict=True)), name
+        else:
+            assert got_value == value, name
     torch._dynamo.reset()
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fxprobe import _stats
+from fxprobe import _stats, _stats_cpu
 from fxprobe._stats import stats_vector, stats_vectors
 
 SIZES_KIB = (4, 64, 1024, 16 * 1024, 64 * 1024)
@@ -61,11 +61,11 @@ def _fallback(t: torch.Tensor) -> torch.Tensor:
 def _device_path(t: torch.Tensor) -> torch.Tensor:
     """On a CPU: ``stats_vector`` without reading values on the host, the tensor-op path an
     accelerator without Triton takes (and what a CPU took before that branch existed)."""
-    _stats.CPU_HOST_READS = False
+    _stats_cpu.CPU_HOST_READS = False
     try:
         return stats_vector(t)
     finally:
-        _stats.CPU_HOST_READS = True
+        _stats_cpu.CPU_HOST_READS = True
 
 
 def _item_hook(t: torch.Tensor) -> tuple[float, float]:

@@ -27,8 +27,9 @@ from ._errors import InterventionError
 from ._options import TapOptions
 from ._record import Frame, Recording
 from ._site import Site
-from ._stats import _NUMPY_MAX as _CPU_BATCHED
-from ._stats import _SMALL, host_reads_free, stats_vector, stats_vectors
+from ._stats import _SMALL, stats_vector, stats_vectors
+from ._stats_cpu import NUMPY_MAX as _CPU_BATCHED
+from ._stats_cpu import host_reads_free
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:

@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _stats_cpu
 from ._errors import ConfigError
+from ._stats_cpu import sum_of_squares
 
 FIELDS = ("mean", "std", "min", "max", "absmax", "zero_frac", "nan_count", "inf_count")
 """The order of the entries of a stats vector."""
@@ -110,8 +112,8 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
             fused = _stats_triton.try_stats_vector(x, dtype)
             if fused is not None:
                 return fused
-    if host_reads_free(x):
-        row = _cpu_row(x, dtype)
+    if _stats_cpu.host_reads_free(x):
+        row = _stats_cpu.stats_row(x, dtype)
         if row is not None:
             return torch.from_numpy(row.astype(_NP_DTYPE[dtype]))
     return _general_stats(x, dtype)
@@ -122,102 +124,6 @@ def _general_stats(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if x.numel() <= _SMALL:  # launch-bound: float64 needs no overflow guard, so fewer ops
         return _stats_of(x.reshape(-1).to(torch.float64), None, scaled=False).to(dtype)
     return _stats_of(x.reshape(-1).to(dtype), None)
-
-CPU_HOST_READS = True
-"""Whether :func:`stats_vector` may read values on the host for a CPU tensor (its fast path).
-
-On a CPU, reading a tensor's value is a memory read, not a wait for a device, so a branch on
-values costs nothing there and lets the common case (every element finite) skip the
-NaN/Inf bookkeeping. ``tests/nosync.py`` turns it off while it emulates a GPU on a CPU, so the
-path a GPU takes is the one checked for host synchronisation."""
-
-
-def host_reads_free(x: torch.Tensor) -> bool:
-    """True for a plain CPU tensor in eager mode: reading its values waits for nothing."""
-    return (CPU_HOST_READS and x.device.type == "cpu" and type(x) is torch.Tensor
-            and not torch.compiler.is_compiling()
-            and not torch._C._functorch.is_functorch_wrapped_tensor(x))
-
-
-_CONDITIONED = 0.8
-"""One-pass variance ``(sum x^2 - n mean^2) / (n - 1)`` is used while ``n mean^2`` is at most
-this fraction of ``sum x^2`` (cancellation magnifies rounding at most 5x); beyond, two passes."""
-
-
-def _cpu_row(x: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
-    """The stats of a non-empty CPU tensor as a float64 numpy row, or None when an element is
-    not finite or the squares could overflow: numpy for small tensors, where a numpy call costs
-    a microsecond and a torch op several; torch (threads) for larger ones."""
-    if x.numel() <= _NUMPY_MAX:
-        return _cpu_stats_small(_float64_array(x))
-    return _cpu_stats_vector(x.reshape(-1).to(dtype), dtype)
-
-
-_NUMPY_MAX = 1 << 13
-"""Up to this many elements numpy computes a CPU tensor's statistics (measured crossover)."""
-
-
-def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
-    """:func:`stats_vector` of a large 1-D float CPU tensor whose elements are all finite, in
-    four passes (min/max, sum, sum of squares, zero count) and host arithmetic in float64; None
-    when an element is not finite or the squares could overflow (the general path handles
-    those). The sum, min and max read every element, and any NaN or Inf makes one of them
-    non-finite, so finite results prove that every element is finite."""
-    n = flat.numel()
-    lo_t, hi_t = torch.aminmax(flat)
-    lo, hi, total = lo_t.item(), hi_t.item(), flat.sum().item()
-    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(total)):
-        return None
-    absmax = max(-lo, hi)
-    if absmax * absmax * n >= torch.finfo(dtype).max / 4:  # the squares could overflow
-        return None
-    mean = total / n
-    squares = _cpu_sum_of_squares(flat)
-    if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first
-        squares = _cpu_sum_of_squares(flat - mean)
-    else:
-        squares = max(squares - total * mean, 0.0)
-    std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
-    zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(flat.numpy() == 0))
-    return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
-
-
-def _float64_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's elements as a new 1-D float64 numpy array."""
-    return _numpy_view(t.detach()).reshape(-1).astype(np.float64)
-
-
-def _cpu_sum_of_squares(flat: torch.Tensor) -> float:
-    """One BLAS dot up to 2**18 elements (relative error about 1e-6 in float32), batched dots
-    of 4096 elements beyond (:func:`_sum_of_squares`, about 1e-8)."""
-    if flat.numel() <= _ONE_DOT:
-        return float(torch.dot(flat, flat))
-    return float(_sum_of_squares(flat, None))
-
-
-_ONE_DOT = 1 << 18
-
-
-def _cpu_stats_small(a: np.ndarray) -> np.ndarray | None:
-    """The stats of a small 1-D float64 array whose elements are all finite, by numpy (a
-    microsecond a call, where a torch op costs several); None otherwise."""
-    n = a.size
-    lo, hi = float(a.min()), float(a.max())  # NaN if any element is: fails the test below
-    absmax = max(-lo, hi)
-    if not (math.isfinite(lo) and math.isfinite(hi) and absmax * absmax * n < _F64_MAX / 4):
-        return None
-    total = float(a.sum())
-    mean = total / n
-    squares = float(np.dot(a, a))
-    if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first
-        dev = a - mean
-        squares = float(np.dot(dev, dev))
-    else:
-        squares = max(squares - total * mean, 0.0)
-    std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
-    zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(a == 0))
-    return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
-
 
 _F64_MAX = float(torch.finfo(torch.float64).max)
 _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
@@ -259,8 +165,8 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         )
     out_dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
                  else torch.float32)
-    if host_reads_free(tensors[0].detach()):
-        return torch.from_numpy(_cpu_stats_table(tensors)).to(out_dtype)
+    if _stats_cpu.host_reads_free(tensors[0].detach()):
+        return torch.from_numpy(_stats_cpu.table(tensors, _general_or_empty)).to(out_dtype)
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.dtype, int], list[int]] = {}  # same dtype and size: stackable
     for i, t in enumerate(tensors):
@@ -282,119 +188,10 @@ def stats_vectors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 
-def _cpu_stats_table(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """:func:`stats_vectors` on a CPU, rows in float64: the small tensors (up to
-    :data:`_NUMPY_MAX` elements, any sizes) together, one numpy call per statistic for all of
-    them (:func:`_cpu_stats_segments`); the larger ones one by one."""
-    out = np.empty((len(tensors), len(FIELDS)))
-    small = []
-    for i, t in enumerate(tensors):
-        t = t.detach()
-        n = t.numel()
-        if 0 < n <= _NUMPY_MAX:
-            small.append(i)
-            continue
-        row = _cpu_row(t, _out_dtype(t)) if n else None
-        out[i] = row if row is not None else _general_or_empty(t)
-    groups: dict[tuple[torch.dtype, int], list[int]] = {}
-    for i in small:
-        groups.setdefault((tensors[i].dtype, tensors[i].numel()), []).append(i)
-    single = []
-    for members in groups.values():
-        if len(members) < _ROWS or tensors[members[0]].numel() > _ROWS_MAX:
-            single.extend(members)
-        else:  # same size: one matrix, a numpy call per statistic
-            stacked = torch.stack([tensors[i].detach().reshape(-1) for i in members])
-            _fill(out, members, tensors, _cpu_stats_rows(_numpy_view(stacked)))
-    tiny = sum(tensors[i].numel() for i in single) <= _SEGMENTS_MAX
-    if len(single) >= _SEGMENTS and tiny:  # many tiny ones of many sizes: end to end
-        _fill(out, single, tensors, _cpu_stats_segments([tensors[i].detach() for i in single]))
-    else:
-        for i in single:
-            t = tensors[i].detach()
-            row = _cpu_row(t, _out_dtype(t))
-            out[i] = row if row is not None else _general_or_empty(t)
-    return out
-
-
-def _fill(out: np.ndarray, members: list[int], tensors: Sequence[torch.Tensor],
-          found: tuple[np.ndarray, np.ndarray]) -> None:
-    rows, good = found
-    out[members] = rows
-    for j in np.flatnonzero(~good):  # NaN, Inf, or squares that could overflow
-        out[members[j]] = _general_or_empty(tensors[members[j]].detach())
-
-
-_ROWS = 4
-"""On a CPU, from this many small tensors of one size on, they are reduced as one matrix."""
-_ROWS_MAX = 1 << 12
-"""... of at most this many elements each (larger ones cost as much one by one)."""
-_SEGMENTS_MAX = 1 << 14
-"""... and small tensors of many sizes laid end to end when they hold this many elements at
-most in all (beyond, the float64 copy costs more than the calls it saves)."""
-
-
-def _cpu_stats_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The stats of each row of a matrix of same-size tensors (as :func:`_cpu_stats_segments`
-    returns them): reductions along rows in the tensors' own float dtype, sums accumulated in
-    float64, two passes."""
-    if a.dtype not in (np.float32, np.float64):
-        a = a.astype(np.float32)
-    r, n = a.shape
-    out = np.empty((r, len(FIELDS)))
-    with np.errstate(all="ignore"):  # the rows with NaN or Inf are recomputed anyway
-        out[:, 2] = a.min(axis=1)
-        out[:, 3] = a.max(axis=1)
-        absmax = np.maximum(-out[:, 2], out[:, 3], out=out[:, 4])
-        good = np.isfinite(absmax) & (absmax * absmax * n < _F64_MAX / 4)  # NaN fails
-        mean = np.divide(a.sum(axis=1, dtype=np.float64), n, out=out[:, 0])
-        dev = a - mean.astype(a.dtype)[:, None]
-        squares = np.einsum("ij,ij->i", dev, dev, dtype=np.float64)
-        out[:, 1] = np.sqrt(squares / (n - 1)) if n > 1 else np.nan
-        out[:, 5] = np.count_nonzero(a == 0, axis=1) / n
-    out[:, 6:] = 0.0
-    return out, good
-
-
-_SEGMENTS = 8
-"""On a CPU, tiny tensors of many sizes are reduced together from this many on."""
-
-
 def _general_or_empty(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return stats_vector(t).double().numpy()
     return _general_stats(t, _out_dtype(t)).double().numpy()
-
-
-def _cpu_stats_segments(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    """The stats of many small non-empty CPU tensors of any sizes, as ``(rows, good)``: their
-    elements laid end to end in one float64 array and reduced segment by segment
-    (``np.minimum.reduceat`` and the like), two passes in float64. ``good`` is False for the
-    rows to take from the general path instead (an element not finite, or squares that
-    could overflow)."""
-    sizes = np.array([t.numel() for t in tensors])
-    offsets = np.zeros(len(sizes), dtype=np.int64)
-    np.cumsum(sizes[:-1], out=offsets[1:])
-    a = np.concatenate([_numpy_view(t).reshape(-1) for t in tensors], dtype=np.float64)
-    out = np.empty((len(sizes), len(FIELDS)))
-    with np.errstate(all="ignore"):  # the rows with NaN or Inf are recomputed anyway
-        lo = np.minimum.reduceat(a, offsets, out=out[:, 2])
-        hi = np.maximum.reduceat(a, offsets, out=out[:, 3])
-        absmax = np.maximum(-lo, hi, out=out[:, 4])
-        good = np.isfinite(absmax) & (absmax * absmax * sizes < _F64_MAX / 4)  # NaN fails
-        mean = np.divide(np.add.reduceat(a, offsets), sizes, out=out[:, 0])
-        dev = a - np.repeat(mean, sizes)
-        np.sqrt(np.add.reduceat(dev * dev, offsets) / (sizes - 1), out=out[:, 1])
-        out[sizes == 1, 1] = np.nan
-        out[:, 5] = np.add.reduceat(a == 0, offsets, dtype=np.int64) / sizes
-    out[:, 6:] = 0.0
-    return out, good
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's elements as numpy sees them (bfloat16, which numpy lacks, as float32)."""
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-
 
 
 _SMALL = 1 << 16
@@ -456,7 +253,7 @@ def _stats_of(x: torch.Tensor, dim: int | None, scaled: bool = True) -> torch.Te
     lo_d, hi_d = _aminmax(buf, dim)
     if scaled:
         lo, hi = lo_d * scale + mean, hi_d * scale + mean
-        std = scale * torch.sqrt(_sum_of_squares(buf, dim) / (n - 1))  # NaN for one value
+        std = scale * torch.sqrt(sum_of_squares(buf, dim) / (n - 1))  # NaN for one value
     else:
         lo, hi = lo_d + mean, hi_d + mean  # NaN when nothing is finite: mean is NaN
         std = torch.sqrt(_sum(buf.square_(), dim) / (n - 1)) + mean * 0
@@ -471,23 +268,6 @@ def _count_nonzero(x: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 def _sum(x: torch.Tensor, dim: int | None) -> torch.Tensor:
     return x.sum() if dim is None else x.sum(dim=dim)
-
-
-_DOT = 4096
-"""Length of the dot products that :func:`_sum_of_squares` adds up."""
-
-
-def _sum_of_squares(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """Sum of squares, in place for rows; for a whole tensor, batched BLAS dot products of
-    4096 elements then a cascade sum: as fast as one ``dot`` but without its drift (one dot
-    over 16M float32 values is off by ~1e-4 relative, these by ~1e-8)."""
-    if dim is not None:
-        return x.square_().sum(dim=dim)
-    flat = x.reshape(-1)
-    rows = flat.numel() // _DOT
-    head = flat[: rows * _DOT].view(rows, 1, _DOT)
-    tail = flat[rows * _DOT:]
-    return torch.bmm(head, head.transpose(1, 2)).sum() + torch.dot(tail, tail)
 
 
 def _aminmax(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:

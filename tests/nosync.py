@@ -88,20 +88,20 @@ def forbid_sync() -> Iterator[list[str]]:
     """Raise :class:`SyncError` on any op that would synchronise; yields the op names seen.
 
     On a CPU, fxprobe's statistics read values on the host (free there, see
-    ``fxprobe._stats.CPU_HOST_READS``); inside this context that path is off, so the code
+    ``fxprobe._stats_cpu.CPU_HOST_READS``); inside this context that path is off, so the code
     that runs on a CPU is the code a GPU runs, and that is what gets checked."""
-    from fxprobe import _stats
+    from fxprobe import _stats_cpu
 
     mode = _ForbidSync()
     cuda = torch.cuda.is_available()
     old = torch.cuda.get_sync_debug_mode() if cuda else 0
     if cuda:
         torch.cuda.set_sync_debug_mode("error")
-    host_reads, _stats.CPU_HOST_READS = _stats.CPU_HOST_READS, False
+    host_reads, _stats_cpu.CPU_HOST_READS = _stats_cpu.CPU_HOST_READS, False
     try:
         with mode:
             yield mode.calls
     finally:
-        _stats.CPU_HOST_READS = host_reads
+        _stats_cpu.CPU_HOST_READS = host_reads
         if cuda:
             torch.cuda.set_sync_debug_mode(old)

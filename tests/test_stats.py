@@ -112,6 +112,9 @@ def test_cpu_stats_vector_with_host_reads_matches_numpy(name: str) -> None:
 
 
 def test_cpu_fast_path_is_taken_only_where_host_reads_are_free() -> None:
+    from fxprobe import _stats_cpu
+
+    assert _stats_cpu.WIDTH == len(FIELDS)
     t = torch.randn(10_000, generator=_gen(15)).relu()
     with record_ops() as ops:
         fast = stats_vector(t)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,15 +127,7 @@ def targets(results: Results) -> list[list[str]]:
     # 2. Host cost per tapped site vs a forward hook, same module calls, reference mode.
     parts = []
     chain: tuple[float | None, float | None] = (None, None)
-    for model in _models(results):
-        b = _first_batch(results, model)
-        t = find(results, model=model, batch=b, phase="inference", approach="taps",
-                 mode="reference", density="all")
-        h = find(results, model=model, batch=b, phase="inference", approach="module hooks",
-                 mode="reference", density="all")
-        if t is None or h is None:
-            continue
-        point, bound, text = per_site_ratio(t, h)
+    for model, _, point, bound, text in _per_site_against_hooks(results, "taps", "all"):
         if model == "chain":
             chain = (point, bound)
         parts.append(f"{model}: {text}")
@@ -156,15 +148,8 @@ def targets(results: Results) -> list[list[str]]:
 
     # 2b. The dynamo frontend: host cost per functional-op site vs a hook per module call.
     parts, verdicts = [], []
-    for model in _models(results):
-        b = _first_batch(results, model)
-        t = find(results, model=model, batch=b, phase="inference", approach="taps (dynamo)",
-                 mode="reference", density="functional")
-        h = find(results, model=model, batch=b, phase="inference", approach="module hooks",
-                 mode="reference", density="all")
-        if t is None or h is None:
-            continue
-        point, bound, text = per_site_ratio(t, h)
+    for model, t, point, bound, text in _per_site_against_hooks(results, "taps (dynamo)",
+                                                                "functional"):
         parts.append(f"{model}: {text}" + (f"; {t.note}" if t.note else ""))
         if point is None or bound is None:
             verdicts.append(f"not resolved on {model}")
@@ -298,6 +283,21 @@ def per_site_ratio(t: Measurement, h: Measurement
     tag = "" if resolved(t) else ", taps not resolved from noise"
     return point, bound, (f"{_us(t.per_site_us)} vs {_us(h.per_site_us)} us/site = "
                           f"{point:.2f} (95% bound {bound:.2f}{tag})")
+
+
+def _per_site_against_hooks(results: Results, approach: str, density: str
+                            ) -> Iterator[tuple[str, Measurement, float | None, float | None,
+                                                str]]:
+    """Per model at its first batch: ``approach``'s reference capture at ``density`` against
+    hooks on every module call, as ``(model, taps row, point, 95% bound, text)``."""
+    for model in _models(results):
+        b = _first_batch(results, model)
+        t = find(results, model=model, batch=b, phase="inference", approach=approach,
+                 mode="reference", density=density)
+        h = find(results, model=model, batch=b, phase="inference", approach="module hooks",
+                 mode="reference", density="all")
+        if t is not None and h is not None:
+            yield (model, t, *per_site_ratio(t, h))
 
 
 def _compile(results: Results, model: str, approach: str) -> CompileRecord | None:

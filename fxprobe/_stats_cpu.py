@@ -56,28 +56,12 @@ NUMPY_MAX = 1 << 13
 
 
 def _cpu_stats_vector(flat: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
-    """:func:`stats_vector` of a large 1-D float CPU tensor whose elements are all finite, in
-    four passes (min/max, sum, sum of squares, zero count) and host arithmetic in float64; None
-    when an element is not finite or the squares could overflow (the general path handles
-    those). The sum, min and max read every element, and any NaN or Inf makes one of them
-    non-finite, so finite results prove that every element is finite."""
-    n = flat.numel()
+    """:func:`stats_vector` of a large 1-D float CPU tensor, by torch's threads (see
+    :func:`_finish`); the sum of squares by :func:`_cpu_sum_of_squares`."""
     lo_t, hi_t = torch.aminmax(flat)
-    lo, hi, total = lo_t.item(), hi_t.item(), flat.sum().item()
-    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(total)):
-        return None
-    absmax = max(-lo, hi)
-    if absmax * absmax * n >= torch.finfo(dtype).max / 4:  # the squares could overflow
-        return None
-    mean = total / n
-    squares = _cpu_sum_of_squares(flat)
-    if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first
-        squares = _cpu_sum_of_squares(flat - mean)
-    else:
-        squares = max(squares - total * mean, 0.0)
-    std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
-    zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(flat.numpy() == 0))
-    return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
+    return _finish(
+        lo_t.item(), hi_t.item(), lambda: flat.sum().item(), torch.finfo(dtype).max,
+        lambda shift: _cpu_sum_of_squares(flat - shift if shift else flat), flat.numpy())
 
 
 def _float64_array(t: torch.Tensor) -> np.ndarray:
@@ -97,23 +81,37 @@ _ONE_DOT = 1 << 18
 
 
 def _cpu_stats_small(a: np.ndarray) -> np.ndarray | None:
-    """The stats of a small 1-D float64 array whose elements are all finite, by numpy (a
-    microsecond a call, where a torch op costs several); None otherwise."""
-    n = a.size
-    lo, hi = float(a.min()), float(a.max())  # NaN if any element is: fails the test below
+    """The stats of a small 1-D float64 array, by numpy (a microsecond a call, where a torch
+    op costs several; see :func:`_finish`)."""
+
+    def squares(shift: float) -> float:
+        d = a - shift if shift else a
+        return float(np.dot(d, d))
+
+    return _finish(float(a.min()), float(a.max()), lambda: float(a.sum()), _F64_MAX, squares,
+                   a)
+
+
+def _finish(lo: float, hi: float, total: Callable[[], float], limit: float,
+            squares: Callable[[float], float], values: np.ndarray) -> np.ndarray | None:
+    """The stats row of ``values`` (``n`` elements) from its min and max, or None when an
+    element is not finite (NaN or Inf makes the min or the max so) or the squares could
+    overflow ``limit``. ``total`` is the sum, asked for only then; ``squares(shift)`` the sum
+    of ``(x - shift)**2``: one pass about 0, a second about the mean only when the mean is far
+    from zero (:data:`_CONDITIONED`)."""
+    n = values.size
     absmax = max(-lo, hi)
-    if not (math.isfinite(lo) and math.isfinite(hi) and absmax * absmax * n < _F64_MAX / 4):
+    if not (math.isfinite(lo) and math.isfinite(hi) and absmax * absmax * n < limit / 4):
         return None
-    total = float(a.sum())
-    mean = total / n
-    squares = float(np.dot(a, a))
-    if n * mean * mean > _CONDITIONED * squares:  # far from zero: subtract the mean first
-        dev = a - mean
-        squares = float(np.dot(dev, dev))
+    s = total()
+    mean = s / n
+    squared = squares(0.0)
+    if n * mean * mean > _CONDITIONED * squared:  # far from zero: subtract the mean first
+        squared = squares(mean)
     else:
-        squares = max(squares - total * mean, 0.0)
-    std = math.sqrt(squares / (n - 1)) if n > 1 else math.nan
-    zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(a == 0))
+        squared = max(squared - s * mean, 0.0)
+    std = math.sqrt(squared / (n - 1)) if n > 1 else math.nan
+    zeros = 0 if lo > 0 or hi < 0 else int(np.count_nonzero(values == 0))
     return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
 
 
@@ -123,15 +121,18 @@ def table(tensors: Sequence[torch.Tensor],
     :data:`NUMPY_MAX` elements, any sizes) together, one numpy call per statistic for all of
     them (:func:`_cpu_stats_segments`); the larger ones one by one."""
     out = np.empty((len(tensors), WIDTH))
+
+    def one_by_one(i: int) -> None:
+        t = tensors[i].detach()
+        row = stats_row(t, _out_dtype(t)) if t.numel() else None
+        out[i] = row if row is not None else general(t)
+
     small = []
     for i, t in enumerate(tensors):
-        t = t.detach()
-        n = t.numel()
-        if 0 < n <= NUMPY_MAX:
+        if 0 < t.numel() <= NUMPY_MAX:
             small.append(i)
-            continue
-        row = stats_row(t, _out_dtype(t)) if n else None
-        out[i] = row if row is not None else general(t)
+        else:
+            one_by_one(i)
     groups: dict[tuple[torch.dtype, int], list[int]] = {}
     for i in small:
         groups.setdefault((tensors[i].dtype, tensors[i].numel()), []).append(i)
@@ -148,9 +149,7 @@ def table(tensors: Sequence[torch.Tensor],
         _fill(out, single, tensors, general, found)
     else:
         for i in single:
-            t = tensors[i].detach()
-            row = stats_row(t, _out_dtype(t))
-            out[i] = row if row is not None else general(t)
+            one_by_one(i)
     return out
 
 

@@ -197,8 +197,7 @@ def fxprobe_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def user_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has hooks that are not fxprobe's (forward, pre-forward, backward)."""
-    return any(not getattr(fn, _FXPROBE_HOOK, False)
-               for table in _HOOK_TABLES for fn in getattr(module, table).values())
+    return any(_hook_keys(module))  # a table with a hook not fxprobe's is a non-empty tuple
 
 
 def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], ...]:

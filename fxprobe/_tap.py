@@ -260,11 +260,15 @@ class TappedModule(nn.Module):
         prog = self._programs.get(self.training)
         if prog is not None:
             if self._changes[0] != self._structure:
-                prog = self._restructure()
+                prog = self._retrace(self._adopt())
             elif prog.watch is not None:
                 changed = prog.watch.changed()
-                if changed:
-                    prog = self._retrace(changed)
+                if changed:  # hooks on modules a graph inlined
+                    prog = self._retrace(
+                        f"fxprobe: hooks were registered on {_some(changed)} after tap(), "
+                        "inside code fxprobe had traced through (where they would never run); "
+                        "the model is traced again, so that they run. Register hooks before "
+                        "tap() to avoid the second trace.")
         else:
             prog = self._program()
         state = self._rec.begin(prog.hook_names)
@@ -296,27 +300,21 @@ class TappedModule(nn.Module):
             return dyn(*args, **kwargs)
         return own_forward(self._root)(*args, **kwargs)
 
-    def _restructure(self) -> Program:
-        """Submodules of the tapped module were replaced, added or deleted: the graphs call
-        modules that are gone. Copy what was put in (fxprobe never installs on the user's
-        objects), plan and compile again."""
+    def _adopt(self) -> str:
+        """Submodules of the tapped module were replaced, added or deleted, so the graphs call
+        modules that are gone: copy what was put in (fxprobe never installs on the user's
+        objects) and say so."""
         adopted = adopt(self._root)
-        warnings.warn(
+        return (
             "fxprobe: submodules of the tapped module changed after tap()"
-            + (f" ({', '.join(repr(p) for p in adopted[:3])}{' ...' if len(adopted) > 3 else ''}"
-               " assigned; each is replaced by a copy sharing its parameters, so that fxprobe "
-               "never installs anything on your object)" if adopted else "")
-            + "; the model is traced again.", stacklevel=6)
-        self._programs.clear()
-        return self._program()
+            + (f" ({_some(adopted)} assigned; each is replaced by a copy sharing its "
+               "parameters, so that fxprobe never installs anything on your object)"
+               if adopted else "")
+            + "; the model is traced again.")
 
-    def _retrace(self, changed: list[str]) -> Program:
-        """Hooks were registered on modules a graph inlined: plan and compile again."""
-        warnings.warn(
-            f"fxprobe: hooks were registered on {', '.join(repr(p) for p in changed[:3])}"
-            f"{' ...' if len(changed) > 3 else ''} after tap(), inside code fxprobe had traced "
-            "through (where they would never run); the model is traced again, so that they "
-            "run. Register hooks before tap() to avoid the second trace.", stacklevel=6)
+    def _retrace(self, why: str) -> Program:
+        """What the graphs were traced from changed: say ``why``, plan and compile again."""
+        warnings.warn(why, stacklevel=6)
         self._programs.clear()
         return self._program()
 
@@ -685,3 +683,8 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
     finally:
         probe.remove()
     return SiteNames(found, prog.fallbacks)
+
+
+def _some(paths: Sequence[str]) -> str:
+    """The first few of ``paths``, quoted, for a message."""
+    return ", ".join(repr(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")

@@ -53,7 +53,8 @@ def test_module_level_imports_have_no_cycle() -> None:
 def test_lower_layers_do_not_import_the_runtime() -> None:
     graph = _graph()
     for name in ("_site", "_ops", "_select", "_trace", "_rewrite", "_pipeline", "_program",
-                 "_summary", "_viz", "_shapes", "_extract", "_hooks", "_record", "_mirror"):
+                 "_summary", "_viz", "_viz_items", "_viz_dot", "_shapes", "_extract", "_hooks",
+                 "_record", "_mirror"):
         assert "_tap" not in graph[name], f"{name} imports _tap"
     for name in ("_site", "_ops", "_errors", "_options"):
         assert not graph[name] & {"_trace", "_rewrite", "_pipeline", "_program", "_tap"}, name

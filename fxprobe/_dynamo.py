@@ -101,6 +101,38 @@ class CaptureInfo:
                 f"break(s) in the last forward, {self.sites} site(s)")
 
 
+@dataclass(frozen=True)
+class CapturedGraph:
+    """One graph torch dynamo captured, named for one module instance: what pictures draw."""
+
+    key: str
+    """Its key in ``tapped.graphs`` (``"dynamo:<path>:<n>"``, ``"@<instance>"`` when reused)."""
+    path: str
+    """Path of the module dynamo runs ('' for the whole model)."""
+    number: int
+    """Its place in the order dynamo captured the region's graphs, from 0."""
+    frame: int | None
+    """Dynamo's id of the frame (code object) it was captured from: a recompilation (a new
+    sequence length) captures the same frame again under the same id; None if unknown."""
+    instance: str
+    """Path of the module instance its names are for (``h.1`` running ``h.0``'s graph)."""
+    graph: fx.Graph
+    """The captured graph with its sites (``node.meta``), before the taps went in."""
+    ran: tuple[int, int]
+    """When it last ran: (forward, place among the graphs that forward ran), (-1, -1) if never;
+    the graphs of the last forward sorted by it are in the order they ran."""
+
+
+def _frame_id() -> int | None:
+    """The id dynamo gives the frame it is compiling now (None outside a compilation)."""
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # a private API: drawing falls back to one entry per graph
+        return None
+    frame = getattr(compile_id, "frame_id", None)
+    return frame if isinstance(frame, int) else None
+
+
 def dynamo_failed(e: BaseException) -> bool:
     """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
     return isinstance(e, (torch._dynamo.exc.TorchDynamoException, CaptureError))
@@ -113,9 +145,10 @@ def _join_path(prefix: str, name: str) -> str:
 class _Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
-    __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix")
+    __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix", "named",
+                 "ran")
 
-    def __init__(self, compiled: Compiled, prefix: str) -> None:
+    def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph) -> None:
         self.graph = compiled.graph
         self.fn = compiled.fn
         self.holder = compiled.holder
@@ -124,6 +157,11 @@ class _Instrumented:
         self.outplaced = compiled.outplaced
         self.prefix = prefix
         """The path, relative to the region, of the module instance it runs for."""
+        self.named = named
+        """The graph with its sites, before the taps went in (for the pictures)."""
+        self.ran = (-1, -1)
+        """(forward, place among the graphs it ran) of its first run in the last forward it
+        ran in (for the pictures: graphs drawn in the order they ran)."""
 
 
 class _Captured:
@@ -133,6 +171,7 @@ class _Captured:
                  example_inputs: Sequence[Any]) -> None:
         self.region = region
         self.gm = gm
+        self.frame = _frame_id()
         # A parameter the graph receives, to tell which module instance runs the frame:
         # preferably one reached from the frame's ``self``.
         self.anchor: int | None = None
@@ -206,6 +245,9 @@ class _Captured:
         if self.stamp != region.calls:  # the first run of this graph in this forward
             self.stamp = region.calls
             region.runs += 1
+        if version.ran[0] != region.calls:
+            region.steps += 1
+            version.ran = (region.calls, region.steps)
         region.pipeline.store(version.names, result[1])
         return result[0]
 
@@ -240,6 +282,8 @@ class DynamoRegion:
         self.graphs = 0
         self.calls = 0
         self.runs = 0
+        self.steps = 0
+        """Instrumented graphs run so far (each counted once per forward)."""
         self.last_runs = 0
         self._forward = type(module).forward
         self._compiled: Callable[..., Any] | None = None
@@ -260,14 +304,23 @@ class DynamoRegion:
         dynamo captured them, then ``"@<module path>"`` for a graph dynamo reuses for another
         instance of the module it was captured for (``layers.1`` running ``layers.0``'s graph).
         """
-        out: dict[str, _Instrumented] = {}
+        return {key: version for key, _, _, version in self._versions()}
+
+    def _versions(self) -> list[tuple[str, int, _Captured, _Instrumented]]:
+        out = []
         for i, captured in enumerate(self.captured):
             for version in captured.versions.values():
                 key = f"dynamo:{self.path}:{i}"
                 if version.prefix != captured.captured_prefix:
                     key += f"@{_join_path(self.path, version.prefix)}"
-                out[key] = version
+                out.append((key, i, captured, version))
         return out
+
+    def drawn(self) -> list[CapturedGraph]:
+        """Every named graph so far (see :meth:`instrumented`), for the pictures."""
+        return [CapturedGraph(key, self.path, number, captured.frame,
+                              _join_path(self.path, version.prefix), version.named, version.ran)
+                for key, number, captured, version in self._versions()]
 
     @property
     def info(self) -> CaptureInfo:
@@ -301,13 +354,14 @@ class DynamoRegion:
                 extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
             attach(extra, probs)
         self.on_sites(new, selected)
+        named_graph = copy_graph(graph)
         # A captured graph returns to dynamo's bytecode (the code between graph breaks, or
         # the caller), which fxprobe does not see and which may write into what it returns.
         order, copied, outplaced = insert_taps(
             graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
             pipeline=self.pipeline, escapes=True)
         return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
-                             prefix)
+                             prefix, named_graph)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled

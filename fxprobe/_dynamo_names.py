@@ -265,11 +265,16 @@ def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ..
         for a in n.all_input_nodes:
             if a in group or a in found or a.op == "get_attr":
                 continue
-            if a.op == "placeholder":
-                source = getattr(a.meta.get("grapharg"), "source", None)
-                name = getattr(source, "name", None)
-                name = name() if callable(name) else name
-                if isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name):
-                    continue
+            if a.op == "placeholder" and is_state(a):
+                continue
             found[a] = None
     return tuple(found)
+
+
+def is_state(node: fx.Node) -> bool:
+    """Whether a placeholder of a dynamo graph is a parameter or buffer of a module (dynamo
+    passes the module's state in as graph inputs), not a value the code computed or was given."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    return isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name)

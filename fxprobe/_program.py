@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._dynamo import CaptureInfo, DynamoRegion
+from ._dynamo import CapturedGraph, CaptureInfo, DynamoRegion
 from ._errors import SelectorError, UnsupportedModelError
 from ._mirror import HookWatch, mirror
 from ._options import TapOptions, TracerKind
@@ -358,6 +358,12 @@ def captures_of(prog: Program) -> tuple[CaptureInfo, ...]:
     return tuple(region.info for region in prog.dynamo.values())
 
 
+def graphs_of(prog: Program) -> tuple[CapturedGraph, ...]:
+    """The graphs dynamo captured so far in the modules it runs (not those it failed on)."""
+    return tuple(g for path, region in prog.dynamo.items()
+                 if prog.state.get(path) != "fallback" for g in region.drawn())
+
+
 @dataclass(frozen=True)
 class View:
     """What the drawing and the tables read of a tapped module (no private state)."""
@@ -371,6 +377,9 @@ class View:
     """The last forward's values, or None before any forward."""
     captures: tuple[CaptureInfo, ...] = ()
     """What torch dynamo captured (graphs, breaks), for modules it runs."""
+    graphs: tuple[CapturedGraph, ...] = ()
+    """The graphs torch dynamo captured in the modules it runs, with their sites, in the order
+    captured (every version: recompilations and reuses for other instances included)."""
 
 
 class SiteNames(tuple[str, ...]):

@@ -44,6 +44,7 @@ from ._program import (
     captures_of,
     check_found,
     check_model,
+    graphs_of,
     list_sites,
 )
 from ._record import Grads, Recording, Taps
@@ -437,7 +438,7 @@ class TappedModule(nn.Module):
         return View(f"{self._model_name} ({mode} mode)", prog.current_plan(), self._root,
                     prog.selected,
                     self._options.capture, self.taps if frame.parts else None,
-                    captures_of(prog))
+                    captures_of(prog), graphs_of(prog))
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.

@@ -14,7 +14,7 @@ Here: the public calls and reading what is drawn into a :class:`~fxprobe._viz_it
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,14 +26,16 @@ from ._options import TracerKind, check_choice
 from ._program import check_model
 from ._select import as_selectors, select
 from ._shapes import propagate
-from ._site import Site, node_site
+from ._site import Site, node_site, sites_of
 from ._summary import describe_value
 from ._trace import Plan, plan
 from ._viz_dot import draw
-from ._viz_items import Scene
+from ._viz_items import Scene, newest
 
 if TYPE_CHECKING:
     import graphviz
+
+    from ._dynamo import CapturedGraph
 
 SUFFIXES = ("svg", "png", "pdf", "dot", "gv")
 """File suffixes ``render`` writes; ``dot`` and ``gv`` need no Graphviz program."""
@@ -187,7 +189,9 @@ def _scene(obj: nn.Module, *, ops: Any, tracer: TracerKind, train: bool | None) 
                 "change the tapped module (fxprobe.tap(model, ops=...), tapped.train())"
             )
         v = view()
-        scene = Scene(v.title, v.plan, v.root, _drawn(v.plan, v.selected), {}, v.capture)
+        graphs = newest(v.graphs)
+        scene = Scene(v.title, v.plan, v.root, _drawn(v.plan, v.selected, graphs.values()), {},
+                      v.capture, graphs=graphs)
         for info in v.captures:
             scene.dynamo[info.path] = sum(
                 1 for s in v.selected if s.how == "dynamo" and (
@@ -247,15 +251,17 @@ def _artifact_scene(obj: Any, *, ops: Any, tracer: TracerKind, train: bool | Non
     return scene
 
 
-def _drawn(p: Plan, selected: Sequence[Site]) -> frozenset[str]:
-    """The names drawn as tapped: a module call fx traced through marks its last node."""
+def _drawn(p: Plan, selected: Sequence[Site],
+           graphs: Iterable[Sequence[CapturedGraph]] = ()) -> frozenset[str]:
+    """The names drawn as tapped: a module call fx (or dynamo) traced through marks its last
+    node."""
     names = {s.name for s in selected}
-    for region in p.regions.values():
-        for node, site in region.sites():
-            if site.inlined and site.name in names:
-                own = node_site(node)
-                if own is not None:
-                    names.add(own.name)
+    drawn = [r.graph for r in p.regions.values()] + [g.graph for gs in graphs for g in gs]
+    for graph in drawn:
+        for node in graph.nodes:
+            own = node_site(node)
+            if own is not None and any(s.inlined and s.name in names for s in sites_of(node)):
+                names.add(own.name)
     return frozenset(names)
 
 

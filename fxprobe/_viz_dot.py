@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._site import node_site
 from ._summary import ValueInfo
 from ._trace import Fallback
 from ._viz_items import (
@@ -52,7 +53,7 @@ def _cluster_of(item: Item, drawn: list[Item]) -> str:
 def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
           show_plumbing: bool = True) -> Any:
     p = scene.plan
-    items, edges = items_of(p, scene.tapped, show_plumbing)
+    items, edges, after = items_of(p, scene.tapped, show_plumbing, scene.graphs)
     folded = len({name for it in items if it.role != "optional" for name in it.folded})
     rep = collapse(items, depth)
     drawn: list[Item] = []
@@ -66,7 +67,7 @@ def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
     clusters: dict[str, list[Item]] = {}
     for it in drawn:
         clusters.setdefault(_cluster_of(it, drawn), []).append(it)
-    root_fallback = "" in fallbacks
+    boxed_root = "" in fallbacks or "" in scene.graphs
 
     dot = graphviz.Digraph(name=_text(scene.title), graph_attr={**_GRAPH_ATTR,
                            "rankdir": rankdir, "label": _caption(scene, depth, folded)},
@@ -97,7 +98,7 @@ def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
             for it in clusters.get("", []):
                 if it.role == role:
                     g.node(_text(it.id), **_node_attrs(it, scene, fallbacks, depth))
-    if root_fallback:
+    if boxed_root:
         with dot.subgraph(name="cluster_/") as c:
             c.attr(**_cluster_attrs("", scene, fallbacks))
             emit(c, "")
@@ -107,7 +108,9 @@ def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
     for a, b in edges:
         if rep[a] is not rep[b]:
             real[(rep[a].id, rep[b].id)] = None
-    for a, b in _order_edges(scene, drawn, clusters, paths, where, fallbacks, list(real)):
+    order = _order_edges(scene, drawn, clusters, paths, where, fallbacks, list(real))
+    order += [(rep[a].id, rep[b].id) for a, b in after if rep[a] is not rep[b]]
+    for a, b in dict.fromkeys(order):
         dot.edge(_text(a), _text(b), style="invis")
     for a, b in real:
         dot.edge(_text(a), _text(b))
@@ -123,7 +126,7 @@ def _order_edges(scene: Scene, drawn: list[Item], clusters: Mapping[str, list[It
     traced children side by side in arbitrary order. The module's own call comes last: its
     node stands for the value that leaves it, and what feeds the call is drawn above it all.
     """
-    regions = list(scene.plan.regions)
+    regions = [*scene.plan.regions, *scene.graphs]  # dynamo's graphs have data flow too
     index = {id(it): i for i, it in enumerate(drawn)}
     span: dict[str, tuple[Item, Item]] = {}  # first and last item drawn inside each cluster
     for it in drawn:
@@ -171,8 +174,7 @@ def _caption(scene: Scene, depth: int | None, folded: int = 0) -> str:
             f"{len(tapped)} tapped ({len(tapped) - tapped_hooks} fx, {tapped_hooks} hook), "
             f"{len(p.fallbacks)} module(s) run as written")
     for path, n in scene.dynamo.items():
-        line += (f", {path or 'the model'} runs under torch dynamo ({n} tapped site(s) in "
-                 "its graphs, drawn as one call)")
+        line += f", {path or 'the model'} runs under torch dynamo ({_dynamo_note(scene, path, n)})"
     if scene.run is not None:  # a deployed artifact: every site is a value of its graph
         line = f"{scene.title}: {len(nodes)} sites, {len(tapped)} tapped"
     if depth is not None:
@@ -180,6 +182,18 @@ def _caption(scene: Scene, depth: int | None, folded: int = 0) -> str:
     if folded:
         line += f", {folded} shape ops folded into the ops they feed (show_plumbing=True)"
     return _text(line) + "\\l" + _text(_LEGEND) + "\\l"
+
+
+def _dynamo_note(scene: Scene, path: str, tapped: int) -> str:
+    graphs = scene.graphs.get(path)
+    if not graphs:
+        return (f"{tapped} tapped site(s) in its graphs, drawn as one call: its ops are drawn "
+                "after a forward")
+    ops = sum(1 for g in graphs for n in g.graph.nodes if node_site(n) is not None)
+    note = f"{len(graphs)} graph(s) of the last capture drawn op by op"
+    if len(graphs) > 1:
+        note += ", one after another (graph breaks)"
+    return note + f", {ops} sites, {tapped} tapped"
 
 
 def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
@@ -202,6 +216,9 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
         if s.how == "hook":
             attrs["style"] = "rounded,filled,dashed"
             classes.append("hook")
+        if it.graph is not None:
+            tip.append(f"in the graph torch dynamo captured: tapped.graphs[{it.graph!r}]")
+            classes.append("dynamo")
         if it.role == "input":
             attrs["shape"] = "invhouse"
             attrs["fillcolor"] = _IO_FILL
@@ -228,7 +245,13 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
         else:
             lines = {"input": ["input"], "output": ["output"], "return": ["return"]}[it.role]
             attrs["shape"] = "invhouse" if it.role == "input" else "house"
-            if it.role == "return":
+            if it.role == "return" and it.graph is not None:
+                lines = ["return", it.graph]
+                attrs["fontsize"] = "8"
+                tip = [f"what the graph {it.graph} returns to the code torch dynamo runs as "
+                       "written (after a graph break, or the caller of "
+                       f"{it.owner or 'the model'})"]
+            elif it.role == "return":
                 attrs["fontsize"] = "8"
                 tip = [f"output of the traced module {it.owner}"]
             else:
@@ -306,6 +329,15 @@ def _cluster_attrs(path: str, scene: Scene, fallbacks: Mapping[str, Any]) -> dic
     mtype = _module_type(scene, path)
     name = path or scene.title.split(" (")[0]
     f = fallbacks.get(path)
+    graphs = scene.graphs.get(path)
+    if graphs:
+        label = f"{name} ({mtype}): runs under torch dynamo, " + (
+            f"{len(graphs)} graphs, one after another (graph breaks)" if len(graphs) > 1
+            else "1 graph")
+        tip = [label, *(f"tapped.graphs[{g.key!r}]" for g in graphs)]
+        return {"label": _text(label), "style": "rounded,filled", "fillcolor": "#F3F8FC",
+                "color": "#0072B2", "fontcolor": "#222222", "fontsize": "9",
+                "tooltip": "\\n".join(_text(x) for x in tip), "class": "fxprobe-dynamo"}
     if f is None:
         return {"label": _text(f"{name} ({mtype})"), "style": "rounded", "color": "#AAAAAA",
                 "fontcolor": "#444444", "fontsize": "9", "tooltip": _text(f"{name} ({mtype})"),

@@ -284,8 +284,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"\n{e}\nwrote {out} instead (DOT text; any Graphviz viewer opens it)")
         return 0
     print(f"\nwrote {out}: tapped sites are orange; the head, which torch.fx cannot "
-          "trace, runs under torch dynamo (one call in the picture; its layers are tapped at "
-          "op level in dynamo's graphs)")
+          "trace, runs under torch dynamo (drawn op by op from dynamo's two graphs, one after "
+          "the other at the graph break)")
     return 0
 
 

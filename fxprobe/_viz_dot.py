@@ -265,7 +265,7 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
             and it.site.name in scene.tapped else info.label
         lines.append(shown)
         tip.append(shown)
-    elif scene.ran and it.site is not None:
+    elif scene.ran and it.site is not None and it.graph is None:  # dynamo's ops: not propagated
         lines.append("not run")
         tip.append("did not run with the example input")
     if it.constants:

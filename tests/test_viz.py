@@ -501,3 +501,109 @@ def test_inputs_with_defaults_are_drawn_compactly() -> None:
                and "is_causal (default False)" in folded[n]["label"] for n in notes)
     assert not [e for e in edges if e[0] in notes or e[1] in notes]
     assert len(edges) < len(shown_edges)
+
+
+# -- graphs torch dynamo captured -------------------------------------------------------------
+
+def _tiny_gpt2() -> nn.Module:
+    """A Hugging Face GPT-2 from a tiny config (random init, nothing downloaded), eager
+    attention so that the softmax is an op of the captured graph; fx cannot trace it."""
+    tf = pytest.importorskip("transformers")
+    config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(config).eval()
+
+
+def _reaches(edges: list[tuple[str, str]], a: str, b: str) -> bool:
+    succ: dict[str, list[str]] = {}
+    for x, y in edges:
+        succ.setdefault(x, []).append(y)
+    todo, seen = [a], {a}
+    while todo:
+        for y in succ.get(todo.pop(), []):
+            if y == b:
+                return True
+            if y not in seen:
+                seen.add(y)
+                todo.append(y)
+    return False
+
+
+def _node_statements(source: str) -> list[str]:
+    return [m.group(1) for line in source.splitlines() if (m := _NODE.match(line))
+            and _unquote(m.group(1)) not in ("graph", "node", "edge")]
+
+
+@needs_dot
+def test_dynamo_graphs_are_drawn_op_by_op(tmp_path: Path) -> None:
+    model = _tiny_gpt2()
+    torch._dynamo.reset()  # so that a new sequence length recompiles below
+    tapped = fxprobe.tap(model, ops=[F.softmax, torch.matmul])  # tracer="auto"
+    # Before any forward nothing is captured: drawn as the plan of the model is drawn
+    # (independent of dynamo: fx regions, hooked modules), the caption says what comes.
+    before = fxprobe.to_dot(tapped).source
+    plain = fxprobe.to_dot(model).source
+    assert parse_dot(before) == parse_dot(plain)
+    assert "its ops are drawn after a forward" in before
+    ids = torch.randint(2, 100, (2, 7))
+    with torch.no_grad():
+        tapped(input_ids=ids, use_cache=False)
+    assert tapped.captures and not tapped.fallbacks
+    names = {s.name for s in tapped.sites}
+    attn = [f"transformer.h.{i}.attn" for i in range(2)]
+    # GPT2Attention's eager path: softmax(q @ k^T ...), then dropout, then @ v.
+    assert {f"{a}.{op}" for a in attn for op in ("softmax", "matmul", "matmul_1")} == names
+    source = fxprobe.to_dot(tapped).source
+    nodes, edges = parse_dot(source)
+    assert names <= set(nodes) and tapped_ids(nodes) == names
+    for a in attn:
+        assert _reaches(edges, f"{a}.matmul", f"{a}.softmax")
+        assert _reaches(edges, f"{a}.softmax", f"{a}.matmul_1")
+        assert "fxprobe-dynamo" in nodes[f"{a}.softmax"]["class"]
+        assert nodes[f"{a}.softmax"]["label"].endswith("float32 [2, 2, 7, 7]")
+    assert _reaches(edges, "/input", "transformer.h.0.attn.softmax")
+    assert _reaches(edges, "transformer.h.1.attn.matmul_1", "/output")
+    assert "1 graph(s) of the last capture drawn op by op" in source
+    first = set(nodes)
+    # A new sequence length: dynamo captures the frame again; only the newest is drawn.
+    with torch.no_grad():
+        tapped(input_ids=torch.randint(2, 100, (2, 9)), use_cache=False)
+    assert len(tapped.graphs) == 2, list(tapped.graphs)
+    source = fxprobe.to_dot(tapped).source
+    statements = _node_statements(source)
+    assert len(statements) == len(set(statements)), "a node is drawn twice"
+    nodes, _ = parse_dot(source)
+    assert first <= set(nodes) and tapped_ids(nodes) == names
+    newest = list(tapped.graphs)[-1]
+    assert all(newest in a["tooltip"] for a in nodes.values() if "fxprobe-dynamo" in a["class"])
+    assert nodes["transformer.h.0.attn.softmax"]["label"].endswith("float32 [2, 2, 9, 9]")
+    # depth folds the captured ops like traced ones
+    folded, folded_edges = parse_dot(fxprobe.to_dot(tapped, depth=1).source)
+    assert "transformer.h/group" in tapped_ids(folded)
+    assert not any(n.startswith("transformer.h.") for n in folded)
+    assert all(a != b for a, b in folded_edges)
+    path = tapped.render(tmp_path / "gpt2.svg")
+    drawn = svg_nodes(path)
+    for name in names:
+        assert "fxprobe-tapped" in drawn[name][0], name
+    assert "fxprobe-dynamo" in drawn["cluster_/"][0]
+
+
+def test_dynamo_graph_breaks_are_drawn_one_after_another() -> None:
+    model, args, _ = zoo.make("data_dependent")  # gate: a data-dependent branch
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    tapped(*args)
+    assert [c.path for c in tapped.captures] == ["gate"]
+    keys = [k for k in tapped.graphs if k.startswith("dynamo:gate:")]
+    assert len(keys) == 2  # the condition, then the branch taken
+    source = fxprobe.to_dot(tapped).source
+    nodes, edges = parse_dot(source)
+    assert "gate (Gate): runs under torch dynamo, 2 graphs, one after another" in source
+    assert {"gate/dynamo0/return", "gate/dynamo1/return"} <= set(nodes)
+    assert ("gate.sum", "gate.gt") in edges and ("gate.gt", "gate/dynamo0/return") in edges
+    went_up = bool(model.stem(args[0]).sum() > 0)  # the branch Gate takes, eagerly
+    taken = "gate.pos" if went_up else "gate.neg.0"
+    assert taken in tapped_ids(nodes) and ("gate.neg.0" if went_up else "gate.pos") not in nodes
+    assert '"gate/dynamo0/return" -> "' in source  # stacked: the second graph below the first

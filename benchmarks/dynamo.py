@@ -12,7 +12,14 @@ mean of the two bare slots beside it):
 - ``taps (one site)``: the same frontend with one site: the fixed cost of running under dynamo.
 - ``hooks``: a forward hook on every module that keeps a reference to its output.
 
-Host cost per site = median per-call overhead / values captured per call. The one-time cost of
+Host cost per hooked call = median per-call overhead of the hooks / module calls. Host cost per
+tapped site = the slope of time against sites captured: tapped modules with 1, n/3, 2n/3 and n
+of the n sites, timed in shuffled order within each round, a least-squares slope per round, the
+median over rounds. Python's collector is paused during each slot (as ``timeit`` and the main
+suite do: a collection lands on whichever slot happens to run), and with one torch thread the
+clock is the thread's CPU time (``time.thread_time``), which a shared machine's other processes
+do not inflate. ``python -m benchmarks.instructions`` counts the same costs in instructions.
+The one-time cost of
 the first call (dynamo capture and the rewrite) and of the first call at a new sequence length
 (a recompilation with dynamic shapes) are measured on fresh tapped modules and reported.
 Writes ``dynamo.json`` and ``dynamo.md`` to ``benchmarks/results/<device>/``.
@@ -38,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxprobe
+
+from .timing import gc_paused, median_ci
 
 _ROOT = Path(__file__).resolve().parent
 
@@ -120,11 +129,16 @@ class HookAll:
         return fired[0]
 
 
+CLOCK: Callable[[], int] = time.perf_counter_ns
+"""The clock of a slot: ``main`` sets ``time.thread_time_ns`` when torch runs one thread."""
+
+
 def timed(fn: Callable[[], Any], iters: int) -> float:
-    t0 = time.perf_counter_ns()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter_ns() - t0) / iters / 1e3  # us per call
+    with gc_paused():
+        t0 = CLOCK()
+        for _ in range(iters):
+            fn()
+        return (CLOCK() - t0) / iters / 1e3  # us per call
 
 
 def interleave(bare: Callable[[], Any], treatments: dict[str, tuple[Callable[[], Any], Any]],
@@ -154,13 +168,22 @@ def interleave(bare: Callable[[], Any], treatments: dict[str, tuple[Callable[[],
     return {k: (np.array(diffs[k]), np.array(ratios[k])) for k in treatments}
 
 
-def median_ci(x: np.ndarray) -> tuple[float, float]:
-    """Distribution-free 95% confidence interval of the median (order statistics)."""
-    v = np.sort(x)
-    n = len(v)
-    half = 1.96 * np.sqrt(n) / 2
-    lo, hi = int(np.floor(n / 2 - half)), int(np.ceil(n / 2 + half))
-    return float(v[max(lo, 0)]), float(v[min(hi, n - 1)])
+def slopes(runs: dict[int, Callable[[], Any]], rounds: int, iters: int
+           ) -> tuple[np.ndarray, dict[int, float]]:
+    """Per round, the least-squares slope of time per call against sites captured (the
+    tapped modules timed in shuffled order); and the median time of each."""
+    rng = random.Random(1)
+    ks = sorted(runs)
+    order = list(ks)
+    found = []
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(rounds):
+        rng.shuffle(order)
+        t = {k: timed(runs[k], iters) for k in order}
+        for k in ks:
+            times[k].append(t[k])
+        found.append(np.polyfit(np.array(ks, dtype=float), [t[k] for k in ks], 1)[0])
+    return np.array(found), {k: float(np.median(v)) for k, v in times.items()}
 
 
 def capture_costs(layers: int, seq: int, ops: list[Any]) -> Capture:
@@ -198,14 +221,17 @@ def environment() -> dict[str, Any]:
 
 
 def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[Row],
-             cap: Capture, hook_ratio: str, q25: float, q75: float) -> str:
+             cap: Capture, hook_ratio: str, q25: float, q75: float,
+             sweep_us: dict[int, float]) -> str:
     lines = [
         "# Dynamo frontend: GPT-2 layout, taps vs hooks (cpu)", "",
         f"- torch {env['torch']}, transformers {env['transformers']}, Python {env['python']}, "
         f"{env['torch_threads']} torch thread(s), commit {env['commit']}, {env['run']}",
         f"- GPT2LMHeadModel, {args.layers} layers, hidden 32, 4 heads, vocabulary 100, eager "
         f"attention; batch 1, sequence {args.seq}; {args.rounds} interleaved rounds of "
-        f"{args.iters} calls per slot", "",
+        f"{args.iters} calls per slot; clock: "
+        f"{'the thread CPU time' if CLOCK is time.thread_time_ns else 'wall'}; Python's "
+        "collector paused in each slot", "",
         "`overhead us` is the median over rounds of (treatment - bare) per call, with its "
         "interquartile range; `us/site` divides it by the values captured per call.", "",
         "| treatment | values/call | overhead us (IQR) | us/site | ratio to bare |",
@@ -218,9 +244,12 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[Row],
     lines += [
         "", "The dynamo frontend runs the captured graph as one flat function, which can be "
         "cheaper than the model's own Python (a ratio below 1); its fixed cost (guards) is in "
-        "the one-site row. The cost of a tapped site is therefore measured as what the other "
-        f"sites add to the one-site run, per site, over {args.pairs} adjacent pairs of slots "
-        f"(all sites, one site; order alternating): IQR {q25:.2f} to {q75:.2f} us.", "",
+        "the one-site row. The cost of a tapped site is therefore measured as what more "
+        "sites add: the least-squares slope of time per call against sites captured, over "
+        f"tapped modules with {', '.join(str(k) for k in sweep_us)} sites timed in shuffled "
+        f"order, per round; median over {args.sweeps} rounds, IQR {q25:.2f} to {q75:.2f} us. "
+        "Median us per call: "
+        + ", ".join(f"{k} sites {v:.0f}" for k, v in sweep_us.items()) + ".", "",
         f"Host cost per tapped site / per hooked module call: **{hook_ratio}** "
         "(target <= 0.2).", "",
         "## One-time capture cost (fresh tapped module, after torch._dynamo.reset())", "",
@@ -240,12 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--seq", type=int, default=8)
-    parser.add_argument("--pairs", type=int, default=200)
+    parser.add_argument("--sweeps", type=int, default=100,
+                        help="rounds of the sites sweep (the per-site slope)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=_ROOT / "results" / "cpu")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.thread_time_ns if args.threads == 1 else time.perf_counter_ns
     ops = [F.softmax, torch.matmul, torch.add]
 
     cap = capture_costs(args.layers, args.seq, ops)
@@ -254,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     taps = fxprobe.tap(model, ops=ops, tracer="dynamo")
     one = fxprobe.tap(model, ops="transformer.h.0.attn.softmax", tracer="dynamo")
     hooks = HookAll(model)
+    with torch.no_grad():
+        taps(input_ids=ids)
+    names = list(taps.taps)  # in the order they ran
+    n_taps = len(names)
+    ks = sorted({1, n_taps // 3, 2 * n_taps // 3, n_taps})
+    sweep = {k: fxprobe.tap(model, ops=names[:k], tracer="dynamo") for k in ks[1:-1]}
+    sweep[ks[0]], sweep[n_taps] = one, taps
 
     def bare() -> Any:
         return model(input_ids=ids)
@@ -264,26 +303,22 @@ def main(argv: list[str] | None = None) -> int:
     def run_one() -> Any:
         return one(input_ids=ids)
 
+    runs = {k: (lambda t=t: t(input_ids=ids)) for k, t in sweep.items()}
     with torch.no_grad():
         expected = bare()
-        for run in (run_taps, run_one):  # capture once, untimed; outputs are the model's
+        for k, run in runs.items():  # capture once, untimed; outputs are the model's
             assert torch.equal(run().logits, expected.logits)
-        n_taps, n_one = len(taps.taps), len(one.taps)
+            assert len(sweep[k].taps) == k, (k, len(sweep[k].taps))
+        n_one = 1
         n_hooks = hooks.count(bare)
         for _ in range(3):  # warm up
-            bare(), run_taps(), run_one()
+            bare(), [run() for run in runs.values()]
         treatments = {"taps": (run_taps, None), "taps (one site)": (run_one, None),
                       "hooks on every module": (bare, hooks)}
         results = interleave(bare, treatments, args.rounds, args.iters)
-        # The per-site cost directly: all sites vs one site, in adjacent slots, order swapped
-        # every pair (what the other sites add; noise from the bare slots stays out).
-        pairs = []
-        for i in range(args.pairs):
-            if i % 2:
-                a, b = timed(run_one, args.iters), timed(run_taps, args.iters)
-            else:
-                b, a = timed(run_taps, args.iters), timed(run_one, args.iters)
-            pairs.append((b - a) / (n_taps - n_one))
+        # The per-site cost directly: the slope of time against sites captured (what more
+        # sites add; the bare slots' noise stays out).
+        marginal, sweep_us = slopes(runs, args.sweeps, args.iters)
     counts = {"taps": n_taps, "taps (one site)": n_one, "hooks on every module": n_hooks}
     rows = []
     for key, (diff, ratio) in results.items():
@@ -293,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                         float(np.median(ratio))))
     by = {r.treatment: r for r in rows}
     # Running under dynamo has a fixed cost (guards) and a saving (no Python module calls):
-    # the cost of a site is what the other sites add to a one-site run.
-    marginal = np.array(pairs)
+    # the cost of a site is what more sites add to a run with fewer.
     per_tap = float(np.median(marginal))
     per_hook = by["hooks on every module"].us_per_site
     tap_ci = median_ci(marginal)
@@ -311,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                                              for k, v in vars(args).items()},
               "rows": [asdict(r) for r in rows], "capture": asdict(cap),
               "us_per_tapped_site_marginal": per_tap,
+              "sweep_us_per_call": {str(k): v for k, v in sweep_us.items()},
+              "clock": "thread_time" if CLOCK is time.thread_time_ns else "perf_counter",
               "marginal_iqr_us": [float(np.percentile(marginal, 25)),
                                   float(np.percentile(marginal, 75))],
               "marginal_ci95_us": list(tap_ci), "hook_per_site_ci95_us": list(hook_ci),
@@ -318,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
               "samples_us": {k: d.tolist() for k, (d, _) in results.items()}}
     (args.out / "dynamo.json").write_text(json.dumps(record, indent=1) + "\n")
     text = markdown(env, args, rows, cap, hook_ratio, float(np.percentile(marginal, 25)),
-                    float(np.percentile(marginal, 75)))
+                    float(np.percentile(marginal, 75)), sweep_us)
     (args.out / "dynamo.md").write_text(text)
     print(text)
     return 0

@@ -186,3 +186,17 @@ def test_cuda_before_records_render() -> None:
     assert merged.environment.fxprobe_commit == "97755d0"
     assert {m.model for m in merged.measurements} == {"gpt2", "resnet50", "chain", "mlp"}
     assert "## Targets" in report.markdown(merged)
+
+
+def test_instruction_counts_are_read_from_callgrind_dumps(tmp_path: Path) -> None:
+    from benchmarks.instructions import _totals, main
+
+    dump = tmp_path / "cg.out.1"
+    dump.write_text("version: 1\ncreator: callgrind-3.19.0\nevents: Ir DLmr DLmw\n"
+                    "fn=(1) f\n0 5 1 0\nsummary: 1234567 89 10\ntotals: 1234567 89 10\n")
+    assert _totals(dump) == {"Ir": 1234567, "DLmr": 89, "DLmw": 10}
+    dump.write_text("not a dump\n")
+    with pytest.raises(SystemExit, match="not a callgrind dump"):
+        _totals(dump)
+    with pytest.raises(SystemExit):  # two counts, the first smaller
+        main(["--calls", "15,5"])

@@ -4,8 +4,9 @@
 Used when ``import numba`` works, ``FXPROBE_NUMBA`` is not ``0`` (:data:`ENABLED`), the tensor
 is float32 or float64 with more than :data:`fxprobe._stats_cpu.NUMPY_MAX` elements, and the
 kernel has not failed here before. numba is optional: it is imported, and the kernel compiled,
-the first time a tensor takes this path (seconds; ``cache=True`` keeps the machine code for
-the next process), never when fxprobe is imported.
+the first time a tensor takes this path (about 2 to 3 s, in every process: ``cache=True``
+does not hit for these closures, whose intrinsics numba cannot key, and only wrote a new
+cache entry per process), never when fxprobe is imported.
 
 The kernel reads the tensor once, in chunks of :data:`CHUNK` elements spread over threads
 (``numba.prange``, as many as torch uses). Per chunk, one loop keeps in SIMD lanes, in the
@@ -102,7 +103,7 @@ def summary(a: np.ndarray) -> Summary | None:
 
 @functools.cache
 def _kernel() -> Any:
-    """The compiled kernel (compiled, or loaded from numba's cache, at the first call)."""
+    """The compiled kernel (compiled at the first call)."""
     import numba
     from llvmlite import ir
     from numba.core import cgutils
@@ -128,7 +129,7 @@ def _kernel() -> Any:
     prange = numba.prange
     fastmath = {"reassoc", "contract", "nsz", "arcp"}  # never nnan/ninf: NaN must show
 
-    @numba.njit(fastmath=fastmath, nogil=True, cache=True)
+    @numba.njit(fastmath=fastmath, nogil=True, cache=False)
     def chunk(y: Any) -> Any:
         # y[i] over range(y.size) of a slice: numba proves the index in bounds and
         # non-negative, and LLVM vectorises the loop (x[i] over range(a, b) it does not).
@@ -151,7 +152,7 @@ def _kernel() -> Any:
         s64 = np.float64(s)
         return np.float64(c) + s64 / n, max(np.float64(q) - s64 * s64 / n, 0.0), lo, hi, z
 
-    @numba.njit(parallel=True, fastmath=fastmath, nogil=True, cache=True)
+    @numba.njit(parallel=True, fastmath=fastmath, nogil=True, cache=False)
     def stats(x: Any, size: int) -> Any:
         n = x.size
         chunks = (n + size - 1) // size

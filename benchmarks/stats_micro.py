@@ -6,7 +6,10 @@ For float32 tensors from 4 KiB to 64 MiB, times in interleaved rounds (medians o
 - ``stats_vector``: fxprobe's (the Triton kernel on CUDA when Triton imports);
 - ``torch fallback``: the torch-ops path that runs without Triton (CUDA only);
 - ``device path``: on a CPU, the same torch-ops path (no branch on values); ``stats_vector``
-  itself reads values on the host there (an all-finite tensor takes four passes);
+  itself reads values on the host there: one pass of the numba kernel where numba is installed
+  (:mod:`fxprobe._stats_numba`), else four passes;
+- ``torch host-read``: on a CPU, ``stats_vector`` with the numba kernel switched off (the four
+  passes), beside it in the same rounds;
 - ``before``: the implementation of project commit 97755d0, kept here as the baseline;
 - ``item hook``: ``(t.mean().item(), t.std().item())``, what the tutorial logging hook does.
 
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fxprobe import _stats, _stats_cpu
+from fxprobe import _stats, _stats_cpu, _stats_numba
 from fxprobe._stats import stats_vector, stats_vectors
 
 SIZES_KIB = (4, 64, 1024, 16 * 1024, 64 * 1024)
@@ -66,6 +69,26 @@ def _device_path(t: torch.Tensor) -> torch.Tensor:
         return stats_vector(t)
     finally:
         _stats_cpu.CPU_HOST_READS = True
+
+
+def _torch_host_read(t: torch.Tensor) -> torch.Tensor:
+    """On a CPU: ``stats_vector`` with the numba kernel switched off (four passes)."""
+    enabled = _stats_numba.ENABLED
+    _stats_numba.ENABLED = False
+    try:
+        return stats_vector(t)
+    finally:
+        _stats_numba.ENABLED = enabled
+
+
+def _first_numba_call_s() -> float | None:
+    """Seconds of the first call that takes the numba kernel (import, compile or cache
+    load), or None when numba is not used here."""
+    if not _stats_numba.available():
+        return None
+    t0 = time.perf_counter()
+    stats_vector(torch.ones(1 << 16))
+    return time.perf_counter() - t0 if _stats_numba.available() else None
 
 
 def _item_hook(t: torch.Tensor) -> tuple[float, float]:
@@ -112,6 +135,7 @@ def run(device: torch.device, rounds: int, sizes_kib: tuple[int, ...]) -> dict[s
     from fxprobe import _stats_triton
 
     triton = cuda and _stats_triton.available()
+    numba_first_s = None if cuda else _first_numba_call_s()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for kib in sizes_kib:
@@ -127,6 +151,8 @@ def run(device: torch.device, rounds: int, sizes_kib: tuple[int, ...]) -> dict[s
             fns["torch fallback"] = lambda t=t: _fallback(t)
         else:
             fns["device path"] = lambda t=t: _device_path(t)
+            if numba_first_s is not None:
+                fns["torch host-read"] = lambda t=t: _torch_host_read(t)
         med = _time(fns, rounds, cuda, 0.002 if kib < 1024 else 0.02)
         floor = min(med["floor sum"], med["floor amax"])
         rows.append({"kib": kib, "us": {k: v * 1e6 for k, v in med.items()},
@@ -146,18 +172,22 @@ def run(device: torch.device, rounds: int, sizes_kib: tuple[int, ...]) -> dict[s
         or platform.machine(),
         "torch_version": torch.__version__, "threads": torch.get_num_threads(),
         "triton": triton and _stats_triton.available(),
-        "triton_error": "; ".join(_stats_triton._broken), "rounds": rounds, "sizes": rows,
+        "triton_error": "; ".join(_stats_triton._broken), "numba": numba_first_s is not None,
+        "numba_first_call_s": numba_first_s, "numba_error": "; ".join(_stats_numba._broken),
+        "rounds": rounds, "sizes": rows,
         "batch_200x16_us": {k: v * 1e6 for k, v in batch.items()},
     }
 
 
 def markdown(res: dict[str, Any]) -> str:
     """The result as Markdown tables."""
-    kinds = [k for k in ("stats_vector", "torch fallback", "device path", "before", "item hook")
+    kinds = [k for k in ("stats_vector", "torch host-read", "torch fallback", "device path",
+                         "before", "item hook")
              if k in res["sizes"][0]["us"]]
     lines = [f"stats_vector on {res['device']} ({res['device_name']}, torch "
              f"{res['torch_version']}, {res['threads']} threads, Triton kernel used: "
-             f"{res['triton']}{' ' + res['triton_error'][:200] if res['triton_error'] else ''}); "
+             f"{res['triton']}{' ' + res['triton_error'][:200] if res['triton_error'] else ''}"
+             f"{_numba_note(res)}); "
              f"medians of {res['rounds']} interleaved rounds, float32. "
              "Floor: the faster of one `sum` and one `amax` of the tensor.", "",
              "| size | floor us | " + " | ".join(f"{k} us (x floor)" for k in kinds) + " |",
@@ -169,6 +199,14 @@ def markdown(res: dict[str, Any]) -> str:
               "| how | us |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in res["batch_200x16_us"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _numba_note(res: dict[str, Any]) -> str:
+    if res["device"] != "cpu":
+        return ""
+    if not res.get("numba"):
+        return f", numba kernel used: False {res.get('numba_error', '')[:200]}".rstrip()
+    return f", numba kernel used: True (first call {res['numba_first_call_s']:.2f} s)"
 
 
 def _size(kib: int) -> str:

@@ -3,8 +3,9 @@
 :func:`stats_vector` reduces a tensor to eight numbers. On an accelerator it runs tensor ops
 only: no ``.item()``, no branching on values, nothing that waits for the device (on CUDA with
 Triton: one fused kernel, :mod:`fxprobe._stats_triton`). On a CPU, where reading a value waits
-for nothing, it branches: an all-finite tensor (the common case) takes four passes and a few
-host operations (numpy for small tensors), and only a tensor with NaN or Inf pays for the
+for nothing, it branches: an all-finite tensor (the common case) takes one pass of a numba
+kernel (:mod:`fxprobe._stats_numba`, large float tensors, numba installed) or four torch passes
+and a few host operations (numpy for small tensors), and only a tensor with NaN or Inf pays for the
 finite-only bookkeeping of the device path. :func:`stats_vectors` reduces many tensors with
 few ops (small ones of one size stacked into a matrix). :class:`StatsBatch` stacks the vectors
 of one forward and brings them to the host in a single transfer, the first time any is read.
@@ -81,7 +82,8 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
     Triton kernel reads ``t`` once (:mod:`fxprobe._stats_triton`); elsewhere about a dozen
     torch reductions and in-place ops over one temporary, with no branch on values. On a CPU
     in eager mode (not under ``torch.compile`` or a functorch transform), where a branch on
-    values costs nothing, a tensor whose elements are all finite takes four passes instead.
+    values costs nothing, a tensor whose elements are all finite takes one numba pass (large
+    float tensors, numba installed) or four passes instead.
 
     Args:
         t: a real tensor of any dtype (bool and integers are cast), any shape, any device.

@@ -1,9 +1,11 @@
 """Statistics of CPU tensors, where reading a value waits for nothing: the host-read branch of
 :func:`fxprobe._stats.stats_vector` and :func:`~fxprobe._stats.stats_vectors`.
 
-An all-finite tensor takes four passes (min/max, sum, sum of squares, zero count) and host
-arithmetic in float64: torch's threads for large tensors, numpy for small ones (many of one size
-as one matrix, tiny ones of many sizes laid end to end). A tensor holding NaN or Inf, or whose
+An all-finite tensor takes one pass of the numba kernel when it is large, float32 or float64,
+and numba is installed (:mod:`fxprobe._stats_numba`); otherwise four passes (min/max, sum, sum
+of squares, zero count) and host arithmetic in float64: torch's threads for large tensors,
+numpy for small ones (many of one size as one matrix, tiny ones of many sizes laid end to
+end). A tensor holding NaN or Inf, or whose
 squares could overflow, gets None here, and :mod:`fxprobe._stats` takes its branch-free device
 path instead. The sum, min and max read every element, and any NaN or Inf makes one of them
 non-finite, so finite results prove that every element is finite.
@@ -16,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+
+from . import _stats_numba
 
 WIDTH = 8
 """Entries of a stats vector (``len(fxprobe._stats.FIELDS)``)."""
@@ -45,10 +49,28 @@ this fraction of ``sum x^2`` (cancellation magnifies rounding at most 5x); beyon
 def stats_row(x: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
     """The stats of a non-empty CPU tensor as a float64 numpy row, or None when an element is
     not finite or the squares could overflow: numpy for small tensors, where a numpy call costs
-    a microsecond and a torch op several; torch (threads) for larger ones."""
+    a microsecond and a torch op several; for larger float32/float64 ones one pass of the numba
+    kernel where numba is installed (:mod:`fxprobe._stats_numba`), else torch (threads)."""
     if x.numel() <= NUMPY_MAX:
         return _cpu_stats_small(_float64_array(x))
-    return _cpu_stats_vector(x.reshape(-1).to(dtype), dtype)
+    flat = x.reshape(-1).to(dtype)
+    if x.dtype in (torch.float32, torch.float64) and _stats_numba.available():
+        found = _stats_numba.summary(flat.numpy())
+        if found is not None:
+            return _from_summary(found, flat.numel(), torch.finfo(dtype).max)
+    return _cpu_stats_vector(flat, dtype)
+
+
+def _from_summary(found: _stats_numba.Summary, n: int, limit: float) -> np.ndarray | None:
+    """The stats row from the numba kernel's summary, with :func:`_finish`'s contract: None
+    when an element is not finite (then the min or the max is not) or the squares could
+    overflow ``limit``."""
+    mean, squared, lo, hi, zeros = found
+    absmax = max(-lo, hi)
+    if not (math.isfinite(lo) and math.isfinite(hi) and absmax * absmax * n < limit / 4):
+        return None
+    std = math.sqrt(squared / (n - 1)) if n > 1 else math.nan
+    return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
 
 
 NUMPY_MAX = 1 << 13

@@ -1,0 +1,128 @@
+"""The numba kernel of the CPU statistics (fxprobe._stats_numba) against numpy in float64, and
+its fallbacks: NaN/Inf, numba missing or failing, switched off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fxprobe import _stats_cpu, _stats_numba
+from fxprobe._stats import stats_vector
+
+NAN, INF = float("nan"), float("inf")
+N = _stats_cpu.NUMPY_MAX + 1  # the smallest size that takes the kernel
+CHUNK = _stats_numba.CHUNK
+
+
+def reference(t: torch.Tensor) -> np.ndarray:
+    """The eight statistics of an all-finite tensor, by numpy in float64."""
+    a = t.detach().to(torch.float64).reshape(-1).numpy()
+    return np.array([a.mean(), a.std(ddof=1), a.min(), a.max(), np.abs(a).max(),
+                     (a == 0).sum() / a.size, 0.0, 0.0])
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(n, generator=_gen(seed), dtype=dtype)
+
+
+CASES = {
+    "randn": lambda: _randn(1 << 20, 0) * 2 + 0.5,
+    "large_mean": lambda: _randn(1 << 20, 1) * 0.01 + 1e4,
+    "large_mean_float64": lambda: _randn(300_001, 2, torch.float64) * 1e-3 + 1e6,
+    "relu": lambda: _randn(1 << 20, 3).relu(),
+    "mostly_zero": lambda: torch.zeros(50_000).index_fill_(0, torch.arange(0, 50_000, 997), 3.0),
+    "tiny": lambda: _randn(40_000, 4) * 1e-30,
+    "subnormal": lambda: _randn(40_000, 5) * 1e-40,
+    "huge": lambda: _randn(40_000, 6) * 1e15,
+    "huge_float64": lambda: _randn(40_000, 7, torch.float64) * 1e150,
+    "float64": lambda: _randn(123_457, 8, torch.float64) * 3 - 1,
+    "odd_tail_of_one": lambda: _randn(3 * CHUNK + 1, 9) + 5,
+    "smallest": lambda: _randn(N, 10) - 2,
+    "constant": lambda: torch.full((100_000,), 3.25),
+    "sorted": lambda: torch.linspace(-1, 1e3, 200_000),
+    "non_contiguous": lambda: _randn(600 * 400, 11).view(600, 400).t()[::2],
+    "outlier_first": lambda: torch.cat([torch.tensor([1e4]), _randn(CHUNK * 4, 12).relu()]),
+}
+
+
+@pytest.fixture
+def kernel() -> None:
+    pytest.importorskip("numba")
+    if not _stats_numba.available():
+        pytest.skip("numba kernel switched off or broken here")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_numpy_float64(name: str, kernel: None,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    t = CASES[name]()
+    calls = []
+    summary = _stats_numba.summary
+    monkeypatch.setattr(_stats_numba, "summary", lambda a: calls.append(a.size) or summary(a))
+    v = stats_vector(t)
+    assert calls == [t.numel()]  # the kernel ran
+    want = reference(t)
+    got = v.double().numpy()
+    rtol = 1e-12 if t.dtype == torch.float64 else 2e-6
+    atol = 1e-7 * np.abs(want[:5]).max()  # a mean of about zero: relative to the spread
+    if t.dtype == torch.float32:  # the float32 result itself: subnormals have fewer bits
+        atol = max(atol, float(np.finfo(np.float32).smallest_subnormal))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+    assert got[5] == np.float32(want[5]) or t.dtype == torch.float64  # the exact count
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("where", [0, 1, 15, 16, CHUNK - 1, CHUNK, 5 * CHUNK + 3, -1])
+def test_nan_and_inf_anywhere_fall_back(value: float, where: int, kernel: None) -> None:
+    t = _randn(5 * CHUNK + 7, 13)
+    t[where] = value
+    assert _stats_numba.summary(t.numpy()) is not None
+    assert _stats_cpu.stats_row(t, torch.float32) is None  # the general path takes it
+    v = stats_vector(t).double().numpy()
+    finite = t[torch.isfinite(t)].double().numpy()
+    np.testing.assert_allclose(v[:5], [finite.mean(), finite.std(ddof=1), finite.min(),
+                                       finite.max(), np.abs(finite).max()], rtol=2e-5)
+    assert (v[6], v[7]) == ((1.0, 0.0) if value != value else (0.0, 1.0))
+
+
+def test_squares_that_could_overflow_fall_back(kernel: None) -> None:
+    t = _randn(N, 14) * 1e18  # squares of float32 values near 1e37 per element
+    assert _stats_cpu.stats_row(t, torch.float32) is None
+    np.testing.assert_allclose(stats_vector(t).double().numpy(), reference(t), rtol=2e-5)
+
+
+def test_failing_kernel_warns_once_and_falls_back(kernel: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise RuntimeError("no LLVM here")
+
+    monkeypatch.setattr(_stats_numba, "_kernel", broken)
+    monkeypatch.setattr(_stats_numba, "_broken", [])
+    t = _randn(N, 15)
+    with pytest.warns(UserWarning, match="numba statistics kernel failed"):
+        v = stats_vector(t)
+    assert not _stats_numba.available()
+    np.testing.assert_allclose(v.double().numpy(), reference(t), rtol=2e-5, atol=1e-7)
+
+
+def test_switched_off_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_stats_numba, "ENABLED", False)
+    monkeypatch.setattr(_stats_numba, "summary", lambda a: pytest.fail("kernel used"))
+    t = _randn(N, 16)
+    np.testing.assert_allclose(stats_vector(t).double().numpy(), reference(t), rtol=2e-5,
+                               atol=1e-7)
+
+
+def test_importing_fxprobe_does_not_import_numba() -> None:
+    code = "import sys, fxprobe, fxprobe._stats; print('numba' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

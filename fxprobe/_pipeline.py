@@ -27,7 +27,7 @@ from ._errors import InterventionError
 from ._options import TapOptions
 from ._record import Frame, Recording
 from ._site import Site
-from ._stats import _SMALL, stats_vector, stats_vectors
+from ._stats import _SMALL, _check, checked_vectors, stats_vector
 from ._stats_cpu import NUMPY_MAX as _CPU_BATCHED
 from ._stats_cpu import host_reads_free
 
@@ -106,6 +106,7 @@ class Pipeline:
         if n > _SMALL or torch.compiler.is_compiling() or (
                 n > _CPU_BATCHED and host_reads_free(t)):  # on a CPU, batching pays less
             return _PendingStats(t, stats_vector(t))
+        _check(t)  # here, at its site, as stats_vector would for a large one
         pending = _PendingStats(t, None, t.detach().clone() if copy else t.detach())
         state = self.rec.state
         if state.active:
@@ -120,7 +121,7 @@ class Pipeline:
             if p.tensor is not None:
                 by_device.setdefault(p.tensor.device, []).append(p)
         for group in by_device.values():
-            rows = stats_vectors([p.tensor for p in group])  # type: ignore[misc]
+            rows = checked_vectors([p.tensor for p in group])  # type: ignore[misc]
             for p, row in zip(group, rows.unbind(0), strict=True):
                 p.vector, p.tensor = row, None
 

@@ -24,6 +24,7 @@ from . import _stats_numba
 WIDTH = 8
 """Entries of a stats vector (``len(fxprobe._stats.FIELDS)``)."""
 _F64_MAX = float(torch.finfo(torch.float64).max)
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 CPU_HOST_READS = True
 """Whether :func:`stats_vector` may read values on the host for a CPU tensor (its fast path).
@@ -155,6 +156,13 @@ def table(tensors: Sequence[torch.Tensor],
             small.append(i)
         else:
             one_by_one(i)
+    if small and _stats_numba.available():  # end to end, one kernel call for all of them
+        found = _numba_segments([tensors[i].detach() for i in small])
+        if found is not None:
+            if len(small) == len(tensors) and found[1] is None:  # the common case, at once
+                return found[0]
+            _fill(out, small, tensors, general, found)
+            return out
     groups: dict[tuple[torch.dtype, int], list[int]] = {}
     for i in small:
         groups.setdefault((tensors[i].dtype, tensors[i].numel()), []).append(i)
@@ -177,11 +185,32 @@ def table(tensors: Sequence[torch.Tensor],
 
 def _fill(out: np.ndarray, members: list[int], tensors: Sequence[torch.Tensor],
           general: Callable[[torch.Tensor], np.ndarray],
-          found: tuple[np.ndarray, np.ndarray]) -> None:
+          found: tuple[np.ndarray, np.ndarray | None]) -> None:
     rows, good = found
     out[members] = rows
+    if good is None:  # every row
+        return
     for j in np.flatnonzero(~good):  # NaN, Inf, or squares that could overflow
         out[members[j]] = general(tensors[members[j]].detach())
+
+
+def _numba_segments(tensors: Sequence[torch.Tensor]
+                    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The stats of many small non-empty CPU tensors by one numba call over their elements
+    laid end to end (in float64 if one of them is float64, else float32), as
+    :func:`_cpu_stats_segments` returns them (``good`` None: every row); None where the
+    kernel cannot run. Lean: it runs at the end of every forward that takes statistics."""
+    wide = False
+    arrays = []
+    sizes = [0]
+    for t in tensors:
+        wide = wide or t.dtype == torch.float64
+        arrays.append(_numpy_view(t).reshape(-1))
+        sizes.append(arrays[-1].size)
+    dtype = np.float64 if wide else np.float32
+    flat = (np.concatenate(arrays, dtype=dtype) if len(arrays) > 1
+            else np.ascontiguousarray(arrays[0], dtype=dtype))
+    return _stats_numba.summaries(flat, np.cumsum(sizes), _F64_MAX if wide else _F32_MAX)
 
 
 _ROWS = 4

@@ -27,7 +27,8 @@ import math
 import os
 import threading
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +40,11 @@ the benchmark flips it to time both paths)."""
 CHUNK = 4096
 """Elements per chunk: a chunk's partial sums stay in the input's dtype (float32 lanes of a
 few hundred elements each), chunks are merged in float64."""
+
+PARALLEL_MIN = 1 << 20
+"""From this many elements (4 MiB of float32) the kernel spreads chunks over threads; below,
+one thread reads as fast as waking numba's thread pool costs (measured: 1 MiB in 40 us either
+way), and torch's own thread pool is left alone."""
 
 _TINY = {np.float32: 2.0 ** -40, np.float64: 2.0 ** -400}
 """Below this absmax, squares of deviations would come near the dtype's smallest normal
@@ -69,6 +75,7 @@ def _importable() -> bool:
     return True
 
 
+_T = TypeVar("_T")
 Summary = tuple[float, float, float, float, int]
 """``(mean, sum of squared deviations from the mean, min, max, zero count)``."""
 
@@ -77,104 +84,77 @@ def summary(a: np.ndarray) -> Summary | None:
     """The one-pass summary of a non-empty 1-D contiguous float32 or float64 array, or None
     (with one warning the first time) when the kernel fails in this setup or another thread
     is running it. NaN or Inf elements give a non-finite min or max."""
+    return _guarded(lambda: _summary(a))
+
+
+def summaries(x: np.ndarray, offsets: np.ndarray, limit: float
+              ) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The stats rows (:data:`fxprobe._stats.FIELDS` order, float64) of the segments
+    ``x[offsets[i]:offsets[i + 1]]`` (each non-empty) of a contiguous 1-D float32 or float64
+    array, by one serial kernel call (a forward's small tensors laid end to end), and which
+    rows are good: not those with NaN or Inf or squares that could overflow ``limit``, to be
+    taken from the general path (None: all of them). None as for :func:`summary`."""
+
+    def run() -> tuple[np.ndarray, np.ndarray | None]:
+        out = np.empty((offsets.size - 1, 8))
+        flags = np.empty(offsets.size - 1, np.int8)
+        tiny = _TINY[x.dtype.type]
+        if not _kernels().segments(x, offsets, CHUNK, limit, tiny, out, flags):
+            return out, None
+        for i in np.flatnonzero(flags == 2):  # squares would lose bits: the scaled pass
+            n = offsets[i + 1] - offsets[i]
+            mean, m2, lo, hi, zeros = _summary(x[offsets[i]:offsets[i + 1]])
+            std = math.sqrt(m2 / (n - 1)) if n > 1 else math.nan
+            out[i] = (mean, std, lo, hi, max(-lo, hi), zeros / n, 0.0, 0.0)
+        return out, flags != 1
+
+    return _guarded(run)
+
+
+def _guarded(run: Callable[[], _T]) -> _T | None:
+    """``run()`` under the kernels' lock; None when another thread holds it, or (with one
+    warning, and the torch path from then on) when the kernel fails."""
     if not _lock.acquire(blocking=False):
         return None
     try:
-        import numba
-
-        numba.set_num_threads(max(1, min(torch.get_num_threads(),
-                                         numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
-        mean, m2, lo, hi, zeros = _kernel()(a, CHUNK)
-        absmax = max(-lo, hi)
-        if 0 < absmax < _TINY[a.dtype.type]:  # squares would lose bits: scale by 2**k, exact
-            k = -math.frexp(absmax)[1]
-            mean, m2, lo, hi, zeros = _kernel()(np.ldexp(a, k), CHUNK)
-            mean, m2 = math.ldexp(mean, -k), math.ldexp(m2, -2 * k)
-            lo, hi = math.ldexp(lo, -k), math.ldexp(hi, -k)
-        return float(mean), float(m2), float(lo), float(hi), int(zeros)
+        return run()
     except Exception as e:  # a numba/LLVM mismatch must not break a forward
         _broken.append(f"{type(e).__name__}: {e}")
         warnings.warn(f"fxprobe: the numba statistics kernel failed ({type(e).__name__}: "
-                      f"{str(e)[:300]}); using the torch path from now on", stacklevel=3)
+                      f"{str(e)[:300]}); using the torch path from now on", stacklevel=4)
         return None
     finally:
         _lock.release()
 
 
-@functools.cache
-def _kernel() -> Any:
-    """The compiled kernel (compiled at the first call)."""
-    import numba
-    from llvmlite import ir
-    from numba.core import cgutils
-    from numba.core.extending import intrinsic
+def _summary(a: np.ndarray) -> Summary:
+    kernels = _kernels()
+    if a.size >= PARALLEL_MIN and torch.get_num_threads() > 1:
+        import numba
 
-    def binary(name: str) -> Any:
-        """An LLVM float intrinsic of two operands (``llvm.minimum``: NaN-propagating)."""
+        numba.set_num_threads(max(1, min(torch.get_num_threads(),
+                                         numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+        kernel = kernels.stats
+    else:
+        kernel = kernels.serial
+    mean, m2, lo, hi, zeros = kernel(a, CHUNK)
+    absmax = max(-lo, hi)
+    if 0 < absmax < _TINY[a.dtype.type]:  # squares would lose bits: scale by 2**k, exact
+        k = -math.frexp(absmax)[1]
+        mean, m2, lo, hi, zeros = kernel(np.ldexp(a, k), CHUNK)
+        mean, m2 = math.ldexp(mean, -k), math.ldexp(m2, -2 * k)
+        lo, hi = math.ldexp(lo, -k), math.ldexp(hi, -k)
+    return float(mean), float(m2), float(lo), float(hi), int(zeros)
 
-        @intrinsic
-        def op(typingctx: Any, a: Any, b: Any) -> Any:
-            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-                ty = context.get_value_type(signature.return_type)
-                suffix = "f32" if ty == ir.FloatType() else "f64"
-                fn = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(ty, [ty, ty]), f"{name}.{suffix}")
-                return builder.call(fn, args)
 
-            return a(a, b), codegen
+def _kernels() -> Any:
+    """The kernels module (importing it loads numba and the compiled kernels), kept."""
+    global _loaded
+    if _loaded is None:
+        from . import _stats_numba_kernels
 
-        return op
+        _loaded = _stats_numba_kernels
+    return _loaded
 
-    minimum, maximum = binary("llvm.minimum"), binary("llvm.maximum")
-    prange = numba.prange
-    fastmath = {"reassoc", "contract", "nsz", "arcp"}  # never nnan/ninf: NaN must show
 
-    @numba.njit(fastmath=fastmath, nogil=True, cache=False)
-    def chunk(y: Any) -> Any:
-        # y[i] over range(y.size) of a slice: numba proves the index in bounds and
-        # non-negative, and LLVM vectorises the loop (x[i] over range(a, b) it does not).
-        zero, one = y.dtype.type(0), y.dtype.type(1)
-        k = min(16, y.size)
-        c = zero
-        for i in range(k):
-            c += y[i]
-        c = c / y.dtype.type(k)
-        lo, hi, s, q, z = y[0], y[0], zero, zero, zero
-        for i in range(y.size):
-            v = y[i]
-            lo = minimum(lo, v)
-            hi = maximum(hi, v)
-            z += one if v == zero else zero
-            d = v - c
-            s += d
-            q += d * d
-        n = y.size
-        s64 = np.float64(s)
-        return np.float64(c) + s64 / n, max(np.float64(q) - s64 * s64 / n, 0.0), lo, hi, z
-
-    @numba.njit(parallel=True, fastmath=fastmath, nogil=True, cache=False)
-    def stats(x: Any, size: int) -> Any:
-        n = x.size
-        chunks = (n + size - 1) // size
-        means = np.empty(chunks)
-        m2s = np.empty(chunks)
-        los = np.empty(chunks)
-        his = np.empty(chunks)
-        zeros = np.empty(chunks, np.int64)
-        for j in prange(chunks):
-            mean_j, m2_j, lo_j, hi_j, z_j = chunk(x[j * size:min(n, (j + 1) * size)])
-            means[j], m2s[j], los[j], his[j], zeros[j] = mean_j, m2_j, lo_j, hi_j, int(z_j)
-        total = 0.0
-        for j in range(chunks):
-            total += means[j] * (min(n, (j + 1) * size) - j * size)
-        mean = total / n
-        m2 = 0.0
-        lo, hi = los[0], his[0]
-        for j in range(chunks):
-            d = means[j] - mean
-            m2 += m2s[j] + d * d * (min(n, (j + 1) * size) - j * size)
-            lo = minimum(lo, los[j])  # NaN stays NaN
-            hi = maximum(hi, his[j])
-        return mean, m2, lo, hi, zeros.sum()
-
-    return stats
+_loaded: Any = None

@@ -104,7 +104,7 @@ def test_failing_kernel_warns_once_and_falls_back(kernel: None,
     def broken() -> None:
         raise RuntimeError("no LLVM here")
 
-    monkeypatch.setattr(_stats_numba, "_kernel", broken)
+    monkeypatch.setattr(_stats_numba, "_kernels", broken)
     monkeypatch.setattr(_stats_numba, "_broken", [])
     t = _randn(N, 15)
     with pytest.warns(UserWarning, match="numba statistics kernel failed"):
@@ -126,3 +126,37 @@ def test_importing_fxprobe_does_not_import_numba() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def _full_reference(t: torch.Tensor) -> np.ndarray:
+    """All eight statistics by numpy in float64, NaN and Inf counted and left out of the rest."""
+    a = t.detach().to(torch.float64).reshape(-1).numpy()
+    f = a[np.isfinite(a)]
+    std = f.std(ddof=1) if f.size > 1 else np.nan
+    return np.array([f.mean(), std, f.min(), f.max(), np.abs(f).max(), (a == 0).sum() / a.size,
+                     np.isnan(a).sum(), np.isinf(a).sum()])
+
+
+def test_small_tensors_of_a_forward_go_through_one_kernel_call(
+        kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxprobe._stats import stats_vectors
+
+    tensors = [
+        _randn(512, 20), _randn(512, 21).relu(), _randn(256, 22) * 1e-2 + 1e4, _randn(10, 23),
+        torch.ones(1), _randn(15, 24, torch.float64).view(3, 5) * 3, _randn(100, 25) * 1e-42,
+        torch.arange(6), _randn(N - 1, 26).bfloat16(), _randn(4 * CHUNK - 3, 27)[::2] - 7,
+        torch.tensor([1.0, NAN, 2.0, INF, 0.0]), torch.tensor([-INF, 3.0]),
+        _randn(64, 28) * 1e18,  # float32 squares that could overflow: the general path
+    ]
+    calls = []
+    summaries = _stats_numba.summaries
+    monkeypatch.setattr(_stats_numba, "summaries",
+                        lambda *a: calls.append(a[1].size - 1) or summaries(*a))
+    got = stats_vectors(tensors).double().numpy()
+    assert calls == [len(tensors)]  # every one of them small: one call
+    for i, t in enumerate(tensors):
+        want = _full_reference(t)
+        rtol = 1e-12 if t.dtype == torch.float64 else 2e-6
+        atol = 1e-7 * np.nanmax(np.abs(want[:5]))
+        atol = max(atol, float(np.finfo(np.float32).smallest_subnormal))
+        np.testing.assert_allclose(got[i], want, rtol=rtol, atol=atol, err_msg=f"tensor {i}")

@@ -220,6 +220,37 @@ def environment() -> dict[str, Any]:
     }
 
 
+def both_frontends(layers: int, seq: int, ops: list[Any], rounds: int, iters: int
+                   ) -> dict[str, dict[str, Any]]:
+    """Per-site cost of fx taps and dynamo taps on one model that both frontends trace (the
+    suite's GPT-2 layout at hidden 32), by the same sweep: whether a site costs more under
+    dynamo than under fx."""
+    from .models import GPT2
+
+    torch.manual_seed(0)
+    model = GPT2(vocab=100, max_len=64, d_model=32, n_heads=4, n_layers=layers).eval()
+    ids = torch.randint(0, 100, (1, seq), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for tracer in ("fx", "dynamo"):
+        full = fxprobe.tap(model, ops=ops, tracer=tracer)
+        with torch.no_grad():
+            full(ids)
+        names = list(full.taps)
+        n = len(names)
+        tapped = {k: fxprobe.tap(model, ops=names[:k], tracer=tracer)
+                  for k in sorted({1, n // 3, 2 * n // 3})}
+        tapped[n] = full
+        runs = {k: (lambda t=t: t(ids)) for k, t in tapped.items()}
+        with torch.no_grad():
+            for run in runs.values():
+                run()
+            per_round, medians = slopes(runs, rounds, iters)
+        lo, hi = median_ci(per_round)
+        found[tracer] = {"us_per_site": float(np.median(per_round)), "ci95_us": [lo, hi],
+                         "us_per_call": {str(k): v for k, v in medians.items()}}
+    return found
+
+
 def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[Row],
              cap: Capture, hook_ratio: str, q25: float, q75: float,
              sweep_us: dict[int, float]) -> str:
@@ -272,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweeps", type=int, default=100,
                         help="rounds of the sites sweep (the per-site slope)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--both-frontends", action="store_true",
+                        help="also sweep fx and dynamo taps on the suite's GPT-2 layout")
     parser.add_argument("--out", type=Path, default=_ROOT / "results" / "cpu")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -319,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         # The per-site cost directly: the slope of time against sites captured (what more
         # sites add; the bare slots' noise stays out).
         marginal, sweep_us = slopes(runs, args.sweeps, args.iters)
+    both = (both_frontends(args.layers, args.seq, ops, args.sweeps, args.iters)
+            if args.both_frontends else {})
     counts = {"taps": n_taps, "taps (one site)": n_one, "hooks on every module": n_hooks}
     rows = []
     for key, (diff, ratio) in results.items():
@@ -346,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
               "rows": [asdict(r) for r in rows], "capture": asdict(cap),
               "us_per_tapped_site_marginal": per_tap,
               "sweep_us_per_call": {str(k): v for k, v in sweep_us.items()},
+              "both_frontends": both,
               "clock": "thread_time" if CLOCK is time.thread_time_ns else "perf_counter",
               "marginal_iqr_us": [float(np.percentile(marginal, 25)),
                                   float(np.percentile(marginal, 75))],
@@ -355,6 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "dynamo.json").write_text(json.dumps(record, indent=1) + "\n")
     text = markdown(env, args, rows, cap, hook_ratio, float(np.percentile(marginal, 25)),
                     float(np.percentile(marginal, 75)), sweep_us)
+    if both:
+        text += "\n".join([
+            "## One model, both frontends (the suite's GPT-2 layout, hidden 32)", "",
+            "The same sweep on a model that torch.fx also traces, with the same ops tapped: "
+            "what a site costs under each frontend, measured the same way.", "",
+            "| frontend | us per site (95% CI) | median us per call by sites |", "|---|---|---|",
+            *(f"| {t} | {b['us_per_site']:.2f} [{b['ci95_us'][0]:.2f}, {b['ci95_us'][1]:.2f}]"
+              f" | " + ", ".join(f"{k}: {v:.0f}" for k, v in b["us_per_call"].items()) + " |"
+              for t, b in both.items()), ""])
     (args.out / "dynamo.md").write_text(text)
     print(text)
     return 0

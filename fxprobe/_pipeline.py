@@ -28,8 +28,7 @@ from ._options import TapOptions
 from ._record import Frame, Recording
 from ._site import Site
 from ._stats import _SMALL, _check, checked_vectors, stats_vector
-from ._stats_cpu import NUMPY_MAX as _CPU_BATCHED
-from ._stats_cpu import host_reads_free
+from ._stats_cpu import batched_max, host_reads_free
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -104,7 +103,7 @@ class Pipeline:
         forward, together with the forward's other small tensors (a few launches for all)."""
         n = t.numel()
         if n > _SMALL or torch.compiler.is_compiling() or (
-                n > _CPU_BATCHED and host_reads_free(t)):  # on a CPU, batching pays less
+                n > batched_max() and host_reads_free(t)):  # on a CPU, batching pays less
             return _PendingStats(t, stats_vector(t))
         _check(t)  # here, at its site, as stats_vector would for a large one
         pending = _PendingStats(t, None, t.detach().clone() if copy else t.detach())

@@ -140,9 +140,9 @@ def _finish(lo: float, hi: float, total: Callable[[], float], limit: float,
 
 def table(tensors: Sequence[torch.Tensor],
           general: Callable[[torch.Tensor], np.ndarray]) -> np.ndarray:
-    """:func:`stats_vectors` on a CPU, rows in float64: the small tensors (up to
-    :data:`NUMPY_MAX` elements, any sizes) together, one numpy call per statistic for all of
-    them (:func:`_cpu_stats_segments`); the larger ones one by one."""
+    """:func:`stats_vectors` on a CPU, rows in float64: the small tensors together, by one
+    numba call (up to :data:`BATCHED_MAX` elements each) or one numpy call per statistic (up
+    to :data:`NUMPY_MAX`, :func:`_cpu_stats_segments`); the larger ones one by one."""
     out = np.empty((len(tensors), WIDTH))
 
     def one_by_one(i: int) -> None:
@@ -150,13 +150,15 @@ def table(tensors: Sequence[torch.Tensor],
         row = stats_row(t, _out_dtype(t)) if t.numel() else None
         out[i] = row if row is not None else general(t)
 
+    numba = _stats_numba.available()
+    limit = BATCHED_MAX if numba else NUMPY_MAX
     small = []
     for i, t in enumerate(tensors):
-        if 0 < t.numel() <= NUMPY_MAX:
+        if 0 < t.numel() <= limit:
             small.append(i)
         else:
             one_by_one(i)
-    if small and _stats_numba.available():  # end to end, one kernel call for all of them
+    if small and numba:  # end to end, one kernel call for all of them
         found = _numba_segments([tensors[i].detach() for i in small])
         if found is not None:
             if len(small) == len(tensors) and found[1] is None:  # the common case, at once
@@ -192,6 +194,18 @@ def _fill(out: np.ndarray, members: list[int], tensors: Sequence[torch.Tensor],
         return
     for j in np.flatnonzero(~good):  # NaN, Inf, or squares that could overflow
         out[members[j]] = general(tensors[members[j]].detach())
+
+
+BATCHED_MAX = 1 << 16
+"""With numba, tensors up to this many elements are reduced at the end of the forward, laid
+end to end in one kernel call (copying them costs less than a call each); without, up to
+:data:`NUMPY_MAX`."""
+
+
+def batched_max() -> int:
+    """How large a CPU tensor may be to wait for the end of the forward (see
+    :data:`BATCHED_MAX`)."""
+    return BATCHED_MAX if _stats_numba.available() else NUMPY_MAX
 
 
 def _numba_segments(tensors: Sequence[torch.Tensor]

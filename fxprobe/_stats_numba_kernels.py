@@ -111,6 +111,9 @@ def stats(x: Any, size: int) -> Any:
 def serial(x: Any, size: int) -> Any:
     """:func:`stats` on the calling thread only (no thread pool to wake: smaller tensors)."""
     n = x.size
+    if n <= size:  # one chunk: nothing to merge, nothing to allocate
+        mean, m2, lo, hi, z = chunk(x)
+        return mean, m2, lo, hi, np.int64(z)
     chunks = (n + size - 1) // size
     means, m2s = np.empty(chunks), np.empty(chunks)
     los, his = np.empty(chunks), np.empty(chunks)

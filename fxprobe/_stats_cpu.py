@@ -153,9 +153,12 @@ def table(tensors: Sequence[torch.Tensor],
     numba = _stats_numba.available()
     limit = BATCHED_MAX if numba else NUMPY_MAX
     small = []
+    copied = 0  # elements laid end to end so far: the copy is worth it up to _COPY_MAX
     for i, t in enumerate(tensors):
-        if 0 < t.numel() <= limit:
+        n = t.numel()
+        if 0 < n and (n <= NUMPY_MAX or (n <= limit and copied + n <= _COPY_MAX)):
             small.append(i)
+            copied += n
         else:
             one_by_one(i)
     if small and numba:  # end to end, one kernel call for all of them
@@ -200,6 +203,11 @@ BATCHED_MAX = 1 << 16
 """With numba, tensors up to this many elements are reduced at the end of the forward, laid
 end to end in one kernel call (copying them costs less than a call each); without, up to
 :data:`NUMPY_MAX`."""
+
+
+_COPY_MAX = 1 << 18
+"""... and laid end to end while they hold this many elements in all (1 MiB of float32); the
+one serial kernel call would read more than one thread should (the rest go one by one)."""
 
 
 def batched_max() -> int:

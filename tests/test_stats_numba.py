@@ -160,3 +160,20 @@ def test_small_tensors_of_a_forward_go_through_one_kernel_call(
         atol = 1e-7 * np.nanmax(np.abs(want[:5]))
         atol = max(atol, float(np.finfo(np.float32).smallest_subnormal))
         np.testing.assert_allclose(got[i], want, rtol=rtol, atol=atol, err_msg=f"tensor {i}")
+
+
+def test_batch_is_right_when_the_kernel_is_busy(kernel: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread holding the kernel makes ``summaries`` return None: the batch, chosen
+    for the kernel (mid-size tensors, an empty one), then takes the numpy and torch paths."""
+    from fxprobe._stats import stats_vectors
+
+    tensors = [_randn(512, 30), torch.empty(0), _randn(30_000, 31) + 2, _randn(16, 32),
+               _randn(65_536, 33).relu(), _randn(N, 34)]
+    monkeypatch.setattr(_stats_numba, "summaries", lambda *a: None)
+    got = stats_vectors(tensors).double().numpy()
+    assert np.isnan(got[1, :6]).all() and (got[1, 6:] == 0).all()  # the empty one
+    for i, t in enumerate(tensors):
+        if t.numel():
+            np.testing.assert_allclose(got[i], _full_reference(t), rtol=2e-5, atol=1e-6,
+                                       err_msg=f"tensor {i}")

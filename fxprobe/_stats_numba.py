@@ -1,23 +1,21 @@
-"""One-pass statistics of a large float CPU tensor with numba: the fast path of
-:func:`fxprobe._stats_cpu.stats_row` (the CPU counterpart of :mod:`fxprobe._stats_triton`).
+"""One-pass statistics of float CPU tensors with numba: the fast path of
+:func:`fxprobe._stats_cpu.stats_row` and :func:`~fxprobe._stats_cpu.table` (the CPU counterpart
+of :mod:`fxprobe._stats_triton`).
 
-Used when ``import numba`` works, ``FXPROBE_NUMBA`` is not ``0`` (:data:`ENABLED`), the tensor
-is float32 or float64 with more than :data:`fxprobe._stats_cpu.NUMPY_MAX` elements, and the
-kernel has not failed here before. numba is optional: it is imported, and the kernel compiled,
-the first time a tensor takes this path (about 2 to 3 s, in every process: ``cache=True``
-does not hit for these closures, whose intrinsics numba cannot key, and only wrote a new
-cache entry per process), never when fxprobe is imported.
+Used when ``import numba`` works, ``FXPROBE_NUMBA`` is not ``0`` (:data:`ENABLED`), and the
+kernels have not failed here before: :func:`summary` for a large float32 or float64 tensor
+(over threads from :data:`PARALLEL_MIN` elements, on the calling thread below), and
+:func:`summaries` for the small tensors of a forward laid end to end, in one serial call.
+numba is optional and never imported with fxprobe: :mod:`fxprobe._stats_numba_kernels`, which
+holds the kernels (and says how they work), is imported the first time a tensor needs them.
+numba caches their machine code on disk, so the first call in a process costs about 0.4 s
+(loading) and about 3 s on a machine's first use (compiling).
 
-The kernel reads the tensor once, in chunks of :data:`CHUNK` elements spread over threads
-(``numba.prange``, as many as torch uses). Per chunk, one loop keeps in SIMD lanes, in the
-input's dtype: the min and max (``llvm.minimum``/``llvm.maximum``, which propagate NaN and
-vectorise without assuming that there is none), the count of zeros, and the sum and sum of
-squares of ``x - c`` (``c``: the mean of the chunk's first 16 elements, so the squares do not
-cancel for data far from zero). The chunks' means and sums of squared deviations are then
-merged in float64 (Chan et al.'s formula for groups). The fast-math flags allow reassociation
-(vector lanes), contraction (FMA) and ignoring the sign of zero, never ``nnan``/``ninf``: a
-NaN makes the min and max NaN, an Inf makes one of them infinite, so finite ones prove that
-every element is finite.
+This module keeps the switch, the lock (numba's workqueue threading layer must not be entered
+by two threads at once; a second caller takes the torch path instead of waiting), the fork
+check, and the fallback: a kernel that fails warns once and the torch path is used from then
+on. A NaN makes the min and max NaN, an Inf makes one of them infinite, so finite ones prove
+that every element is finite; other rows go to the general path.
 """
 
 from __future__ import annotations

@@ -238,7 +238,10 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
         if it.role == "module":
             name = "model" if it.id == "/model" else it.module or ""
             lines = [name, _module_type(scene, it.module or "")]
-            if fallback is None:
+            if fallback is None and (it.module or "") in scene.dynamo:  # tracer="dynamo"
+                lines.append("torch dynamo")
+                tip = ["runs under torch dynamo: its ops are drawn after a forward"]
+            elif fallback is None:
                 lines.append("hooks only")
                 tip = ["tracer='hooks': reached by module hooks only"]
             attrs["style"] = "filled,dashed"

@@ -607,3 +607,12 @@ def test_dynamo_graph_breaks_are_drawn_one_after_another() -> None:
     taken = "gate.pos" if went_up else "gate.neg.0"
     assert taken in tapped_ids(nodes) and ("gate.neg.0" if went_up else "gate.pos") not in nodes
     assert '"gate/dynamo0/return" -> "' in source  # stacked: the second graph below the first
+
+
+def test_a_model_under_tracer_dynamo_is_not_drawn_as_hooked_before_a_forward() -> None:
+    model = _tiny_gpt2()
+    tapped = fxprobe.tap(model, ops=torch.matmul, tracer="dynamo")
+    nodes, _ = parse_dot(fxprobe.to_dot(tapped).source)
+    label = nodes["/model"]["label"]
+    assert "torch dynamo" in label and "hooks only" not in label
+    assert "drawn after a forward" in nodes["/model"]["tooltip"]

@@ -1,14 +1,15 @@
 """Statistics of CPU tensors, where reading a value waits for nothing: the host-read branch of
 :func:`fxprobe._stats.stats_vector` and :func:`~fxprobe._stats.stats_vectors`.
 
-An all-finite tensor takes one pass of the numba kernel when it is large, float32 or float64,
-and numba is installed (:mod:`fxprobe._stats_numba`); otherwise four passes (min/max, sum, sum
-of squares, zero count) and host arithmetic in float64: torch's threads for large tensors,
-numpy for small ones (many of one size as one matrix, tiny ones of many sizes laid end to
-end). A tensor holding NaN or Inf, or whose
-squares could overflow, gets None here, and :mod:`fxprobe._stats` takes its branch-free device
-path instead. The sum, min and max read every element, and any NaN or Inf makes one of them
-non-finite, so finite results prove that every element is finite.
+With numba installed (:mod:`fxprobe._stats_numba`), an all-finite float tensor takes one pass
+of a numba kernel, and :func:`table` reduces the small tensors of a batch (a forward's, laid
+end to end) in one kernel call. Without it: four passes (min/max, sum, sum of squares, zero
+count) and host arithmetic in float64, torch's threads for large tensors, numpy for small ones
+(many of one size as one matrix, tiny ones of many sizes laid end to end). A tensor holding NaN
+or Inf, or whose squares could overflow, gets None here (a row flagged not good), and
+:mod:`fxprobe._stats` takes its branch-free device path instead. The sum, min and max read
+every element, and any NaN or Inf makes one of them non-finite, so finite results prove that
+every element is finite.
 """
 
 from __future__ import annotations

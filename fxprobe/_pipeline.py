@@ -28,7 +28,8 @@ from ._options import TapOptions
 from ._record import Frame, Recording
 from ._site import Site
 from ._stats import _SMALL, _check, checked_vectors, stats_vector
-from ._stats_cpu import batched_max, host_reads_free
+from ._stats_cpu import NUMPY_MAX as _CPU_SMALL
+from ._stats_cpu import batched_max, host_reads_free, quick_rows
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -103,7 +104,7 @@ class Pipeline:
         forward, together with the forward's other small tensors (a few launches for all)."""
         n = t.numel()
         if n > _SMALL or torch.compiler.is_compiling() or (
-                n > batched_max() and host_reads_free(t)):  # on a CPU, batching pays less
+                n > _CPU_SMALL and n > batched_max() and host_reads_free(t)):  # CPU: see there
             return _PendingStats(t, stats_vector(t))
         _check(t)  # here, at its site, as stats_vector would for a large one
         pending = _PendingStats(t, None, t.detach().clone() if copy else t.detach())
@@ -120,7 +121,13 @@ class Pipeline:
             if p.tensor is not None:
                 by_device.setdefault(p.tensor.device, []).append(p)
         for group in by_device.values():
-            rows = checked_vectors([p.tensor for p in group])  # type: ignore[misc]
+            tensors: list[torch.Tensor] = [p.tensor for p in group]  # type: ignore[misc]
+            quick = quick_rows(tensors) if host_reads_free(tensors[0]) else None
+            if quick is None:
+                rows = checked_vectors(tensors)
+            else:  # in the dtype stats_vectors gives, so both read the same numbers
+                wide = any(t.dtype == torch.float64 for t in tensors)
+                rows = torch.from_numpy(quick).to(torch.float64 if wide else torch.float32)
             for p, row in zip(group, rows.unbind(0), strict=True):
                 p.vector, p.tensor = row, None
 
@@ -237,7 +244,7 @@ class _PendingStats:
         self.vector = vector
         self.tensor = tensor
         self.shape = tuple(t.shape)
-        self.dtype = str(t.dtype)
+        self.dtype = t.dtype  # as a string when read: not in every forward
 
     def resolved(self) -> torch.Tensor:
         if self.vector is None:  # a forward that raised before its end: reduce it now
@@ -261,7 +268,7 @@ def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
     if not pending:
         return values
     fetched = StatsBatch(keys, [p.resolved() for p in pending], [p.shape for p in pending],
-                         [p.dtype for p in pending]).fetch()
+                         [str(p.dtype) for p in pending]).fetch()
     out = {}
     for name, (leaves, spec) in flat.items():
         leaves = [fetched[f"{name}\0{i}"] if isinstance(leaf, _PendingStats) else leaf

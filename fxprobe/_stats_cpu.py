@@ -139,6 +139,20 @@ def _finish(lo: float, hi: float, total: Callable[[], float], limit: float,
     return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
 
 
+def quick_rows(tensors: Sequence[torch.Tensor]) -> np.ndarray | None:
+    """The float64 stats rows of a forward's deferred CPU tensors by one numba call, when every
+    one is small and none needs another path; else None (then :func:`table`). The end of every
+    forward that takes statistics runs this, right after the model: the fewer steps, the
+    fewer of them run from cold caches."""
+    if not _stats_numba.available():
+        return None
+    for t in tensors:
+        if t.numel() > NUMPY_MAX or not t.numel():
+            return None
+    found = _numba_segments(tensors)
+    return found[0] if found is not None and found[1] is None else None
+
+
 def table(tensors: Sequence[torch.Tensor],
           general: Callable[[torch.Tensor], np.ndarray]) -> np.ndarray:
     """:func:`stats_vectors` on a CPU, rows in float64: the small tensors together, by one

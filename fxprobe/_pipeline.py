@@ -29,7 +29,7 @@ from ._record import Frame, Recording
 from ._site import Site
 from ._stats import _SMALL, _check, checked_vectors, stats_vector
 from ._stats_cpu import NUMPY_MAX as _CPU_SMALL
-from ._stats_cpu import batched_max, host_reads_free, quick_rows
+from ._stats_cpu import batched_max, host_reads_free
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -121,13 +121,7 @@ class Pipeline:
             if p.tensor is not None:
                 by_device.setdefault(p.tensor.device, []).append(p)
         for group in by_device.values():
-            tensors: list[torch.Tensor] = [p.tensor for p in group]  # type: ignore[misc]
-            quick = quick_rows(tensors) if host_reads_free(tensors[0]) else None
-            if quick is None:
-                rows = checked_vectors(tensors)
-            else:  # in the dtype stats_vectors gives, so both read the same numbers
-                wide = any(t.dtype == torch.float64 for t in tensors)
-                rows = torch.from_numpy(quick).to(torch.float64 if wide else torch.float32)
+            rows = checked_vectors([p.tensor for p in group])  # type: ignore[misc]
             for p, row in zip(group, rows.unbind(0), strict=True):
                 p.vector, p.tensor = row, None
 

@@ -67,12 +67,11 @@ def _from_summary(found: _stats_numba.Summary, n: int, limit: float) -> np.ndarr
     """The stats row from the numba kernel's summary, with :func:`_finish`'s contract: None
     when an element is not finite (then the min or the max is not) or the squares could
     overflow ``limit``."""
-    mean, squared, lo, hi, zeros = found
+    lo, hi = found[2], found[3]
     absmax = max(-lo, hi)
     if not (math.isfinite(lo) and math.isfinite(hi) and absmax * absmax * n < limit / 4):
         return None
-    std = math.sqrt(squared / (n - 1)) if n > 1 else math.nan
-    return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
+    return _stats_numba.row(found, n)
 
 
 NUMPY_MAX = 1 << 13
@@ -139,18 +138,18 @@ def _finish(lo: float, hi: float, total: Callable[[], float], limit: float,
     return np.array([mean, std, lo, hi, absmax, zeros / n, 0.0, 0.0])
 
 
-def quick_rows(tensors: Sequence[torch.Tensor]) -> np.ndarray | None:
-    """The float64 stats rows of a forward's deferred CPU tensors by one numba call, when every
-    one is small and none needs another path; else None (then :func:`table`). The end of every
-    forward that takes statistics runs this, right after the model: the fewer steps, the
-    fewer of them run from cold caches."""
+def _whole_batch(tensors: Sequence[torch.Tensor]
+                 ) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """:func:`table`'s first step: every tensor small, one numba call for all of them (as
+    :func:`_numba_segments` returns it); else None. The end of every forward that takes
+    statistics runs it, right after the model: the fewer steps, the fewer of them run from
+    cold caches."""
     if not _stats_numba.available():
         return None
     for t in tensors:
         if t.numel() > NUMPY_MAX or not t.numel():
             return None
-    found = _numba_segments(tensors)
-    return found[0] if found is not None and found[1] is None else None
+    return _numba_segments([t.detach() for t in tensors])
 
 
 def table(tensors: Sequence[torch.Tensor],
@@ -158,7 +157,13 @@ def table(tensors: Sequence[torch.Tensor],
     """:func:`stats_vectors` on a CPU, rows in float64: the small tensors together, by one
     numba call (up to :data:`BATCHED_MAX` elements each) or one numpy call per statistic (up
     to :data:`NUMPY_MAX`, :func:`_cpu_stats_segments`); the larger ones one by one."""
+    whole = _whole_batch(tensors)
+    if whole is not None and whole[1] is None:  # the common case: every row at once
+        return whole[0]
     out = np.empty((len(tensors), WIDTH))
+    if whole is not None:  # some rows need the general path
+        _fill(out, list(range(len(tensors))), tensors, general, whole)
+        return out
 
     def one_by_one(i: int) -> None:
         t = tensors[i].detach()
@@ -179,8 +184,6 @@ def table(tensors: Sequence[torch.Tensor],
     if small and numba:  # end to end, one kernel call for all of them
         found = _numba_segments([tensors[i].detach() for i in small])
         if found is not None:
-            if len(small) == len(tensors) and found[1] is None:  # the common case, at once
-                return found[0]
             _fill(out, small, tensors, general, found)
             return out
     groups: dict[tuple[torch.dtype, int], list[int]] = {}

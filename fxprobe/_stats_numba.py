@@ -20,7 +20,6 @@ that every element is finite; other rows go to the general path.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -30,6 +29,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+from ._stats_triton import importable
 
 ENABLED = os.environ.get("FXPROBE_NUMBA", "1") != "0"
 """Whether large float CPU tensors may take the numba kernel (``FXPROBE_NUMBA=0``: never;
@@ -61,16 +62,7 @@ _PID = os.getpid()
 
 def available() -> bool:
     """Whether the kernel may be used: enabled, numba imports (checked once), no failure."""
-    return ENABLED and not _broken and os.getpid() == _PID and _importable()
-
-
-@functools.cache
-def _importable() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return ENABLED and not _broken and os.getpid() == _PID and importable("numba")
 
 
 _T = TypeVar("_T")
@@ -100,13 +92,18 @@ def summaries(x: np.ndarray, offsets: np.ndarray, limit: float
         if not _kernels().segments(x, offsets, CHUNK, limit, tiny, out, flags):
             return out, None
         for i in np.flatnonzero(flags == 2):  # squares would lose bits: the scaled pass
-            n = offsets[i + 1] - offsets[i]
-            mean, m2, lo, hi, zeros = _summary(x[offsets[i]:offsets[i + 1]])
-            std = math.sqrt(m2 / (n - 1)) if n > 1 else math.nan
-            out[i] = (mean, std, lo, hi, max(-lo, hi), zeros / n, 0.0, 0.0)
+            out[i] = row(_summary(x[offsets[i]:offsets[i + 1]]), offsets[i + 1] - offsets[i])
         return out, flags != 1
 
     return _guarded(run)
+
+
+def row(found: Summary, n: int) -> np.ndarray:
+    """The stats row (:data:`fxprobe._stats.FIELDS` order, float64) of a summary of ``n``
+    all-finite elements."""
+    mean, squared, lo, hi, zeros = found
+    std = math.sqrt(squared / (n - 1)) if n > 1 else math.nan
+    return np.array([mean, std, lo, hi, max(-lo, hi), zeros / n, 0.0, 0.0])
 
 
 def _guarded(run: Callable[[], _T]) -> _T | None:

@@ -18,6 +18,7 @@ by the host:
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from typing import Any
 
@@ -35,13 +36,15 @@ _broken: list[str] = []
 
 def available() -> bool:
     """Whether Triton imports (checked once) and its kernels have not failed here."""
-    return not _broken and _importable()
+    return not _broken and importable("triton")
 
 
 @functools.cache
-def _importable() -> bool:
+def importable(module: str) -> bool:
+    """Whether an optional dependency imports (tried once per process; also used by
+    :mod:`fxprobe._stats_numba` for numba)."""
     try:
-        import triton  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True

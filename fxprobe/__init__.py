@@ -10,6 +10,7 @@ Example:
 """
 
 from . import dist
+from ._api import sites, tap
 from ._artifact import TappedArtifact, TappedScript
 from ._captures import Captures, open_captures
 from ._disk import Disk
@@ -39,7 +40,7 @@ from ._sinks import CallbackSink, TensorBoardSink, lightning_callback, stats_sca
 from ._site import Site
 from ._stats import Stats, StatsBatch, StatsLogger, sample_vector, stats_table, stats_vector
 from ._summary import Table, summary
-from ._tap import TappedModule, sites, tap
+from ._tap import TappedModule
 from ._trace import Fallback
 from ._viz import render, to_dot
 

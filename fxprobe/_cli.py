@@ -225,8 +225,8 @@ def _version(package: str) -> str:
 # -- commands ---------------------------------------------------------------------------------
 
 def cmd_sites(args: argparse.Namespace) -> int:
+    from ._api import sites
     from ._summary import sites_table
-    from ._tap import sites
 
     model, _ = load_model(args.model)
     selectors = parse_ops(args.ops)
@@ -259,9 +259,9 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from ._api import tap
     from ._examples import small_cnn, small_cnn_input
     from ._summary import summary
-    from ._tap import tap
     from ._viz import RenderError, render
 
     model, x = small_cnn(), small_cnn_input()

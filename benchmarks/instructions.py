@@ -37,7 +37,7 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parent
 TREATMENTS = ("bare", "hooks", "taps (one site)", "taps")
-_EVENTS = ("Ir", "DLmr", "DLmw")
+_EVENTS = ("Ir", "D1mr", "D1mw", "DLmr", "DLmw")
 
 
 def _control(*args: str) -> None:
@@ -109,6 +109,7 @@ def measure(treatment: str, args: argparse.Namespace, work: Path) -> dict[str, A
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
            f"--callgrind-out-file={work}/{tag}.%p",
            *(["--cache-sim=yes"] if args.cache_sim else []),
+           *([f"--LL={args.ll}"] if args.ll else []),
            sys.executable, "-m", "benchmarks.instructions", "--child", treatment,
            "--layers", str(args.layers), "--seq", str(args.seq), "--calls",
            f"{args.calls[0]},{args.calls[1]}", "--info", str(info)]
@@ -150,8 +151,10 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, rows: dict[str, dict
     lines += ["", f"Instructions per tapped site / per hooked module call: "
               f"**{derived['ratio_Ir']:.3f}**", ""]
     if "DLmr" in events:
-        lines += ["Last-level cache misses (`DLmr` reads, `DLmw` writes) are callgrind's "
-                  "simulation of this machine's caches, not hardware counts.", ""]
+        level = (f"a last level of {args.ll} (size, ways, line), set with `--ll`" if args.ll
+                 else "this machine's first and last levels")
+        lines += ["Cache misses (`D1mr`/`D1mw`: first-level data reads/writes; `DLmr`/`DLmw`: "
+                  f"last level) are callgrind's simulation of {level}, not hardware counts.", ""]
     return "\n".join(lines)
 
 
@@ -164,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", default="5,15", help="the two counts a,b of steady calls")
     parser.add_argument("--cache-sim", action="store_true",
                         help="also simulate the caches (slower)")
+    parser.add_argument("--ll", metavar="SIZE,ASSOC,LINE",
+                        help="the simulated last-level cache (callgrind's --LL), e.g. "
+                        "1048576,8,64 for a 1 MiB L2: callgrind simulates two levels, so "
+                        "this makes its last level stand for the core's own L2")
     parser.add_argument("--jobs", type=int, default=2, help="valgrind processes at once")
     parser.add_argument("--out", type=Path, default=_ROOT / "results" / "cpu")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -172,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     args.calls = tuple(int(c) for c in args.calls.split(","))
     if len(args.calls) != 2 or not 0 <= args.calls[0] < args.calls[1]:
         parser.error(f"--calls takes two counts a,b with a < b, got {args.calls}")
+    if args.ll and not args.cache_sim:
+        parser.error("--ll sets the simulated cache: use it with --cache-sim")
     if args.child:
         child(args.child, args.layers, args.seq, *args.calls, args.info)
         return 0

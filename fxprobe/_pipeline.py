@@ -27,7 +27,7 @@ from ._errors import InterventionError
 from ._options import TapOptions
 from ._record import Frame, Recording
 from ._site import Site
-from ._stats import _SMALL, _check, checked_vectors, stats_vector
+from ._stats import _SMALL, _check, checked_vectors, cpu_table, stats_vector
 from ._stats_cpu import NUMPY_MAX as _CPU_SMALL
 from ._stats_cpu import batched_max, host_reads_free
 
@@ -97,6 +97,8 @@ class Pipeline:
         return clone_tree(value) if copy else value
 
     def _stats_of(self, value: Any, copy: bool) -> Any:
+        if isinstance(value, torch.Tensor):  # the common case, without a closure
+            return self._stats(value, copy)
         return map_tensors(lambda t: self._stats(t, copy), value)
 
     def _stats(self, t: torch.Tensor, copy: bool) -> _PendingStats:
@@ -114,14 +116,22 @@ class Pipeline:
         return pending
 
     def finish(self, frame: Frame) -> None:
-        """End of a forward: reduce the small tensors whose statistics were deferred."""
+        """End of a forward: reduce the small tensors whose statistics were deferred. On a
+        CPU the rows stay one float64 numpy table until read (this runs in every forward, just
+        after the model has evicted fxprobe's code and data from the caches: each step counts)."""
         deferred, frame.deferred = frame.deferred, []
         by_device: dict[torch.device, list[_PendingStats]] = {}
         for p in deferred:
             if p.tensor is not None:
                 by_device.setdefault(p.tensor.device, []).append(p)
         for group in by_device.values():
-            rows = checked_vectors([p.tensor for p in group])  # type: ignore[misc]
+            tensors: list[torch.Tensor] = [p.tensor for p in group]  # type: ignore[misc]
+            if host_reads_free(tensors[0]):
+                table = cpu_table(tensors)
+                for i, p in enumerate(group):
+                    p.table, p.index, p.tensor = table, i, None
+                continue
+            rows = checked_vectors(tensors)
             for p, row in zip(group, rows.unbind(0), strict=True):
                 p.vector, p.tensor = row, None
 
@@ -231,7 +241,7 @@ class _PendingStats:
     """A tensor's statistics, still on its device (no host synchronisation yet); or, until the
     end of the forward, the small tensor to reduce then (``tensor``)."""
 
-    __slots__ = ("vector", "shape", "dtype", "tensor")
+    __slots__ = ("vector", "shape", "dtype", "tensor", "table", "index")
 
     def __init__(self, t: torch.Tensor, vector: torch.Tensor | None,
                  tensor: torch.Tensor | None = None) -> None:
@@ -239,11 +249,20 @@ class _PendingStats:
         self.tensor = tensor
         self.shape = tuple(t.shape)
         self.dtype = t.dtype  # as a string when read: not in every forward
+        self.table: Any = None
+        """On a CPU, after the forward: the float64 rows of the forward's small tensors ..."""
+        self.index = 0
+        """... and this one's row."""
 
     def resolved(self) -> torch.Tensor:
-        if self.vector is None:  # a forward that raised before its end: reduce it now
-            assert self.tensor is not None
-            self.vector, self.tensor = stats_vector(self.tensor), None
+        if self.vector is None:
+            if self.table is not None:  # as stats_vector gives it: float32 unless float64
+                row = torch.from_numpy(self.table[self.index])
+                self.vector = row if self.dtype == torch.float64 else row.float()
+                self.table = None
+            else:  # a forward that raised before its end: reduce it now
+                assert self.tensor is not None
+                self.vector, self.tensor = stats_vector(self.tensor), None
         return self.vector
 
 

@@ -174,7 +174,7 @@ def checked_vectors(tensors: list[torch.Tensor]) -> torch.Tensor:
     out_dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
                  else torch.float32)
     if _stats_cpu.host_reads_free(tensors[0].detach()):
-        return torch.from_numpy(_stats_cpu.table(tensors, _general_or_empty)).to(out_dtype)
+        return torch.from_numpy(cpu_table(tensors)).to(out_dtype)
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.dtype, int], list[int]] = {}  # same dtype and size: stackable
     for i, t in enumerate(tensors):
@@ -194,6 +194,11 @@ def checked_vectors(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([r.to(out_dtype) for r in rows if r is not None])
 
 
+
+
+def cpu_table(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """:func:`checked_vectors` of CPU tensors (``host_reads_free``) as float64 numpy rows."""
+    return _stats_cpu.table(tensors, _general_or_empty)
 
 
 def _general_or_empty(t: torch.Tensor) -> np.ndarray:

@@ -149,7 +149,7 @@ def _whole_batch(tensors: Sequence[torch.Tensor]
     for t in tensors:
         if t.numel() > NUMPY_MAX or not t.numel():
             return None
-    return _numba_segments([t.detach() for t in tensors])
+    return _numba_segments(tensors)
 
 
 def table(tensors: Sequence[torch.Tensor],
@@ -240,17 +240,22 @@ def _numba_segments(tensors: Sequence[torch.Tensor]
     laid end to end (in float64 if one of them is float64, else float32), as
     :func:`_cpu_stats_segments` returns them (``good`` None: every row); None where the
     kernel cannot run. Lean: it runs at the end of every forward that takes statistics."""
-    wide = False
-    arrays = []
-    sizes = [0]
+    offsets = [0]
+    end = 0
     for t in tensors:
-        wide = wide or t.dtype == torch.float64
-        arrays.append(_numpy_view(t).reshape(-1))
-        sizes.append(arrays[-1].size)
-    dtype = np.float64 if wide else np.float32
-    flat = (np.concatenate(arrays, dtype=dtype) if len(arrays) > 1
-            else np.ascontiguousarray(arrays[0], dtype=dtype))
-    return _stats_numba.summaries(flat, np.cumsum(sizes), _F64_MAX if wide else _F32_MAX)
+        end += t.numel()
+        offsets.append(end)
+    # One torch call lays them end to end; its type promotion gives float64 when one of them
+    # is float64. Anything else but float32 (integers, half types) is taken as float32.
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else \
+        tensors[0].reshape(-1).contiguous()
+    if flat.requires_grad:  # stats_vectors of tensors that require grad: no graph here
+        flat = flat.detach()
+    wide = flat.dtype == torch.float64
+    if not wide and flat.dtype != torch.float32:
+        flat = flat.float()
+    return _stats_numba.summaries(flat.numpy(), np.array(offsets, dtype=np.int64),
+                                  _F64_MAX if wide else _F32_MAX)
 
 
 _ROWS = 4

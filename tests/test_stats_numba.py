@@ -177,3 +177,53 @@ def test_batch_is_right_when_the_kernel_is_busy(kernel: None,
         if t.numel():
             np.testing.assert_allclose(got[i], _full_reference(t), rtol=2e-5, atol=1e-6,
                                        err_msg=f"tensor {i}")
+
+
+class _Mixed(torch.nn.Module):
+    """Small outputs of several dtypes in one forward: float32, float64, an integer tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.fc(x))
+        b = a.double() * 1e3 + 7
+        c = torch.arange(x.shape[0] * 5) * 2
+        return b.sum() + c.sum()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_tapped_forward_statistics_of_small_tensors(kernel: None, grad: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end of a tapped CPU forward: its small tensors (float32, float64, int64) go through
+    one kernel call, and each site reads the numpy float64 statistics of its own value, at its
+    own precision (float64 rows for float64 values), also when autograd records the forward."""
+    import fxprobe
+
+    model = _Mixed()
+    x = torch.randn(3, 16, generator=_gen(40))
+    values = fxprobe.tap(model, copy="always")
+    values(x)
+    kept = {k: v for k, v in values.taps.items() if isinstance(v, torch.Tensor)}
+    assert {str(v.dtype) for v in kept.values()} == {"torch.float32", "torch.float64",
+                                                     "torch.int64"}
+    calls = []
+    summaries = _stats_numba.summaries
+    monkeypatch.setattr(_stats_numba, "summaries",
+                        lambda *a: calls.append(a[1].size - 1) or summaries(*a))
+    stats = fxprobe.tap(model, reduce="stats")
+    with torch.set_grad_enabled(grad):
+        out = stats(x)
+    assert torch.equal(out, model(x))
+    assert calls == [len(kept)]  # all of them in the one call at the end of the forward
+    got = dict(stats.taps)
+    assert set(got) >= set(kept)
+    for name, value in kept.items():
+        s = got[name]
+        assert s.dtype == str(value.dtype) and s.shape == tuple(value.shape), name
+        want = _full_reference(value)
+        rtol = 1e-12 if value.dtype == torch.float64 else 2e-6
+        row = np.array([getattr(s, f) for f in ("mean", "std", "min", "max", "absmax",
+                                                  "zero_frac", "nan_count", "inf_count")])
+        np.testing.assert_allclose(row, want, rtol=rtol, atol=1e-6, err_msg=name)

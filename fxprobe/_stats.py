@@ -117,7 +117,7 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
     if _stats_cpu.host_reads_free(x):
         row = _stats_cpu.stats_row(x, dtype)
         if row is not None:
-            return torch.from_numpy(row.astype(_NP_DTYPE[dtype]))
+            return torch.from_numpy(row.astype(_NP_DTYPE[dtype], copy=False))
     return _general_stats(x, dtype)
 
 

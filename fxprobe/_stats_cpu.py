@@ -49,29 +49,32 @@ this fraction of ``sum x^2`` (cancellation magnifies rounding at most 5x); beyon
 
 
 def stats_row(x: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
-    """The stats of a non-empty CPU tensor as a float64 numpy row, or None when an element is
+    """The stats of a non-empty CPU tensor as a numpy row (float64; float32 from the numba
+    kernel for a float32 tensor, as :func:`stats_vector` returns it), or None when an element is
     not finite or the squares could overflow: numpy for small tensors, where a numpy call costs
     a microsecond and a torch op several; for larger float32/float64 ones one pass of the numba
     kernel where numba is installed (:mod:`fxprobe._stats_numba`), else torch (threads)."""
-    if x.numel() <= NUMPY_MAX:
+    n = x.numel()
+    if n <= NUMPY_MAX:
         return _cpu_stats_small(_float64_array(x))
-    flat = x.reshape(-1).to(dtype)
-    if x.dtype in (torch.float32, torch.float64) and _stats_numba.available():
-        found = _stats_numba.summary(flat.numpy())
+    if x.dtype == dtype and _stats_numba.available():  # float32 or float64: read as it is
+        a = x.numpy().reshape(-1) if x.is_contiguous() else x.reshape(-1).numpy()
+        found = _stats_numba.summary(a)
         if found is not None:
-            return _from_summary(found, flat.numel(), torch.finfo(dtype).max)
-    return _cpu_stats_vector(flat, dtype)
+            return _from_summary(found, n, _F64_MAX if dtype == torch.float64 else _F32_MAX)
+    return _cpu_stats_vector(x.reshape(-1).to(dtype), dtype)
 
 
 def _from_summary(found: _stats_numba.Summary, n: int, limit: float) -> np.ndarray | None:
     """The stats row from the numba kernel's summary, with :func:`_finish`'s contract: None
     when an element is not finite (then the min or the max is not) or the squares could
-    overflow ``limit``."""
+    overflow ``limit``. float32 when ``limit`` is float32's (as :func:`stats_vector` returns
+    it), else float64."""
     lo, hi = found[2], found[3]
     absmax = max(-lo, hi)
     if not (math.isfinite(lo) and math.isfinite(hi) and absmax * absmax * n < limit / 4):
         return None
-    return _stats_numba.row(found, n)
+    return _stats_numba.row(found, n, np.float32 if limit == _F32_MAX else np.float64)
 
 
 NUMPY_MAX = 1 << 13

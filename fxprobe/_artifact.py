@@ -129,7 +129,7 @@ class TappedArtifact:
     @property
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
-        return [Taps(self._rec, self._order, frame) for frame in self._rec.state.history]
+        return [Taps(self._rec, self._order, frame) for frame in self._rec.history()]
 
     @property
     def sites(self) -> tuple[Site, ...]:

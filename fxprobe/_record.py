@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import difflib
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -19,6 +18,12 @@ class InOut(NamedTuple):
 
     inputs: tuple[Any, ...]
     output: Any
+
+
+_grad_enabled = torch.is_grad_enabled
+"""Read in :meth:`Recording.begin` by this name, not through ``torch``: under torch.compile a
+second path to the ``torch`` module (the graph's own is the first) costs a Python guard that
+both are the same, run at every call."""
 
 
 def offload_batch(values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
@@ -59,9 +64,12 @@ def offload_batch(values: tuple[Any, ...], device: torch.device) -> tuple[Any, .
 class Frame:
     """The values captured during one forward (and the gradients of its backward)."""
 
-    __slots__ = ("parts", "hook_calls", "events", "replaced", "grads", "deferred", "_cache")
+    __slots__ = ("parts", "hook_calls", "events", "replaced", "grads", "deferred", "_cache",
+                 "prev")
 
-    def __init__(self) -> None:
+    def __init__(self, prev: Frame | None = None) -> None:
+        self.prev = prev
+        """The forward before, while it is kept (``keep=``): the history is this chain."""
         self.parts: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
         self.hook_calls: dict[str, int] = {}
         self.events: dict[str, Any] = {}
@@ -75,12 +83,13 @@ class Frame:
 class ThreadState:
     """One thread's view of a tapped module: its current frame, history and running regions."""
 
-    __slots__ = ("active", "frame", "history", "hook_paths", "detach_now", "pending", "running")
+    __slots__ = ("active", "ran", "frame", "hook_paths", "detach_now", "pending", "running")
 
     def __init__(self, keep: int | None) -> None:
         self.active = False
+        self.ran = False
+        """Whether a forward began on this thread (before, ``frame`` is an empty one)."""
         self.frame = Frame()
-        self.history: collections.deque[Frame] = collections.deque(maxlen=keep)
         self.hook_paths: frozenset[str] = frozenset()
         self.detach_now = False
         self.pending: dict[str, list[Any]] = {}
@@ -88,6 +97,16 @@ class ThreadState:
         module, so that a module re-entered before it returns keeps each call's inputs)."""
         self.running: dict[str, int] = {}
         """How many calls of each traced region below untraced code are running."""
+
+
+class _PerThread(threading.local):
+    """Each thread's :class:`ThreadState`, made by ``threading.local`` when a thread first
+    looks (its ``__init__`` runs once per thread). No branch on whether it exists yet: under
+    ``torch.compile`` dynamo would trace the branch that makes one, and every compiled call
+    would then start a new state, and a history of one (``keep=N`` lost)."""
+
+    def __init__(self, keep: int | None) -> None:
+        self.state = ThreadState(keep)
 
 
 class Recording:
@@ -105,28 +124,49 @@ class Recording:
         self.keep = keep
         self.to = to
         self.finalize = finalize
-        self._local = threading.local()
+        self._local = _PerThread(keep)
 
     @property
     def state(self) -> ThreadState:
-        try:
-            return self._local.state  # type: ignore[no-any-return]
-        except AttributeError:
-            state = self._local.state = ThreadState(self.keep)
-            return state
+        return self._local.state
 
     @property
     def frame(self) -> Frame:
         return self.state.frame
 
     def begin(self, hook_paths: frozenset[str]) -> ThreadState:
+        """A new frame for a forward on this thread. The kept forwards are a chain of frames
+        (``Frame.prev``), cut ``keep`` frames back: attribute writes only, which dynamo replays
+        after a compiled graph without guarding on the history's length (a container's
+        contents it would guard on, and recompile while the history grows)."""
         state = self.state
-        state.frame = frame = Frame()
-        state.history.append(frame)
+        keep = self.keep
+        state.frame = frame = Frame(state.frame if keep != 1 and state.ran else None)
+        if keep is not None and keep > 1:
+            last = frame
+            for _ in range(keep - 1):
+                if last.prev is None:
+                    break
+                last = last.prev
+            else:
+                last.prev = None
+        state.ran = True
         state.hook_paths = hook_paths
-        state.detach_now = self.detach and torch.is_grad_enabled()
+        state.detach_now = self.detach and _grad_enabled()
         state.active = True
         return state
+
+    def history(self) -> list[Frame]:
+        """This thread's kept frames, oldest first (none before its first forward)."""
+        state = self.state
+        if not state.ran:
+            return []
+        frames = []
+        frame: Frame | None = state.frame
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.prev
+        return frames[::-1]
 
     def hook_name(self, path: str) -> str:
         """``path`` for a hooked module's first call in this forward, ``path_1`` for the next."""

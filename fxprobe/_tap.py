@@ -256,7 +256,9 @@ class TappedModule(nn.Module):
                         "tap() to avoid the second trace.")
         else:
             prog = self._program()
-        state = self._rec.begin(prog.hook_names)
+        # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
+        # so that torch.compile adds no Python guard that the two paths agree.
+        state = self._pipeline.rec.begin(prog.hook_names)
         try:
             if through_root:  # the root's own hooks run around the body (its override)
                 out = self._root(*args, **kwargs)
@@ -337,7 +339,7 @@ class TappedModule(nn.Module):
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
         order = self._program().order
-        return [Taps(self._rec, order, frame) for frame in self._rec.state.history]
+        return [Taps(self._rec, order, frame) for frame in self._rec.history()]
 
     @property
     def grads(self) -> Grads:

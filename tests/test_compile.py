@@ -67,3 +67,30 @@ def test_compile_a_tapped_model_whose_untraceable_module_dynamo_would_capture() 
     (fb,) = tapped.fallbacks
     assert fb.path == "gate" and "torch dynamo failed too" in fb.error
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("keep", [3, "all"])
+def test_compiled_history_keeps_every_forward_without_recompiling(keep: int | str) -> None:
+    """The first call of a tapped module compiled (no eager call before it): each compiled
+    call is one more forward of the history, with the eager module's values, and the history
+    growing does not make dynamo recompile (it guarded on its length: a recompilation per
+    call until dynamo's cache limit, then eager)."""
+    from torch._dynamo.utils import counters
+
+    model, (x,), _ = zoo.make("resnet")
+    tapped = fxprobe.tap(model, keep=keep)
+    reference = fxprobe.tap(model, keep=keep)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(tapped, backend="eager")
+    inputs = [x * (i + 1) for i in range(6)]
+    with torch.no_grad():
+        for inp in inputs:
+            assert torch.equal(compiled(inp), reference(inp))
+    assert len(tapped.history) == len(reference.history) == (3 if keep == 3 else 6)
+    for got, expected in zip(tapped.history, reference.history, strict=True):
+        assert list(got) == list(expected)
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), name
+    assert counters["stats"]["unique_graphs"] <= (3 if keep == 3 else 2)
+    torch._dynamo.reset()

@@ -85,7 +85,7 @@ class ThreadState:
 
     __slots__ = ("active", "ran", "frame", "hook_paths", "detach_now", "pending", "running")
 
-    def __init__(self, keep: int | None) -> None:
+    def __init__(self) -> None:
         self.active = False
         self.ran = False
         """Whether a forward began on this thread (before, ``frame`` is an empty one)."""
@@ -105,8 +105,8 @@ class _PerThread(threading.local):
     ``torch.compile`` dynamo would trace the branch that makes one, and every compiled call
     would then start a new state, and a history of one (``keep=N`` lost)."""
 
-    def __init__(self, keep: int | None) -> None:
-        self.state = ThreadState(keep)
+    def __init__(self) -> None:
+        self.state = ThreadState()
 
 
 class Recording:
@@ -124,7 +124,7 @@ class Recording:
         self.keep = keep
         self.to = to
         self.finalize = finalize
-        self._local = _PerThread(keep)
+        self._local = _PerThread()
 
     @property
     def state(self) -> ThreadState:

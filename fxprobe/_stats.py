@@ -269,7 +269,10 @@ def _stats_of(x: torch.Tensor, dim: int | None, scaled: bool = True) -> torch.Te
         std = scale * torch.sqrt(sum_of_squares(buf, dim) / (n - 1))  # NaN for one value
     else:
         lo, hi = lo_d + mean, hi_d + mean  # NaN when nothing is finite: mean is NaN
-        std = torch.sqrt(_sum(buf.square_(), dim) / (n - 1)) + mean * 0
+        std = torch.sqrt(_sum(buf.square_(), dim) / (n - 1))
+    # With nothing finite, n - 1 = -1 and the square root of -0.0: NaN said explicitly, since
+    # inductor folds the "+ mean * 0" that would carry mean's NaN (and gave -0.0).
+    std = torch.where(n > 0, std, torch.nan)
     absmax = torch.maximum(lo.abs(), hi.abs())
     return torch.stack([mean, std, lo, hi, absmax, (numel - nonzero) / numel, nan_count,
                         nonfinite - nan_count], dim=-1)

@@ -403,3 +403,16 @@ def test_collect_keeps_order_and_fetches_once() -> None:
         out = collect(values)
     assert list(out) == ["t1", "s", "t2"] and ops.count("cpu") == 1
     assert out["t2"].zero_frac == 1.0 and out["s"] is values["s"]
+
+
+def test_compiled_statistics_of_nothing_finite_have_nan_std() -> None:
+    """torch.compile (inductor) of the tensor-op path, small (float64, unscaled) and large
+    (scaled) tensors with no finite element: std is NaN, as in eager (inductor folded the
+    ``+ mean * 0`` that carried the NaN, and gave -0.0)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(stats_vector)
+    for t in (torch.full((5,), float("nan")), torch.full((1 << 17,), float("inf"))):
+        got = compiled(t)
+        assert torch.isnan(got[:5]).all(), got
+        assert got[6:].tolist() == ([5.0, 0.0] if t.numel() == 5 else [0.0, float(1 << 17)])
+    torch._dynamo.reset()

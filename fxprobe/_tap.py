@@ -264,9 +264,11 @@ class TappedModule(nn.Module):
                 out = self._root(*args, **kwargs)
             else:
                 out = self._body(prog, args, kwargs)
+        finally:
+            # Also when the forward raised: the statistics of what it captured are taken now,
+            # not when first read (by then a value could have changed).
             if state.frame.deferred:
                 self._pipeline.finish(state.frame)
-        finally:
             state.active = False
         if self._sink is not None:
             self._sink.write(self._rec.values(state.frame))

@@ -16,6 +16,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from ._ops import (
@@ -114,6 +115,9 @@ def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
             return _first_arg(node), extra
         if fn in PURE_OPERATORS:
             return (_first_arg(node) if fn is operator.getitem else []), extra
+        if (fn is builtins.getattr and len(node.args) > 1
+                and node.args[1] in _VIEW_ATTRIBUTES) or fn in _ALIAS_FUNCTIONS:
+            return _first_arg(node), extra  # x.T, x.data, ...: the same storage
         if getattr(builtins, getattr(fn, "__name__", ""), None) is fn:
             return [], extra
         if is_torch_callable(fn):
@@ -125,6 +129,14 @@ def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
         everything = _tensor_args(node)
         return everything, everything
     return [], []
+
+
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+"""Tensor attributes that are views of the tensor (``x.T.relu_()`` writes ``x``)."""
+
+_ALIAS_FUNCTIONS = frozenset(
+    f for f in (getattr(torch._C._autograd, "_get_data_attr", None),) if f is not None)
+"""What dynamo records ``x.data`` as: the same storage too."""
 
 
 class Hazards:
@@ -161,7 +173,9 @@ class Hazards:
         """The in-place op that overwrites ``node``'s value, when it is the only thing that sees
         the aliasing: it writes ``node`` itself, no other op writes the group, every other
         member of the group is made from its result, and every other reader of ``node`` runs
-        before it. Running that op out of place then changes no value but the captured one."""
+        before it. Running that op out of place then changes no value but the captured one.
+        Never for storage the graph does not own: a write into a graph input or a module's
+        parameter or buffer is seen by the caller after the call (a state the model updates)."""
         root = self.groups.find(node)
         writers = self.writers.get(root, [])
         if len(writers) != 1:
@@ -170,7 +184,10 @@ class Hazards:
         pos = self.order[w]
         if not (w.args and w.args[0] is node and pos > self.order[node]):
             return None
-        if any(self.order[m] < pos for m in self.members(node) if m is not node):
+        members = self.members(node)
+        if any(m.op in ("placeholder", "get_attr") for m in members):
+            return None
+        if any(self.order[m] < pos for m in members if m is not node):
             return None
         if any(self.order[u] > pos for u in node.users if u is not w):
             return None

@@ -154,3 +154,76 @@ def test_a_value_returned_to_untraced_code_is_kept_as_produced() -> None:
     assert (lin < 0).any() and torch.equal(out, torch.relu(lin))
     # The caller fxprobe cannot see writes into it after the traced block returns.
     assert torch.equal(tapped.taps["block.0"], lin)
+
+
+class _Accumulate(torch.nn.Module):
+    """Adds into a state tensor its caller owns (``state.add_``): the caller sees the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return state.add_(self.lin(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo", "auto"])
+def test_an_inplace_write_into_a_model_input_stays_in_place(tracer: str) -> None:
+    """Tapping an input that the model writes in place (every site, inputs included): the
+    write must still reach the caller's tensor (it was run out of place under fx, so a state
+    the model accumulates stopped accumulating), and the input as given is what is shown."""
+    model = _Accumulate().eval()
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    tapped = fxprobe.tap(model, tracer=tracer)
+    state, expected_state = torch.zeros(2, 4), torch.zeros(2, 4)
+    with torch.no_grad():
+        for x in xs:
+            before = state.clone()
+            assert torch.equal(tapped(x, state), model(x, expected_state))
+            if tracer != "dynamo":  # the dynamo frontend has no input sites
+                assert torch.equal(tapped.taps["state"], before)
+    assert torch.equal(state, expected_state) and not tapped.outplaced
+
+    relu = torch.nn.Sequential(torch.nn.ReLU(inplace=True))
+    x = torch.randn(2, 4)
+    mine, theirs = x.clone(), x.clone()
+    fxprobe.tap(relu, tracer=tracer)(mine)
+    relu(theirs)
+    assert torch.equal(mine, theirs)
+
+
+class _WriteThroughAttribute(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        x = self.lin(a)
+        if self.how == "T":
+            x.T.relu_()
+        elif self.how == "mT":
+            x.mT.fill_(1.0)
+        elif self.how == "data":
+            x.data.zero_()
+        else:
+            F.relu(x.real, inplace=True)
+        return x * 2
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+@pytest.mark.parametrize("how", ["T", "mT", "data", "real"])
+def test_a_write_through_an_attribute_view_is_seen(how: str, tracer: str) -> None:
+    """``x.T``, ``x.mT``, ``x.data`` and ``x.real`` share ``x``'s storage: an in-place op on
+    them overwrites a tapped ``x``, which must be shown as produced (a cloning hook's value)."""
+    model = _WriteThroughAttribute(how).eval()
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
+    seen: dict[str, torch.Tensor] = {}
+    handle = model.lin.register_forward_hook(lambda m, i, o: seen.update(lin=o.clone()))
+    with torch.no_grad():
+        expected = model(a)
+    handle.remove()
+    tapped = fxprobe.tap(model, ops="lin", tracer=tracer)
+    with torch.no_grad():
+        assert torch.equal(tapped(a), expected)
+    assert torch.equal(tapped.taps["lin"], seen["lin"]) and "lin" in tapped.copied

@@ -35,8 +35,9 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        copied = env[node] = new.node_copy(node, lambda n: env[n])
-        calls = node.meta.get(CALL_ARGS)
+        env[node] = new.node_copy(node, lambda n: env[n])
+    for node, copied in env.items():  # after all: a call's first node may come after its value
+        calls = node.meta.get(CALL_ARGS)  # (a module that returns its input, written in place)
         if calls:  # the nodes it names are the copy's, not the original's
             copied.meta[CALL_ARGS] = {
                 name: (tuple(env[a] if isinstance(a, fx.Node) else a for a in args), env[first])
@@ -189,6 +190,9 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                 for a in args:
                     if isinstance(a, fx.Node):
                         risky = _needs_copy(copy, hazards, a, at, True)
+                        # A module call's inputs are named in metadata, which the intervention
+                        # of an earlier site did not rewrite: the value that flows instead.
+                        a = flowing.get(a, a)
                         if pipeline.reduce is not None or risky:
                             with graph.inserting_before(at):
                                 a = graph.call_function(pipeline.keep, (a, risky))

@@ -218,6 +218,12 @@ class SiteTracer(fx.Tracer):
                 # A block that returns a nest (an FPN's dict) is one node in torchvision's
                 # graph: one node that hands the nest on stands for it here.
                 last = self.graph.create_node("call_function", _nest, (_nodes_of(out),), {})
+            if path and last is not None and before.next is not self.graph._root and (
+                    last not in _nodes_after(before)):
+                # The call hands back a value made before it (its input) and ran ops: the
+                # value it returns is that one after those ops (which may have written it in
+                # place), so the site sits on a node after them.
+                last = self.graph.create_node("call_function", _nest, (last,), {})
             if path and last is not None:
                 first = before.next if before.next is not self.graph._root else last
                 self._name_call(m, path, last, args, first, listed=listed)
@@ -291,6 +297,16 @@ class SiteTracer(fx.Tracer):
         except AttributeError:
             return False
         return attr in module._buffers
+
+
+def _nodes_after(node: fx.Node) -> set[fx.Node]:
+    """The nodes of the graph after ``node`` (those a call made, from the last before it)."""
+    found = set()
+    n = node.next
+    while n.op != "root":
+        found.add(n)
+        n = n.next
+    return found
 
 
 def _nest(value: Any) -> Any:

@@ -227,3 +227,49 @@ def test_a_write_through_an_attribute_view_is_seen(how: str, tracer: str) -> Non
     with torch.no_grad():
         assert torch.equal(tapped(a), expected)
     assert torch.equal(tapped.taps["lin"], seen["lin"]) and "lin" in tapped.copied
+
+
+class _ScaleInPlace(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x
+
+
+class _ScaledNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = _ScaleInPlace()
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.lin(a)) + 1
+
+
+@pytest.mark.parametrize("tracer", ["fx", "auto", "hooks"])
+@pytest.mark.parametrize("capture", ["output", "both"])
+def test_a_module_that_writes_its_input_and_returns_it(tracer: str, capture: str) -> None:
+    """``scale`` returns its input after writing it in place: tap() raised KeyError under fx,
+    and the call's site must show the value it returns (after the write), ``lin`` the value
+    before it, as cloning hooks see them."""
+    model = _ScaledNet().eval()
+    a = torch.randn(2, 4, generator=torch.Generator().manual_seed(5))
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        model.lin.register_forward_hook(lambda m, i, o: seen.update(lin=o.clone())),
+        model.scale.register_forward_pre_hook(lambda m, i: seen.update(scale_in=i[0].clone())),
+        model.scale.register_forward_hook(lambda m, i, o: seen.update(scale=o.clone())),
+    ]
+    with torch.no_grad():
+        expected = model(a)
+    for h in handles:
+        h.remove()
+    tapped = fxprobe.tap(model, ops=["lin", "scale"], tracer=tracer, capture=capture)
+    with torch.no_grad():
+        assert torch.equal(tapped(a), expected)
+    got = tapped.taps
+    if capture == "output":
+        assert torch.equal(got["lin"], seen["lin"]) and torch.equal(got["scale"], seen["scale"])
+    else:
+        assert torch.equal(got["lin"].output, seen["lin"])
+        assert torch.equal(got["scale"].output, seen["scale"])
+        assert torch.equal(got["scale"].inputs[0], seen["scale_in"])

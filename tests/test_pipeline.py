@@ -176,3 +176,50 @@ def test_deferred_stats_of_small_values_are_those_of_the_values_as_produced() ->
         assert got.mean == pytest.approx(v.mean().item(), rel=1e-5, abs=1e-6), name
         assert got.max == pytest.approx(v.max().item(), rel=1e-6), name
         assert got.zero_frac == pytest.approx((v == 0).double().mean().item()), name
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).relu() + x
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.block = _Block()
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.block(self.lin(a)) * 2
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo", "hooks"])
+def test_inputs_of_a_module_call_after_an_intervention_are_the_replacement(tracer: str) -> None:
+    """capture="both" with fn= replacing ``lin``'s output: the inputs recorded for the module
+    calls after it (``block``, ``block.fc``) are what they ran on, the replacement (fx and
+    dynamo read them from metadata that the intervention had not rewritten), as hooks on a
+    hand-patched model see them."""
+    torch.manual_seed(0)
+    model = _Net().eval()
+    a = torch.randn(3, 4)
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        model.lin.register_forward_hook(lambda m, i, o: torch.zeros_like(o)),
+        model.block.register_forward_pre_hook(lambda m, i: seen.update(block=i[0].clone())),
+        model.block.fc.register_forward_pre_hook(lambda m, i: seen.update(fc=i[0].clone())),
+    ]
+    with torch.no_grad():
+        expected = model(a)
+    for h in handles:
+        h.remove()
+    tapped = fxprobe.tap(model, ops=["lin", "block", "block.fc"], capture="both", tracer=tracer,
+                         fn=lambda s, v: torch.zeros_like(v) if s.name == "lin" else None)
+    with torch.no_grad():
+        assert torch.equal(tapped(a), expected)
+    assert torch.equal(tapped.taps["block"].inputs[0], seen["block"])
+    assert torch.equal(tapped.taps["block.fc"].inputs[0], seen["fc"])
+    assert torch.equal(tapped.taps["lin"].output, torch.zeros(3, 4))

@@ -33,7 +33,7 @@ from ._errors import CaptureError
 from ._options import Capture, CopyPolicy
 from ._pipeline import Pipeline
 from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
-from ._site import Site, attach
+from ._site import STATE, Site, attach
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
@@ -181,6 +181,9 @@ class _Captured:
             source = getattr(node.meta.get("grapharg"), "source", None)
             name = getattr(source, "name", None)
             name = name() if callable(name) else name
+            if isinstance(example_inputs[i], nn.Parameter) or (
+                    isinstance(name, str) and "_buffers" in name):
+                node.meta[STATE] = True  # the module's own: no code around the graph writes it
             if not isinstance(name, str) or not isinstance(example_inputs[i], nn.Parameter):
                 continue
             rel = param_path(name)

@@ -26,6 +26,7 @@ from ._ops import (
     VIEW_OPS,
     is_torch_callable,
 )
+from ._site import STATE
 
 OUT_OF_PLACE = "_fxprobe_out_of_place"
 """Attribute set on the functions the rewrite puts in place of in-place ops: they write no
@@ -146,16 +147,18 @@ class Hazards:
                  escapes: bool = False) -> None:
         """``escapes``: what the graph returns goes to code fxprobe cannot see (a traced
         module called from untraced code, a graph between dynamo graph breaks), which may
-        write into it: the output counts as a writer of every value it returns."""
+        write into it, and into what it gave the graph: the output counts as a writer of
+        every value it returns and of every input (but a parameter or buffer, ``STATE``)."""
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.groups = _Groups()
         self.writes: dict[fx.Node, list[int]] = {}
         self.writers: dict[fx.Node, list[fx.Node]] = {}
         pending: list[tuple[fx.Node, fx.Node]] = []
+        inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.meta.get(STATE)]
         for n in graph.nodes:
             aliases, writes = _effects(n, modules)
-            if escapes and n.op == "output":
-                writes = _tensor_args(n)
+            if escapes and n.op == "output":  # and the graph's inputs: that code holds them
+                writes = _tensor_args(n) + inputs
             for a in aliases:
                 self.groups.union(n, a)
             pending.extend((n, w) for w in writes)

@@ -13,6 +13,9 @@ How = Literal["fx", "hook", "dynamo", "script", "export"]
 
 SITES = "fxprobe_sites"
 """``node.meta`` key of a frontend's graph: the :class:`Site` s whose value is that node's value."""
+STATE = "fxprobe_state"
+"""``node.meta`` key on a placeholder of a dynamo graph that is a module's parameter or buffer
+(not a value the code around the graph could write: see ``_inplace.Hazards``)."""
 CALL_ARGS = "fxprobe_call_args"
 """``node.meta`` key on the last node of a module call fx traced through: for each of its sites,
 ``(positional argument nodes, first node of the call)``, so that its inputs can be captured."""

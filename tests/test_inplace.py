@@ -273,3 +273,39 @@ def test_a_module_that_writes_its_input_and_returns_it(tracer: str, capture: str
         assert torch.equal(got["lin"].output, seen["lin"])
         assert torch.equal(got["scale"].output, seen["scale"])
         assert torch.equal(got["scale"].inputs[0], seen["scale_in"])
+
+
+class _WriteAfterBreak(torch.nn.Module):
+    """``h`` enters the graph of ``lin`` as an input; after a graph break, code in the next
+    graph writes it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 4)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        h = self.stem(a)
+        torch._dynamo.graph_break()
+        y = self.lin(h)
+        torch._dynamo.graph_break()
+        h.mul_(0)
+        return y + h
+
+
+@pytest.mark.parametrize("tracer", ["dynamo", "auto", "hooks"])
+def test_a_graph_input_written_after_a_graph_break_is_shown_as_given(tracer: str) -> None:
+    """The captured input of ``lin`` is an input of its dynamo graph, which the graph after
+    the next break zeroes in place: it must be shown as ``lin`` received it (it showed the
+    zeros: only what a graph returns counted as exposed to the code around it)."""
+    model = _WriteAfterBreak().eval()
+    a = torch.randn(2, 4, generator=torch.Generator().manual_seed(6))
+    seen: dict[str, torch.Tensor] = {}
+    handle = model.lin.register_forward_pre_hook(lambda m, i: seen.update(x=i[0].clone()))
+    with torch.no_grad():
+        expected = model(a)
+    handle.remove()
+    tapped = fxprobe.tap(model, ops="lin", capture="both", tracer=tracer)
+    with torch.no_grad():
+        assert torch.equal(tapped(a), expected)
+    assert torch.equal(tapped.taps["lin"].inputs[0], seen["x"])

@@ -20,8 +20,7 @@ import torch
 from torch import fx, nn
 
 from ._errors import ConfigError, SelectorError, TraceError, UnsupportedModelError
-from ._inplace import Hazards
-from ._inplace import _effects as effects  # what a node writes; shared with Hazards
+from ._inplace import Hazards, effects  # effects: what a node writes, shared with Hazards
 from ._mirror import mirror
 from ._ops import (
     PASS_THROUGH,

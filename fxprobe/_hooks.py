@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._mirror import fxprobe_hook
 from ._options import Capture, CopyPolicy
-from ._pipeline import Pipeline
+from ._pipeline import Pipeline, write_back
 
 
 class HookSet:
@@ -67,6 +68,11 @@ class HookSet:
                     return None
                 key = rec.hook_name(name)
                 flow, kept = pipeline.output(key, output, copy)
+                if (flow is not output and getattr(mod, "inplace", False) is True
+                        and not torch.is_grad_enabled()):
+                    # The caller may read the tensor the module wrote, not what it returns.
+                    # Not while autograd records: the module's backward may need that tensor.
+                    write_back(output, flow)
                 if capture == "both":
                     stack = rec.state.pending.get(name)
                     kept = (stack.pop() if stack else (), kept)

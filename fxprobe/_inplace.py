@@ -85,7 +85,7 @@ def _binds_inplace(fn: Callable[..., Any], node: fx.Node) -> bool:
     return False
 
 
-def _effects(node: fx.Node, modules: Callable[[str], nn.Module]
+def effects(node: fx.Node, modules: Callable[[str], nn.Module]
              ) -> tuple[list[fx.Node], list[fx.Node]]:
     """(nodes the result may alias, nodes written in place) for one node."""
     if node.op == "call_module":
@@ -156,7 +156,7 @@ class Hazards:
         pending: list[tuple[fx.Node, fx.Node]] = []
         inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.meta.get(STATE)]
         for n in graph.nodes:
-            aliases, writes = _effects(n, modules)
+            aliases, writes = effects(n, modules)
             if escapes and n.op == "output":  # and the graph's inputs: that code holds them
                 writes = _tensor_args(n) + inputs
             for a in aliases:

@@ -202,6 +202,18 @@ class Pipeline:
         state.frame.parts.append((names, values))
 
 
+def write_back(value: Any, flow: Any) -> None:
+    """A replaced value that an in-place op made (``x.relu_()``, ``nn.ReLU(inplace=True)``):
+    the code after it reads the tensor the op wrote, often not the op's result, so the
+    replacement is written into that tensor too (else it would reach only the result)."""
+    if flow is value or not (isinstance(value, torch.Tensor) and isinstance(flow, torch.Tensor)):
+        return
+    if (flow.data_ptr() == value.data_ptr() and flow.shape == value.shape
+            and flow.stride() == value.stride() and flow.dtype == value.dtype):
+        return  # a view of the same elements (value.view_as(value)): nothing to write
+    value.copy_(flow)
+
+
 def _reducer(options: TapOptions) -> Callable[[Any, bool], Any] | None:
     """``reduce="sample"`` or a user's reduction: new memory, which no later op overwrites, so
     the copy flag does not matter."""

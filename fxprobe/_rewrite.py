@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ._inplace import OUT_OF_PLACE, Hazards
+from ._inplace import OUT_OF_PLACE, Hazards, effects
 from ._options import Capture, CopyPolicy
-from ._pipeline import Pipeline, clone_tree
+from ._pipeline import Pipeline, clone_tree, write_back
 from ._site import CALL_ARGS, Site, sites_of
 
 _counter = itertools.count()
@@ -215,6 +215,9 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                         current.replace_all_uses_with(
                             flow, delete_user_cb=lambda user, r=res: user is not r)
                         flowing[node] = flow
+                    if pipeline.fn is not None and _writes_first(node, modules):
+                        with graph.inserting_after(kept):
+                            graph.call_function(write_back, (current, flow))
                     if node.op == "placeholder":
                         placeholders.append(kept)
                 elif risky:
@@ -229,6 +232,21 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
     out_node.args = ((out_node.args[0], tuple(values)),)
     graph.lint()
     return tuple(names), frozenset(copied), frozenset(outplaced)
+
+
+def _writes_first(node: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
+    """Whether ``node`` is an in-place op on its first argument and code after it reads that
+    argument (``x.relu_()`` with its result unused), not only its result."""
+    first = node.args[0] if node.args else None
+    if not (isinstance(first, fx.Node) and first in effects(node, modules)[1]):
+        return False
+    later = False
+    for n in node.graph.nodes:
+        if n is node:
+            later = True
+        elif later and n.op != "output" and first in n.all_input_nodes:
+            return True
+    return False
 
 
 def _call_args(node: fx.Node, site: Site) -> tuple[tuple[Any, ...], fx.Node]:

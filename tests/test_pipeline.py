@@ -223,3 +223,37 @@ def test_inputs_of_a_module_call_after_an_intervention_are_the_replacement(trace
     assert torch.equal(tapped.taps["block"].inputs[0], seen["block"])
     assert torch.equal(tapped.taps["block.fc"].inputs[0], seen["fc"])
     assert torch.equal(tapped.taps["lin"].output, torch.zeros(3, 4))
+
+
+class _ReluInPlaceUnassigned(nn.Module):
+    def __init__(self, module: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.module = module
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        x = self.lin(a)
+        if self.module:
+            self.act(x)  # in place; the result not assigned: x is what is read after
+        else:
+            x.relu_()
+        return x * 2
+
+
+@pytest.mark.parametrize(("module", "tracer", "site"), [
+    (False, "fx", "relu_"), (True, "fx", "act"), (True, "hooks", "act"), (True, "dynamo", "act")])
+def test_fn_on_an_inplace_op_reaches_the_tensor_it_wrote(module: bool, tracer: str,
+                                                          site: str) -> None:
+    """``x.relu_()`` or ``self.act(x)`` (ReLU(inplace=True)) with its result not assigned: a
+    replacement by fn= must reach the code after it, which reads ``x`` (it reached only the
+    op's unused result, while taps.replaced said it was applied), as in a hand-patched
+    model."""
+    model = _ReluInPlaceUnassigned(module).eval()
+    a = torch.randn(3, 4, generator=torch.Generator().manual_seed(7))
+    tapped = fxprobe.tap(model, ops=site, tracer=tracer,
+                         fn=lambda s, v: torch.full_like(v, 0.5))
+    with torch.no_grad():
+        out = tapped(a)
+    assert torch.equal(out, torch.full((3, 4), 1.0))  # (0.5) * 2 everywhere
+    assert site in tapped.taps.replaced

@@ -218,14 +218,14 @@ class SiteTracer(fx.Tracer):
                 # A block that returns a nest (an FPN's dict) is one node in torchvision's
                 # graph: one node that hands the nest on stands for it here.
                 last = self.graph.create_node("call_function", _nest, (_nodes_of(out),), {})
-            if path and last is not None and before.next is not self.graph._root and (
-                    last not in _nodes_after(before)):
+            made = before.next if before.next is not self.graph._root else None
+            if path and last is not None and made is not None and not _made_since(before, last):
                 # The call hands back a value made before it (its input) and ran ops: the
                 # value it returns is that one after those ops (which may have written it in
                 # place), so the site sits on a node after them.
                 last = self.graph.create_node("call_function", _nest, (last,), {})
             if path and last is not None:
-                first = before.next if before.next is not self.graph._root else last
+                first = made if made is not None else last
                 self._name_call(m, path, last, args, first, listed=listed)
             return out
         finally:
@@ -299,14 +299,15 @@ class SiteTracer(fx.Tracer):
         return attr in module._buffers
 
 
-def _nodes_after(node: fx.Node) -> set[fx.Node]:
-    """The nodes of the graph after ``node`` (those a call made, from the last before it)."""
-    found = set()
-    n = node.next
+def _made_since(before: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` comes after ``before`` in the graph (a call made it, ``before`` being
+    the last node before the call)."""
+    n = before.next
     while n.op != "root":
-        found.add(n)
+        if n is node:
+            return True
         n = n.next
-    return found
+    return False
 
 
 def _nest(value: Any) -> Any:

@@ -7,7 +7,7 @@ For float32 tensors from 4 KiB to 64 MiB, times in interleaved rounds (medians o
 - ``torch fallback``: the torch-ops path that runs without Triton (CUDA only);
 - ``device path``: on a CPU, the same torch-ops path (no branch on values); ``stats_vector``
   itself reads values on the host there: one pass of the numba kernel where numba is installed
-  (:mod:`fxprobe._stats_numba`), else four passes;
+  (:mod:`fxprobe.capture.stats.numba`), else four passes;
 - ``torch host-read``: on a CPU, ``stats_vector`` with the numba kernel switched off (the four
   passes), beside it in the same rounds;
 - ``before``: the implementation of project commit 97755d0, kept here as the baseline;
@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
-from fxprobe import _stats, _stats_cpu, _stats_numba
-from fxprobe._stats import stats_vector, stats_vectors
+from fxprobe.capture.stats import cpu as _stats_cpu
+from fxprobe.capture.stats import math as _stats
+from fxprobe.capture.stats import numba as _stats_numba
+from fxprobe.capture.stats.math import stats_vector, stats_vectors
 
 SIZES_KIB = (4, 64, 1024, 16 * 1024, 64 * 1024)
 
@@ -132,7 +134,7 @@ def _time(fns: dict[str, Callable[[], Any]], rounds: int, cuda: bool,
 
 def run(device: torch.device, rounds: int, sizes_kib: tuple[int, ...]) -> dict[str, Any]:
     cuda = device.type == "cuda"
-    from fxprobe import _stats_triton
+    from fxprobe.capture.stats import triton as _stats_triton
 
     triton = cuda and _stats_triton.available()
     numba_first_s = None if cuda else _first_numba_call_s()

@@ -10,12 +10,16 @@ Example:
 """
 
 from . import dist
-from ._api import sites, tap
-from ._artifact import TappedArtifact, TappedScript
-from ._captures import Captures, open_captures
-from ._disk import Disk
-from ._dynamo import CaptureInfo, attention_probs
-from ._errors import (
+from .api import sites, tap
+from .capture.stats.math import (
+    Stats,
+    StatsBatch,
+    StatsLogger,
+    sample_vector,
+    stats_table,
+    stats_vector,
+)
+from .core.errors import (
     CaptureError,
     ConfigError,
     DiskError,
@@ -30,19 +34,22 @@ from ._errors import (
     UnknownSiteError,
     UnsupportedModelError,
 )
-from ._export import TappedExport
-from ._extract import extractor
-from ._features import Features, features
-from ._program import SiteNames
-from ._record import Grads, InOut, Taps
-from ._select import Selector, where
-from ._sinks import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
-from ._site import Site
-from ._stats import Stats, StatsBatch, StatsLogger, sample_vector, stats_table, stats_vector
-from ._summary import Table, summary
-from ._tap import TappedModule
-from ._trace import Fallback
-from ._viz import render, to_dot
+from .core.record import Grads, InOut, Taps
+from .core.select import Selector, where
+from .core.site import Site
+from .frontends.dynamo import CaptureInfo, attention_probs
+from .frontends.export import TappedExport
+from .frontends.fx import Fallback
+from .present.summary import Table, summary
+from .present.viz import render, to_dot
+from .runtime.artifact import TappedArtifact, TappedScript
+from .runtime.extract import extractor
+from .runtime.features import Features, features
+from .runtime.program import SiteNames
+from .runtime.tapped import TappedModule
+from .sinks.captures import Captures, open_captures
+from .sinks.disk import Disk
+from .sinks.loggers import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
 
 __all__ = [
     "CallbackSink",

@@ -6,7 +6,7 @@
 
 import sys
 
-from ._cli import main
+from .cli import main
 
 
 def _argv(args: list[str]) -> list[str]:

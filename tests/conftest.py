@@ -14,9 +14,9 @@ torch.set_num_threads(1)
 def dynamo_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """``tracer="auto"`` as if torch dynamo failed on every module fx cannot trace: those
     modules run as written, reached by hooks (the fallback of the fallback)."""
-    import fxprobe._dynamo
+    import fxprobe.frontends.dynamo
 
     def backend(self: Any, gm: Any, example_inputs: Any) -> Any:
         raise RuntimeError("dynamo fails here (tests/conftest.py)")
 
-    monkeypatch.setattr(fxprobe._dynamo.DynamoRegion, "backend", backend)
+    monkeypatch.setattr(fxprobe.frontends.dynamo.DynamoRegion, "backend", backend)

@@ -88,9 +88,9 @@ def forbid_sync() -> Iterator[list[str]]:
     """Raise :class:`SyncError` on any op that would synchronise; yields the op names seen.
 
     On a CPU, fxprobe's statistics read values on the host (free there, see
-    ``fxprobe._stats_cpu.CPU_HOST_READS``); inside this context that path is off, so the code
+    ``fxprobe.capture.stats.cpu.CPU_HOST_READS``); inside this context that path is off, so the code
     that runs on a CPU is the code a GPU runs, and that is what gets checked."""
-    from fxprobe import _stats_cpu
+    from fxprobe.capture.stats import cpu as _stats_cpu
 
     mode = _ForbidSync()
     cuda = torch.cuda.is_available()

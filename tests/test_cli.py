@@ -18,7 +18,7 @@ import zoo
 from torch import nn
 
 import fxprobe
-from fxprobe import _cli
+from fxprobe import cli as _cli
 
 MODELS = textwrap.dedent("""\
     import torch.nn as nn
@@ -191,7 +191,7 @@ def test_token_ids_as_the_hint_says(models: Path, capsys: pytest.CaptureFixture[
 def test_model_specs_that_work(models: Path) -> None:
     model, name = _cli.load_model("models.py:instance")  # a module-level model
     assert isinstance(model, nn.Linear) and name == "instance"
-    model, _ = _cli.load_model("fxprobe._examples:small_cnn")
+    model, _ = _cli.load_model("fxprobe.examples:small_cnn")
     assert type(model).__name__ == "SmallCNN"
     model, _ = _cli.load_model(f"{models / 'models.py'}:good")  # an absolute path
     assert isinstance(model, nn.Sequential)

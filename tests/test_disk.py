@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fxprobe
-from fxprobe import _disk
+from fxprobe.sinks import disk as _disk
 
 ROOT = Path(__file__).resolve().parent.parent
 

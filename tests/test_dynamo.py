@@ -501,14 +501,14 @@ class _CountsThenBreaks(nn.Module):
 
 def test_auto_refuses_to_run_twice_what_wrote_model_state(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    real = fxprobe._dynamo.DynamoRegion.backend
+    real = fxprobe.frontends.dynamo.DynamoRegion.backend
 
     def second_graph_fails(self: Any, gm: Any, example_inputs: Any) -> Any:
         if self.graphs:
             raise RuntimeError("the second graph fails")
         return real(self, gm, example_inputs)
 
-    monkeypatch.setattr(fxprobe._dynamo.DynamoRegion, "backend", second_graph_fails)
+    monkeypatch.setattr(fxprobe.frontends.dynamo.DynamoRegion, "backend", second_graph_fails)
     torch.manual_seed(0)
     model = nn.Sequential(_CountsThenBreaks())
     tapped = fxprobe.tap(model, ops=nn.Linear)

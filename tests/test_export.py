@@ -153,7 +153,7 @@ def test_modes_a_saved_graph_cannot_hold_are_refused(kwargs: dict[str, Any], wor
 
 def test_to_dot_and_cli_read_the_program(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                          ) -> None:
-    from fxprobe import _cli
+    from fxprobe import cli as _cli
 
     model, (x,), _ = zoo.make("encoder")
     program = torch.export.export(model, (x,))

@@ -24,9 +24,9 @@ import zoo
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
-from fxprobe._errors import ConfigError, SelectorError, TraceError, UnsupportedModelError
-from fxprobe._extract import extractor
-from fxprobe._select import where
+from fxprobe.core.errors import ConfigError, SelectorError, TraceError, UnsupportedModelError
+from fxprobe.core.select import where
+from fxprobe.runtime.extract import extractor
 
 TRACEABLE = ["resnet", "encoder", "lstm", "shared", "multi_io", "train_eval", "inplace"]
 # torch 2.13's Dynamo refuses nn.LSTM (the plain model too) unless allow_rnn=True.

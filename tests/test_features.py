@@ -18,7 +18,7 @@ import zoo
 from torch import nn
 
 import fxprobe
-from fxprobe._errors import ConfigError
+from fxprobe.core.errors import ConfigError
 
 
 class _Block(nn.Module):

@@ -356,7 +356,7 @@ def test_python_only_functions_still_refuse_script_modules() -> None:
 
 def test_to_dot_and_cli_read_the_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                           ) -> None:
-    from fxprobe import _cli
+    from fxprobe import cli as _cli
 
     model, (x,), _ = zoo.make("resnet")
     scripted = torch.jit.script(model)

@@ -19,9 +19,9 @@ from nosync import forbid_sync
 from torch import nn
 
 import fxprobe
-from fxprobe._errors import ConfigError
-from fxprobe._sinks import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
-from fxprobe._stats import FIELDS, StatsLogger
+from fxprobe.capture.stats.math import FIELDS, StatsLogger
+from fxprobe.core.errors import ConfigError
+from fxprobe.sinks.loggers import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
 
 
 def np_stats(t: torch.Tensor) -> dict[str, float]:

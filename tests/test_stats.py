@@ -1,4 +1,4 @@
-"""Tests of fxprobe._stats against numpy (float64) computed on the whole tensor.
+"""Tests of fxprobe.capture.stats.math against numpy (float64) computed on the whole tensor.
 
 ``FXPROBE_TEST_DEVICE=cuda`` runs the statistics tests on a GPU (the Triton kernel where Triton
 is installed, the torch fallback otherwise); the default is the CPU.
@@ -17,8 +17,7 @@ import pytest
 import torch
 from nosync import SyncError, forbid_sync, record_ops
 
-from fxprobe._errors import ConfigError
-from fxprobe._stats import (
+from fxprobe.capture.stats.math import (
     FIELDS,
     Stats,
     StatsBatch,
@@ -29,6 +28,7 @@ from fxprobe._stats import (
     stats_vector,
     stats_vectors,
 )
+from fxprobe.core.errors import ConfigError
 
 NAN, INF = float("nan"), float("inf")
 DEVICE = torch.device(os.environ.get("FXPROBE_TEST_DEVICE", "cpu"))
@@ -112,7 +112,7 @@ def test_cpu_stats_vector_with_host_reads_matches_numpy(name: str) -> None:
 
 
 def test_cpu_fast_path_is_taken_only_where_host_reads_are_free() -> None:
-    from fxprobe import _stats_cpu
+    from fxprobe.capture.stats import cpu as _stats_cpu
 
     assert _stats_cpu.WIDTH == len(FIELDS)
     t = torch.randn(10_000, generator=_gen(15)).relu()
@@ -187,7 +187,7 @@ def test_stats_vector_compiles_without_graph_breaks() -> None:
 
 
 def _triton_ready() -> bool:
-    from fxprobe import _stats_triton
+    from fxprobe.capture.stats import triton as _stats_triton
 
     return torch.cuda.is_available() and _stats_triton.available()
 
@@ -195,8 +195,8 @@ def _triton_ready() -> bool:
 @pytest.mark.skipif(not _triton_ready(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_matches_numpy_and_the_torch_fallback(name: str) -> None:
-    from fxprobe import _stats_triton
-    from fxprobe._stats import _stats_of
+    from fxprobe.capture.stats import triton as _stats_triton
+    from fxprobe.capture.stats.math import _stats_of
 
     t = CASES[name]
     if t.numel() == 0:
@@ -212,7 +212,7 @@ def test_triton_kernel_matches_numpy_and_the_torch_fallback(name: str) -> None:
 
 @pytest.mark.skipif(not _triton_ready(), reason="needs CUDA and Triton")
 def test_triton_kernel_on_many_programs() -> None:
-    from fxprobe import _stats_triton
+    from fxprobe.capture.stats import triton as _stats_triton
 
     t = torch.randn(3_000_001, generator=_gen(14)) * 3 + 1
     t[::1000] = 0.0
@@ -272,7 +272,7 @@ def test_sample_vector_reproducible_without_sync(seeding: Any) -> None:
 
 
 def test_hashed_positions_are_uniform() -> None:
-    from fxprobe._stats import hashed_positions
+    from fxprobe.capture.stats.math import hashed_positions
 
     counts = torch.bincount(hashed_positions(100, 100_000, 7, torch.device("cpu")), minlength=100)
     # 1000 expected per bin; a binomial's std is ~31, so 6 sigma is far from these bounds.

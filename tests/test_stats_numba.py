@@ -1,4 +1,4 @@
-"""The numba kernel of the CPU statistics (fxprobe._stats_numba) against numpy in float64, and
+"""The numba kernel of the CPU statistics (capture.stats.numba) against numpy in float64, and
 its fallbacks: NaN/Inf, numba missing or failing, switched off."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fxprobe import _stats_cpu, _stats_numba
-from fxprobe._stats import stats_vector
+from fxprobe.capture.stats import cpu as _stats_cpu
+from fxprobe.capture.stats import numba as _stats_numba
+from fxprobe.capture.stats.math import stats_vector
 
 NAN, INF = float("nan"), float("inf")
 N = _stats_cpu.NUMPY_MAX + 1  # the smallest size that takes the kernel
@@ -122,7 +123,7 @@ def test_switched_off_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_importing_fxprobe_does_not_import_numba() -> None:
-    code = "import sys, fxprobe, fxprobe._stats; print('numba' in sys.modules)"
+    code = "import sys, fxprobe, fxprobe.capture.stats.math; print('numba' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
@@ -139,7 +140,7 @@ def _full_reference(t: torch.Tensor) -> np.ndarray:
 
 def test_small_tensors_of_a_forward_go_through_one_kernel_call(
         kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxprobe._stats import stats_vectors
+    from fxprobe.capture.stats.math import stats_vectors
 
     tensors = [
         _randn(512, 20), _randn(512, 21).relu(), _randn(256, 22) * 1e-2 + 1e4, _randn(10, 23),
@@ -166,7 +167,7 @@ def test_batch_is_right_when_the_kernel_is_busy(kernel: None,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Another thread holding the kernel makes ``summaries`` return None: the batch, chosen
     for the kernel (mid-size tensors, an empty one), then takes the numpy and torch paths."""
-    from fxprobe._stats import stats_vectors
+    from fxprobe.capture.stats.math import stats_vectors
 
     tensors = [_randn(512, 30), torch.empty(0), _randn(30_000, 31) + 2, _randn(16, 32),
                _randn(65_536, 33).relu(), _randn(N, 34)]
@@ -233,7 +234,7 @@ def test_integers_beside_a_half_type_keep_their_values(kernel: None) -> None:
     """Small tensors laid end to end for one kernel call: each is cast to float32 on its own
     (torch.cat's promotion would round int64 beside bfloat16 or float16 to the half type,
     3001..3010 read as 3008). Also through a tapped forward."""
-    from fxprobe._stats import stats_vectors
+    from fxprobe.capture.stats.math import stats_vectors
 
     ints = torch.arange(3001, 3011)
     for half in (torch.bfloat16, torch.float16):

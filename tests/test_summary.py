@@ -13,8 +13,8 @@ from reference import hook_values
 from torch import nn
 
 import fxprobe
-from fxprobe._record import InOut
-from fxprobe._summary import describe_value, human_bytes
+from fxprobe.core.record import InOut
+from fxprobe.present.summary import describe_value, human_bytes
 
 
 def rows(table: fxprobe.Table) -> dict[str, dict[str, str]]:
@@ -77,7 +77,7 @@ class Stats:
 
 def test_stats_records_get_their_own_columns() -> None:
     site = fxprobe.Site("fc", "fx", "call_module", "fc", "fc", nn.Linear)
-    from fxprobe._summary import tapped_table
+    from fxprobe.present.summary import tapped_table
 
     table = tapped_table([site], {"fc": Stats((2, 3), "torch.float32", 0.123456, 2.0)}, ())
     assert table.headers == ("name", "op", "how", "shape", "dtype", "bytes", "mean", "max")

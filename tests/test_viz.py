@@ -25,7 +25,7 @@ from torch import fx, nn
 
 import fxprobe
 from benchmarks.models import ResNet50
-from fxprobe import _examples
+from fxprobe import examples as _examples
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"

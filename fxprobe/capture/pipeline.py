@@ -1,0 +1,302 @@
+"""The tap pipeline: what happens to a value at a tapped site, written once for every frontend.
+
+At the point where a site's value is produced — by a node that the rewrite inserted into a
+traced graph, or by a forward hook — :meth:`Pipeline.output` runs, in this order:
+
+1. ``fn=`` may replace the value for every downstream consumer (*intervene*);
+2. the gradient of the value that flows on is watched, on the autograd node that produced it,
+   so that a later in-place op cannot move the hook to another node (*grad*);
+3. what is kept is made: a reduction (``reduce=``) or, where a later in-place op would overwrite
+   it, a copy (*keep*).
+
+Once per traced region and forward (once per hook call), :meth:`Pipeline.store` puts the kept
+values into the current thread's frame, detached and, with ``to=``, offloaded. A site whose
+options need none of steps 1-3 costs no call at all: the rewrite hands its value straight to
+``store`` in the tuple the region returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..core.errors import InterventionError
+from ..core.options import TapOptions
+from ..core.record import Frame, Recording
+from ..core.site import Site
+from .stats.cpu import NUMPY_MAX as _CPU_SMALL
+from .stats.cpu import batched_max, host_reads_free
+from .stats.math import _SMALL, _check, checked_vectors, cpu_table, stats_vector
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``fn`` applied to every tensor in ``value`` (a tensor, or a nest of tuples/lists/dicts)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def clone_tree(value: Any) -> Any:
+    """A copy of every tensor in ``value``; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return map_tensors(torch.Tensor.clone, value)
+
+
+def detach_tree(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return map_tensors(torch.Tensor.detach, value)
+
+
+class Pipeline:
+    """The options of one tapped module, applied to values at sites (see the module docstring).
+
+    Args:
+        options: the validated options.
+        recording: where kept values go.
+        site: the :class:`Site` of a name (for ``fn`` and ``grad_fn``, which receive it).
+    """
+
+    def __init__(self, options: TapOptions, recording: Recording,
+                 site: Callable[[str], Site | None]) -> None:
+        self.options = options
+        self.rec = recording
+        self.site = site
+        self.reduce = self._stats_of if options.reduce == "stats" else _reducer(options)
+        """What ``keep`` does instead of keeping the value (None: keep it, copied if at risk)."""
+        self.fn = options.fn
+        self.wants_grads = options.wants_grads
+        self.finalize = _resolve_stats if options.reduce == "stats" else None
+
+    @property
+    def per_site(self) -> bool:
+        """Whether a value needs a call where it is produced (not only a copy)."""
+        return self.fn is not None or self.wants_grads or self.reduce is not None
+
+    # -- where the value is produced ---------------------------------------------------------
+    def output(self, name: str, value: Any, copy: bool) -> tuple[Any, Any]:
+        """Steps 1-3 for a site's output: ``(value that flows on, value to keep)``."""
+        flow = value
+        if self.fn is not None:
+            flow = self._intervene(name, value)
+        if self.wants_grads:
+            flow = self._watch(name, flow)
+        return flow, self.keep(flow, copy)
+
+    def inputs(self, args: tuple[Any, ...], copy: bool) -> tuple[Any, ...]:
+        """Step 3 for a site's inputs (positional arguments)."""
+        return tuple(self.keep(a, copy) for a in args)
+
+    def keep(self, value: Any, copy: bool) -> Any:
+        if self.reduce is not None:
+            return self.reduce(value, copy)
+        return clone_tree(value) if copy else value
+
+    def _stats_of(self, value: Any, copy: bool) -> Any:
+        if isinstance(value, torch.Tensor):  # the common case, without a closure
+            return self._stats(value, copy)
+        return map_tensors(lambda t: self._stats(t, copy), value)
+
+    def _stats(self, t: torch.Tensor, copy: bool) -> _PendingStats:
+        """Statistics of ``t``: now for a large tensor; for a small one, at the end of the
+        forward, together with the forward's other small tensors (a few launches for all)."""
+        n = t.numel()
+        if n > _SMALL or torch.compiler.is_compiling() or (
+                n > _CPU_SMALL and n > batched_max() and host_reads_free(t)):  # CPU: see there
+            return _PendingStats(t, stats_vector(t))
+        _check(t)  # here, at its site, as stats_vector would for a large one
+        pending = _PendingStats(t, None, t.detach().clone() if copy else t.detach())
+        state = self.rec.state
+        if state.active:
+            state.frame.deferred.append(pending)
+        return pending
+
+    def finish(self, frame: Frame) -> None:
+        """End of a forward: reduce the small tensors whose statistics were deferred. On a
+        CPU the rows stay one float64 numpy table until read (this runs in every forward, just
+        after the model has evicted fxprobe's code and data from the caches: each step counts)."""
+        deferred, frame.deferred = frame.deferred, []
+        by_device: dict[torch.device, list[_PendingStats]] = {}
+        for p in deferred:
+            if p.tensor is not None:
+                by_device.setdefault(p.tensor.device, []).append(p)
+        for group in by_device.values():
+            tensors: list[torch.Tensor] = [p.tensor for p in group]  # type: ignore[misc]
+            if host_reads_free(tensors[0]):
+                table = cpu_table(tensors)
+                for i, p in enumerate(group):
+                    p.table, p.index, p.tensor = table, i, None
+                continue
+            rows = checked_vectors(tensors)
+            for p, row in zip(group, rows.unbind(0), strict=True):
+                p.vector, p.tensor = row, None
+
+    def _intervene(self, name: str, value: Any) -> Any:
+        assert self.fn is not None
+        site = self.site(name)
+        new = self.fn(site, value)
+        if new is None or new is value:
+            return value
+        _check_replacement("fn", name, value, new)
+        state = self.rec.state
+        if state.active:
+            state.frame.replaced.add(name)
+        return new
+
+    def _watch(self, name: str, value: Any) -> Any:
+        """Hook the gradient of ``value``; return what flows on in its place."""
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            return value
+        frame = self.rec.state.frame
+        if value.grad_fn is None:
+            # A leaf (a parameter, an input): a hook on it would outlive this forward and fire
+            # in every later backward through it, the user's own included. An alias made here
+            # carries this forward's uses, and the hook goes on its node.
+            value = value.view_as(value)
+        grad_fn = value.grad_fn
+        # The producing node, not the tensor: a later in-place op (ReLU(inplace=True)) rebases
+        # the tensor onto its own node, and a tensor hook would see the gradient there.
+        index = value.output_nr
+
+        def prehook(grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
+            g = grad_outputs[index]
+            if g is None:
+                return None
+            new = self._on_grad(frame, name, g)
+            if new is None:
+                return None
+            out = list(grad_outputs)
+            out[index] = new
+            return tuple(out)
+
+        grad_fn.register_prehook(prehook)
+        return value
+
+    def _on_grad(self, frame: Frame, name: str, g: torch.Tensor) -> torch.Tensor | None:
+        if self.options.grad:
+            frame.grads[name] = g.detach()
+        grad_fn = self.options.grad_fn
+        if grad_fn is None:
+            return None
+        new = grad_fn(self.site(name), g)
+        if new is None:
+            return None
+        _check_replacement("grad_fn", name, g, new)
+        return new  # type: ignore[no-any-return]
+
+    # -- once per region and forward ---------------------------------------------------------
+    def store(self, names: tuple[str, ...], values: tuple[Any, ...]) -> None:
+        """Put one region's kept values into this thread's frame (detached, offloaded)."""
+        state = self.rec.state
+        if not state.active:
+            return
+        if self.options.to is not None:
+            values = self.rec.offload(state.frame, names, values)
+        if state.detach_now:
+            values = tuple(
+                v.detach() if isinstance(v, torch.Tensor) else detach_tree(v) for v in values)
+        state.frame.parts.append((names, values))
+
+
+def write_back(value: Any, flow: Any) -> None:
+    """A replaced value that an in-place op made (``x.relu_()``, ``nn.ReLU(inplace=True)``):
+    the code after it reads the tensor the op wrote, often not the op's result, so the
+    replacement is written into that tensor too (else it would reach only the result)."""
+    if flow is value or not (isinstance(value, torch.Tensor) and isinstance(flow, torch.Tensor)):
+        return
+    if (flow.data_ptr() == value.data_ptr() and flow.shape == value.shape
+            and flow.stride() == value.stride() and flow.dtype == value.dtype):
+        return  # a view of the same elements (value.view_as(value)): nothing to write
+    value.copy_(flow)
+
+
+def _reducer(options: TapOptions) -> Callable[[Any, bool], Any] | None:
+    """``reduce="sample"`` or a user's reduction: new memory, which no later op overwrites, so
+    the copy flag does not matter."""
+    if options.reduce == "sample":
+        from .stats.math import sample_vector
+
+        k, seed = options.sample_size, options.seed
+        return lambda value, copy: map_tensors(lambda t: sample_vector(t, k, seed), value)
+    if callable(options.reduce):
+        user = options.reduce
+        return lambda value, copy: map_tensors(user, value)
+    return None
+
+
+def _check_replacement(what: str, name: str, old: Any, new: Any) -> None:
+    if isinstance(old, torch.Tensor):
+        if not isinstance(new, torch.Tensor):
+            raise InterventionError(
+                f"{what} returned {type(new).__name__} for site {name!r}; return a tensor "
+                f"shaped {tuple(old.shape)} ({old.dtype}), or None to keep the value"
+            )
+        if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+            raise InterventionError(
+                f"{what} returned a tensor of shape {tuple(new.shape)}, {new.dtype} on "
+                f"{new.device} for site {name!r}, which produced {tuple(old.shape)}, "
+                f"{old.dtype} on {old.device}; return a tensor like the original "
+                "(e.g. value * mask or torch.zeros_like(value))"
+            )
+    elif type(new) is not type(old):
+        raise InterventionError(
+            f"{what} returned {type(new).__name__} for site {name!r}, which produced "
+            f"{type(old).__name__}; return the same kind of value, or None"
+        )
+
+
+class _PendingStats:
+    """A tensor's statistics, still on its device (no host synchronisation yet); or, until the
+    end of the forward, the small tensor to reduce then (``tensor``)."""
+
+    __slots__ = ("vector", "shape", "dtype", "tensor", "table", "index")
+
+    def __init__(self, t: torch.Tensor, vector: torch.Tensor | None,
+                 tensor: torch.Tensor | None = None) -> None:
+        self.vector = vector
+        self.tensor = tensor
+        self.shape = tuple(t.shape)
+        self.dtype = t.dtype  # as a string when read: not in every forward
+        self.table: Any = None
+        """On a CPU, after the forward: the float64 rows of the forward's small tensors ..."""
+        self.index = 0
+        """... and this one's row."""
+
+    def resolved(self) -> torch.Tensor:
+        if self.vector is None:
+            if self.table is not None:  # as stats_vector gives it: float32 unless float64
+                row = torch.from_numpy(self.table[self.index])
+                self.vector = row if self.dtype == torch.float64 else row.float()
+                self.table = None
+            else:  # a forward that raised before its end: reduce it now
+                assert self.tensor is not None
+                self.vector, self.tensor = stats_vector(self.tensor), None
+        return self.vector
+
+
+def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
+    """Fetch every site's statistics in one transfer and put :class:`Stats` in their place."""
+    from .stats.math import StatsBatch
+
+    flat = {name: tree_flatten(v) for name, v in values.items()}
+    keys: list[str] = []
+    pending: list[_PendingStats] = []
+    for name, (leaves, _) in flat.items():
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, _PendingStats):
+                keys.append(f"{name}\0{i}")
+                pending.append(leaf)
+    if not pending:
+        return values
+    fetched = StatsBatch(keys, [p.resolved() for p in pending], [p.shape for p in pending],
+                         [str(p.dtype) for p in pending]).fetch()
+    out = {}
+    for name, (leaves, spec) in flat.items():
+        leaves = [fetched[f"{name}\0{i}"] if isinstance(leaf, _PendingStats) else leaf
+                  for i, leaf in enumerate(leaves)]
+        out[name] = tree_unflatten(leaves, spec)
+    return out

@@ -1,0 +1,305 @@
+"""The rewrite: make a region's graph hand every captured value back with its output.
+
+A tap is not a call. The selected nodes' values (copied first where the in-place analysis says a
+later node overwrites them) become a tuple that the generated ``forward`` returns beside the
+model's output; the tapped module stores that tuple once per forward. The generated code reaches
+submodules through plain instance attributes, never ``nn.Module.__getattr__``.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import inspect
+import itertools
+import linecache
+import operator
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..core.options import Capture, CopyPolicy
+from ..core.site import CALL_ARGS, Site, sites_of
+from .inplace import OUT_OF_PLACE, Hazards, effects
+from .pipeline import Pipeline, clone_tree, write_back
+
+_counter = itertools.count()
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes keep their ``meta`` (and so their sites)."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        env[node] = new.node_copy(node, lambda n: env[n])
+    for node, copied in env.items():  # after all: a call's first node may come after its value
+        calls = node.meta.get(CALL_ARGS)  # (a module that returns its input, written in place)
+        if calls:  # the nodes it names are the copy's, not the original's
+            copied.meta[CALL_ARGS] = {
+                name: (tuple(env[a] if isinstance(a, fx.Node) else a for a in args), env[first])
+                for name, (args, first) in calls.items()}
+    return new
+
+
+@dataclass
+class Compiled:
+    """A region's instrumented graph and the plain function that runs it."""
+
+    path: str
+    graph: fx.Graph
+    names: tuple[str, ...]
+    copied: frozenset[str]
+    outplaced: frozenset[str]
+    fn: Callable[..., Any]
+    holder: nn.Module
+
+
+def _method_out_of_place(x: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``x.<name>(...)`` out of place, in ``x``'s dtype as the in-place ``<name>_`` keeps it."""
+    out = getattr(x, name)(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out
+
+
+setattr(_method_out_of_place, OUT_OF_PLACE, True)
+
+
+def _module_out_of_place(module: nn.Module) -> Callable[..., Any]:
+    twin = _copy.copy(module)  # shares the module's tensors and hook tables
+    object.__setattr__(twin, "inplace", False)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return twin(*args, **kwargs)
+
+    call.__name__ = f"{type(module).__name__.lower()}_out_of_place"
+    call.__qualname__ = call.__name__
+    setattr(call, OUT_OF_PLACE, True)
+    return call
+
+
+def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
+    """Rewrite the in-place op ``op`` into its out-of-place twin; False when it has none.
+
+    ``ReLU(inplace=True)`` calls a copy of the module with ``inplace=False``;
+    ``F.relu(x, inplace=True)`` gets ``inplace=False``; ``torch.relu_(x)`` becomes
+    ``torch.relu(x)``; ``x.add_(y)`` becomes ``x.add(y)`` cast back to ``x``'s dtype.
+    """
+    if op.op == "call_module":
+        m = modules(str(op.target))
+        if getattr(m, "inplace", None) is True and type(m).__module__.startswith(
+                ("torch.nn", "torch.ao.nn")):
+            op.op, op.target = "call_function", _module_out_of_place(m)
+            return True
+        return False
+    if op.op == "call_method":
+        name = str(op.target)
+        if name.endswith("_") and not name.startswith("_") and hasattr(torch.Tensor, name[:-1]):
+            op.op, op.target = "call_function", _method_out_of_place
+            op.args = (op.args[0], name[:-1], *op.args[1:])
+            return True
+        return False
+    if op.op != "call_function" or not callable(op.target):
+        return False
+    fn = op.target
+    if op.kwargs.get("inplace") is True:
+        op.kwargs = {**op.kwargs, "inplace": False}
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if "inplace" in params and params.index("inplace") < len(op.args):
+        i = params.index("inplace")
+        if op.args[i] is True:
+            op.args = (*op.args[:i], False, *op.args[i + 1:])
+            return True
+    name = getattr(fn, "__name__", "")
+    home = sys.modules.get(getattr(fn, "__module__", None) or "")
+    twin = getattr(home, name[:-1], None) if name.endswith("_") and home else None
+    if twin is not None and callable(twin) and not name.startswith("_"):
+        op.target = twin
+        return True
+    return False
+
+
+def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: set[str], *,
+                capture: Capture, copy: CopyPolicy, pipeline: Pipeline,
+                escapes: bool = False) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
+    """Make ``graph`` (a copy) return ``(model output, (kept values...))``, in place.
+
+    For each selected site on a node, the value goes straight into the returned tuple when the
+    options need nothing at the site; otherwise one call of the shared :class:`Pipeline` is
+    inserted right after the node (``node -> output(name, node, copy) -> [flow, kept]``), and
+    with ``fn=`` every later user of the node reads ``flow`` instead::
+
+        before:  prev -> node -> next
+        after:   prev -> node -> pipeline.output -> getitem(0) -> next
+                                                  -> getitem(1) -> (output tuple)
+
+    Args:
+        graph: a copy of a frontend's graph whose nodes carry their sites.
+        modules: resolves a ``call_module`` target (for the in-place analysis).
+        selected: names of the sites to capture.
+        capture: what to keep of each site.
+        copy: when to copy a value before a later in-place op can overwrite it.
+        pipeline: the tapped module's pipeline.
+        escapes: what the graph returns goes to code fxprobe cannot see, which may write into
+            it (a traced module called from untraced code): returned values count as written.
+
+    With ``copy="auto"``, a captured value that a single in-place op would overwrite, where
+    nothing else sees the aliasing, is kept safe by running that op out of place
+    (:func:`run_out_of_place`) instead of copying the value first.
+
+    Returns:
+        The captured site names in tuple order, the names whose value is copied, and the names
+        made safe by running their overwriting op out of place.
+    """
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    hazards = Hazards(graph, modules, escapes) if copy == "auto" else None
+    outplaced: set[str] = set()
+    if hazards is not None and capture == "output" and pipeline.reduce is None:
+        # Where one in-place op is all that would overwrite a captured value, run it out of
+        # place: the same values, and no copy kernel.
+        for node in list(graph.nodes):
+            chosen = [s.name for s in sites_of(node) if s.name in selected]
+            if chosen and hazards.output_at_risk(node):
+                writer = hazards.sole_writer(node)
+                if writer is not None and run_out_of_place(writer, modules):
+                    outplaced.update(chosen)
+        if outplaced:
+            hazards = Hazards(graph, modules, escapes)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    names: list[str] = []
+    values: list[Any] = []
+    copied: set[str] = set()
+    flowing: dict[fx.Node, fx.Node] = {}  # a node's current value, after interventions
+    for node in list(graph.nodes):
+        for site in sites_of(node):
+            if site.name not in selected:
+                continue
+            name = site.name
+            value: Any = None
+            if capture in ("input", "both"):
+                args, at = _call_args(node, site)
+                kept_args = []
+                for a in args:
+                    if isinstance(a, fx.Node):
+                        risky = _needs_copy(copy, hazards, a, at, True)
+                        # A module call's inputs are named in metadata, which the intervention
+                        # of an earlier site did not rewrite: the value that flows instead.
+                        a = flowing.get(a, a)
+                        if pipeline.reduce is not None or risky:
+                            with graph.inserting_before(at):
+                                a = graph.call_function(pipeline.keep, (a, risky))
+                            copied.update([name] if risky else [])
+                    kept_args.append(a)
+                value = tuple(kept_args)
+            if capture in ("output", "both"):
+                current = flowing.get(node, node)
+                risky = _needs_copy(copy, hazards, node, node, False)
+                after = placeholders[-1] if node.op == "placeholder" else current
+                kept: fx.Node = current
+                if pipeline.per_site:
+                    with graph.inserting_after(after):
+                        res = graph.call_function(pipeline.output, (name, current, risky))
+                    with graph.inserting_after(res):
+                        flow = graph.call_function(operator.getitem, (res, 0))
+                    with graph.inserting_after(flow):
+                        kept = graph.call_function(operator.getitem, (res, 1))
+                    if pipeline.fn is not None or pipeline.wants_grads:
+                        current.replace_all_uses_with(
+                            flow, delete_user_cb=lambda user, r=res: user is not r)
+                        flowing[node] = flow
+                    if pipeline.fn is not None and _writes_first(node, modules):
+                        with graph.inserting_after(kept):
+                            graph.call_function(write_back, (current, flow))
+                    if node.op == "placeholder":
+                        placeholders.append(kept)
+                elif risky:
+                    with graph.inserting_after(after):
+                        kept = graph.call_function(clone_tree, (current,))
+                    if node.op == "placeholder":
+                        placeholders.append(kept)
+                copied.update([name] if risky and pipeline.reduce is None else [])
+                value = kept if capture == "output" else (value, kept)
+            names.append(name)
+            values.append(value)
+    out_node.args = ((out_node.args[0], tuple(values)),)
+    graph.lint()
+    return tuple(names), frozenset(copied), frozenset(outplaced)
+
+
+def _writes_first(node: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
+    """Whether ``node`` is an in-place op on its first argument and code after it reads that
+    argument (``x.relu_()`` with its result unused), not only its result."""
+    first = node.args[0] if node.args else None
+    if not (isinstance(first, fx.Node) and first in effects(node, modules)[1]):
+        return False
+    later = False
+    for n in node.graph.nodes:
+        if n is node:
+            later = True
+        elif later and n.op != "output" and first in n.all_input_nodes:
+            return True
+    return False
+
+
+def _call_args(node: fx.Node, site: Site) -> tuple[tuple[Any, ...], fx.Node]:
+    """The positional arguments of a site's call and the node before which they are read."""
+    calls = node.meta.get(CALL_ARGS)
+    if site.inlined or (calls and site.name in calls):  # a module call: the module's inputs
+        args, first = node.meta[CALL_ARGS][site.name]
+        return args, first
+    return tuple(node.args), node
+
+
+def _needs_copy(policy: CopyPolicy, hazards: Hazards | None, value: fx.Node,
+                consumer: fx.Node, is_input: bool) -> bool:
+    if policy == "never" or value.op == "get_attr":
+        return False
+    if policy == "always" or hazards is None:
+        return True
+    if is_input:
+        return hazards.input_at_risk(value, consumer)
+    return hazards.output_at_risk(value)
+
+
+def compile_region(path: str, holder: nn.Module, graph: fx.Graph, names: tuple[str, ...],
+                   copied: frozenset[str], outplaced: frozenset[str] = frozenset()) -> Compiled:
+    """Turn an instrumented graph into a plain function of ``(holder, *args, **kwargs)``.
+
+    Submodule calls become calls of globals of the generated function: on a class that defines
+    ``__getattr__`` (every ``nn.Module``), even a hit in the instance dict is a slow attribute
+    load, while a global load is specialised by the interpreter.
+    """
+    originals: dict[fx.Node, Any] = {}
+    modules: dict[str, nn.Module] = {}
+    taken: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        target = str(node.target)
+        alias = taken.get(target)
+        if alias is None:
+            alias = f"_fxp_{len(taken)}_" + re.sub(r"\W", "_", target)
+            taken[target] = alias
+            modules[alias] = holder.get_submodule(target)
+        originals[node] = node.target
+        node.target = alias
+    try:
+        code = graph.python_code(root_module="self")
+    finally:
+        for node, target in originals.items():
+            node.target = target
+    src = re.sub(r"\bself\.(_fxp_\d+_\w*)\(", r"\1(", code.src)
+    filename = f"<fxprobe:{path or 'root'}:{next(_counter)}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    scope: dict[str, Any] = dict(code.globals)
+    scope.update(modules)
+    exec(compile(src, filename, "exec"), scope)
+    return Compiled(path, graph, names, copied, outplaced, scope["forward"], holder)

@@ -1,0 +1,1 @@
+"""Statistics of captured values: the math and its CPU, numba and Triton paths."""

@@ -1,0 +1,158 @@
+"""``TapOptions``: every argument of ``fxprobe.tap`` besides the model and selectors, checked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+
+from ..sinks.disk import Disk, check_disk_options
+from .errors import ConfigError
+
+Capture = Literal["output", "input", "both"]
+CopyPolicy = Literal["auto", "always", "never"]
+TracerKind = Literal["auto", "fx", "hooks", "dynamo", "fx+dynamo"]
+Reduce = Literal["stats", "sample"]
+
+
+def check_choice(name: str, value: Any, allowed: Any) -> None:
+    choices = get_args(allowed)
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(
+            f"{name}={value!r} is not accepted; use one of {', '.join(map(repr, choices))}"
+        )
+
+
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is not accepted; use True or False")
+
+
+def check_sequence(name: str, value: Any, example: str) -> list[Any]:
+    """A list of ``value``'s entries; one type or string alone counts as a list of one."""
+    if isinstance(value, (str, type)):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        raise ConfigError(
+            f"{name}={value!r} is not accepted; pass a list ({example})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class TapOptions:
+    """How a tapped module captures, once validated."""
+
+    capture: Capture = "output"
+    """What to keep of a site: its output, its inputs, or both."""
+    detach: bool = True
+    """Keep captured tensors out of the autograd graph."""
+    copy: CopyPolicy = "auto"
+    """When to copy a value that a later in-place op would overwrite."""
+    tracer: TracerKind = "auto"
+    """How to reach the model: fx, then dynamo, then hooks ("auto"), or one frontend alone."""
+    leaf_modules: tuple[Any, ...] = ()
+    """Module types or paths that are not traced into."""
+    autowrap_functions: tuple[Callable[..., Any], ...] = ()
+    """Functions recorded as single calls."""
+    reduce: Reduce | Callable[[torch.Tensor], Any] | None = None
+    """Keep a reduction of each tensor instead of the tensor."""
+    sample_size: int = 1024
+    """Elements kept per tensor by ``reduce="sample"``."""
+    seed: int = 0
+    """Seed of the subsample drawn by ``reduce="sample"`` (the same positions every forward)."""
+    keep: int | None = 1
+    """How many forwards to keep (None: all)."""
+    to: torch.device | None = None
+    """Device captured values are copied to, without blocking (``"cpu"``: pinned memory)."""
+    fn: Callable[[Any, Any], Any] | None = None
+    """``fn(site, value)`` at each tap; a returned tensor replaces the value downstream."""
+    grad: bool = False
+    """Keep the gradient of the loss with respect to each tapped value."""
+    grad_fn: Callable[[Any, torch.Tensor], Any] | None = None
+    """``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it."""
+    sink: Any = None
+    """``to=fxprobe.Disk(...)``: receives each forward's values (``write``/``flush``/``close``)."""
+
+    @property
+    def wants_grads(self) -> bool:
+        return self.grad or self.grad_fn is not None
+
+
+def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
+                 leaf_modules: Sequence[Any], autowrap_functions: Sequence[Any], reduce: Any,
+                 sample_size: Any, seed: Any, keep: Any, to: Any, fn: Any, grad: Any,
+                 grad_fn: Any) -> TapOptions:
+    """Validate ``fxprobe.tap``'s arguments; every refusal says what to pass instead."""
+    check_choice("capture", capture, Capture)
+    check_choice("copy", copy, CopyPolicy)
+    check_choice("tracer", tracer, TracerKind)
+    for name, flag in (("detach", detach), ("grad", grad)):
+        check_flag(name, flag)
+    leaf_modules = check_sequence("leaf_modules", leaf_modules, "e.g. [MyBlock, 'encoder.0']")
+    autowrap_functions = check_sequence("autowrap_functions", autowrap_functions,
+                                        "e.g. [my_helper]")
+    for leaf in leaf_modules:
+        if not isinstance(leaf, (str, type)):
+            raise ConfigError(
+                f"leaf_modules entry {leaf!r} is neither a module type nor a qualified path; "
+                "pass e.g. leaf_modules=[MyBlock, 'encoder.layer.0']"
+            )
+    for f in autowrap_functions:
+        if not callable(f):
+            raise ConfigError(f"autowrap_functions entry {f!r} is not callable")
+    if reduce is not None and not callable(reduce):
+        check_choice("reduce", reduce, Reduce)
+    if reduce is not None and not detach:
+        raise ConfigError(
+            f"reduce={getattr(reduce, '__name__', reduce)!r} keeps reductions, which are not "
+            "part of the autograd graph; drop detach=False, or drop reduce= to keep the "
+            "tensors themselves"
+        )
+    if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
+        raise ConfigError(f"sample_size={sample_size!r} must be a positive int")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed={seed!r} must be an int")
+    if keep == "last":
+        keep_n: int | None = 1
+    elif keep == "all":
+        keep_n = None
+    elif isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1:
+        keep_n = keep
+    else:
+        raise ConfigError(
+            f"keep={keep!r} is not accepted; use 'last', 'all' or a number of forwards >= 1"
+        )
+    device = None
+    sink = None
+    if isinstance(to, Disk):  # not a device: a sink that receives each forward's values
+        check_disk_options(to, keep_n)
+        sink, to = to, None
+    if to is not None:
+        try:
+            device = torch.device(to)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"to={to!r} is not a device torch knows ({e}); use 'cpu', 'cuda' or 'cuda:N'"
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"to={to!r} names a CUDA device but CUDA is not available here")
+    for name, f in (("fn", fn), ("grad_fn", grad_fn)):
+        if f is not None and not callable(f):
+            raise ConfigError(f"{name}={f!r} must be a callable taking (site, value)")
+    if (grad or grad_fn is not None) and capture != "output":
+        raise ConfigError(
+            f"grad=True needs capture='output' (got capture={capture!r}): gradients are taken "
+            "with respect to each site's output"
+        )
+    if fn is not None and capture == "input":
+        raise ConfigError(
+            "fn= replaces a site's output, so it needs capture='output' or 'both', "
+            "not capture='input'"
+        )
+    return TapOptions(capture, bool(detach), copy, tracer, tuple(leaf_modules),
+                      tuple(autowrap_functions), reduce, sample_size, seed, keep_n, device, fn,
+                      bool(grad), grad_fn, sink)

@@ -1,0 +1,89 @@
+"""``Site``: one place in a model where fxprobe can capture a value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import fx, nn
+
+from .ops import describe_function
+
+How = Literal["fx", "hook", "dynamo", "script", "export"]
+
+SITES = "fxprobe_sites"
+"""``node.meta`` key of a frontend's graph: the :class:`Site` s whose value is that node's value."""
+STATE = "fxprobe_state"
+"""``node.meta`` key on a placeholder of a dynamo graph that is a module's parameter or buffer
+(not a value the code around the graph could write: see ``_inplace.Hazards``)."""
+CALL_ARGS = "fxprobe_call_args"
+"""``node.meta`` key on the last node of a module call fx traced through: for each of its sites,
+``(positional argument nodes, first node of the call)``, so that its inputs can be captured."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """One tappable place: an fx node, or a module call reached by a hook."""
+
+    name: str
+    """Qualified site name, as torchvision's ``get_graph_node_names`` spells it."""
+    how: How
+    """The frontend that reaches it: ``"fx"`` (a tap in a traced graph), ``"hook"`` (a module
+    hook in code that runs as written), later ``"dynamo"``, ``"script"``, ``"export"``."""
+    kind: str
+    """The fx node kind: placeholder, get_attr, call_module, call_function or call_method."""
+    target: Any = field(compare=False)
+    """Module path (call_module), function (call_function), method name (call_method)."""
+    module_path: str
+    """Qualified path of the called module (call_module) or of the module whose code ran it."""
+    module_type: type[nn.Module] | None = field(default=None, compare=False)
+    """Type of the called module for call_module sites, else None."""
+    op_key: str | None = None
+    """Canonical op name shared by every spelling (``add`` for ``torch.add``, ``x + y``)."""
+    inlined: bool = False
+    """A call of a module that fx traced through: its value is the output of the call's last
+    node (no node of its own), its inputs the call's arguments."""
+    listed: bool = True
+    """Listed by ``fxprobe.sites(model)``, whose names are torchvision's ``get_graph_node_names``:
+    every node but calls fx traced through and the sites inside blocks torchvision keeps whole
+    (a ``Conv2dNormActivation``: its call is listed, its convolution is a site all the same)."""
+    type_name: str | None = None
+    """Qualified class name of the called module where no Python class is at hand
+    (TorchScript, torch.export): ``torchvision.models.resnet.BasicBlock``."""
+
+    @property
+    def op(self) -> str:
+        """A readable name of what the site computes (``Conv2d``, ``torch.flatten``, ``.add``)."""
+        if self.kind == "call_module":
+            if self.module_type is not None:
+                return self.module_type.__name__
+            return self.type_name.rpartition(".")[2] if self.type_name else "module"
+        if self.kind == "call_function":
+            if isinstance(self.target, str):  # an IR op: aten::flatten, aten.softmax.int
+                return self.target
+            return describe_function(self.target)
+        if self.kind == "call_method":
+            return f".{self.target}()"
+        if self.kind == "placeholder":
+            return "input"
+        return "attribute"
+
+
+
+
+def sites_of(node: fx.Node) -> list[Site]:
+    """The sites a frontend attached to ``node`` (empty for plumbing it does not name)."""
+    return node.meta.get(SITES, [])
+
+
+def attach(node: fx.Node, site: Site) -> None:
+    """Record that ``site``'s value is ``node``'s value."""
+    node.meta.setdefault(SITES, []).append(site)
+
+
+def node_site(node: fx.Node) -> Site | None:
+    """The site that names ``node`` itself (not a module call it ends), if any."""
+    for site in sites_of(node):
+        if not site.inlined:
+            return site
+    return None

@@ -1,0 +1,396 @@
+"""The dynamo frontend: modules that torch.fx cannot trace, captured by torch dynamo.
+
+A :class:`DynamoRegion` runs a module's own ``forward`` under ``torch.compile`` with fxprobe's
+backend. Every graph dynamo captures (one per frame, per graph break, per recompilation) reaches
+the backend as an fx graph; the backend attaches a :class:`~fxprobe.Site` to its nodes
+(``node.meta["fxprobe_sites"]``, :mod:`frontends.dynamo_names`), selects sites, inserts the taps
+with the same pass as the fx frontend (:func:`fxprobe.capture.rewrite.insert_taps`, which calls the
+shared :class:`~capture.pipeline.Pipeline`) and returns a plain function that runs the result
+eagerly (no inductor)::
+
+    frame -> dynamo -> fx graph -> name_graph -> insert_taps -> compile_region -> run eagerly
+                                                                     |
+                                           kept values -> Pipeline.store (one frame/forward)
+
+Sites are discovered at the first call with real inputs; code between graphs (graph breaks) runs
+as written. With inlined ``nn.Module`` calls (always, from torch 2.5), one graph compiled for a
+frame of ``layers[0]`` may be reused for ``layers[1]``: each instrumented graph is therefore
+keyed by the identity of a parameter it receives, and a new instance gets its own names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..capture.pipeline import Pipeline
+from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
+from ..core.errors import CaptureError
+from ..core.options import Capture, CopyPolicy
+from ..core.site import STATE, Site, attach
+from .dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
+
+
+def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """The attention probabilities inside ``F.scaled_dot_product_attention(query, key, ...)``.
+
+    ``softmax(query @ key.T * scale + mask)`` as the math path of SDPA computes it, before
+    dropout; a query that may attend to no key (a fully masked row) gets zeros, as in SDPA.
+
+    As a selector (``ops=fxprobe.attention_probs``) it taps these probabilities beside every
+    SDPA call that the dynamo frontend captured: computed on the side from the call's own
+    arguments, only for the selected calls, while the model keeps its fused attention. Each
+    such site is named ``<module path>.attention_probs``.
+
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
+            ``F.scaled_dot_product_attention`` (``value`` and ``dropout_p`` are not used).
+
+    Returns:
+        A tensor shaped ``(..., heads, query length, key length)``.
+
+    Example:
+        >>> tapped = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo")
+        >>> out = tapped(input_ids=ids)
+        >>> tapped.taps["transformer.h.0.attn.attention_probs"].shape  # (batch, heads, q, k)
+    """
+    q_len, k_len = query.size(-2), key.size(-2)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.size(-1))
+    if enable_gqa and key.dim() >= 3 and key.size(-3) != query.size(-3):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    # SDPA's math path (a "safe" softmax) gives rows that attend to nothing zeros, not NaN.
+    return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """What the dynamo frontend captured for one module (``tapped.captures``)."""
+
+    path: str
+    """Path of the module dynamo runs ('' for the whole model)."""
+    graphs: int
+    """Graphs captured so far: one per frame and graph break, plus one per recompilation."""
+    breaks: int
+    """Graph breaks in the last forward: the distinct graphs it ran, minus one (as
+    ``torch._dynamo.explain`` counts them)."""
+    sites: int
+    """Sites discovered so far in these graphs."""
+
+    def __str__(self) -> str:
+        where = self.path or "<model>"
+        return (f"{where}: {self.graphs} graph(s) captured by dynamo, {self.breaks} graph "
+                f"break(s) in the last forward, {self.sites} site(s)")
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    """One graph torch dynamo captured, named for one module instance: what pictures draw."""
+
+    key: str
+    """Its key in ``tapped.graphs`` (``"dynamo:<path>:<n>"``, ``"@<instance>"`` when reused)."""
+    path: str
+    """Path of the module dynamo runs ('' for the whole model)."""
+    number: int
+    """Its place in the order dynamo captured the region's graphs, from 0."""
+    frame: int | None
+    """Dynamo's id of the frame (code object) it was captured from: a recompilation (a new
+    sequence length) captures the same frame again under the same id; None if unknown."""
+    instance: str
+    """Path of the module instance its names are for (``h.1`` running ``h.0``'s graph)."""
+    graph: fx.Graph
+    """The captured graph with its sites (``node.meta``), before the taps went in."""
+    ran: tuple[int, int]
+    """When it last ran: (forward, place among the graphs that forward ran), (-1, -1) if never;
+    the graphs of the last forward sorted by it are in the order they ran."""
+
+
+def _frame_id() -> int | None:
+    """The id dynamo gives the frame it is compiling now (None outside a compilation)."""
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # a private API: drawing falls back to one entry per graph
+        return None
+    frame = getattr(compile_id, "frame_id", None)
+    return frame if isinstance(frame, int) else None
+
+
+def dynamo_failed(e: BaseException) -> bool:
+    """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
+    return isinstance(e, (torch._dynamo.exc.TorchDynamoException, CaptureError))
+
+
+def _join_path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+class _Instrumented:
+    """One captured graph rewritten for one instance of its frame's module."""
+
+    __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix", "named",
+                 "ran")
+
+    def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph) -> None:
+        self.graph = compiled.graph
+        self.fn = compiled.fn
+        self.holder = compiled.holder
+        self.names = compiled.names
+        self.copied = compiled.copied
+        self.outplaced = compiled.outplaced
+        self.prefix = prefix
+        """The path, relative to the region, of the module instance it runs for."""
+        self.named = named
+        """The graph with its sites, before the taps went in (for the pictures)."""
+        self.ran = (-1, -1)
+        """(forward, place among the graphs it ran) of its first run in the last forward it
+        ran in (for the pictures: graphs drawn in the order they ran)."""
+
+
+class _Captured:
+    """A graph dynamo handed to the backend, and its instrumented versions."""
+
+    def __init__(self, region: DynamoRegion, gm: fx.GraphModule,
+                 example_inputs: Sequence[Any]) -> None:
+        self.region = region
+        self.gm = gm
+        self.frame = _frame_id()
+        # A parameter the graph receives, to tell which module instance runs the frame:
+        # preferably one reached from the frame's ``self``.
+        self.anchor: int | None = None
+        self.anchor_rel = ""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders[: len(example_inputs)]):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = getattr(source, "name", None)
+            name = name() if callable(name) else name
+            if isinstance(example_inputs[i], nn.Parameter) or (
+                    isinstance(name, str) and "_buffers" in name):
+                node.meta[STATE] = True  # the module's own: no code around the graph writes it
+            if not isinstance(name, str) or not isinstance(example_inputs[i], nn.Parameter):
+                continue
+            rel = param_path(name)
+            if rel is not None and (self.anchor is None or name.startswith("L['self']")):
+                self.anchor, self.anchor_rel = i, rel
+                if name.startswith("L['self']"):
+                    break
+        self.located = self._locate() if self.anchor is None else ""
+        self.captured_prefix = self.prefix_of(example_inputs)
+        self.versions: dict[int, _Instrumented] = {}
+        self.stamp = -1
+
+    def _locate(self) -> str:
+        """Without a parameter to tell: the one module of the region whose ``forward`` holds
+        the frame's own code (a module's forward split by a graph break runs as a frame of
+        its own); "" (the region's module) if none or several do."""
+        lines = set()
+        for node in self.gm.graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module") and not node.meta.get(
+                    "nn_module_stack"):
+                found = FILE_LINE.findall(node.meta.get("stack_trace") or "")
+                if found:
+                    lines.add((found[-1][0], int(found[-1][1])))
+        if not lines:
+            return ""
+        owners = set()
+        for rel, m in self.region.module.named_modules():
+            code = getattr(type(m).forward, "__code__", None)
+            if code is None:
+                continue
+            last = max((ln for _, _, ln in code.co_lines() if ln is not None),
+                       default=code.co_firstlineno)
+            if all(f == code.co_filename and code.co_firstlineno <= ln <= last
+                   for f, ln in lines):
+                owners.add(rel)
+        return owners.pop() if len(owners) == 1 else ""
+
+    def prefix_of(self, args: Sequence[Any]) -> str:
+        if self.anchor is None:
+            return self.located
+        rel = self.anchor_rel
+        for owner in self.region.param_names.get(id(args[self.anchor]), ()):
+            if owner == rel or owner.endswith("." + rel):
+                return owner[: len(owner) - len(rel)].rstrip(".")
+        return ""
+
+    def version(self, args: Sequence[Any]) -> _Instrumented:
+        key = id(args[self.anchor]) if self.anchor is not None else 0
+        found = self.versions.get(key)
+        if found is None:
+            found = self.versions[key] = self.region.instrument(
+                self.gm, self.captured_prefix, self.prefix_of(args))
+        return found
+
+    def __call__(self, *args: Any) -> Any:
+        region = self.region
+        anchor = self.anchor
+        version = self.versions.get(id(args[anchor]) if anchor is not None else 0)
+        if version is None:
+            version = self.version(args)
+        result = version.fn(version.holder, *args)
+        if self.stamp != region.calls:  # the first run of this graph in this forward
+            self.stamp = region.calls
+            region.runs += 1
+        if version.ran[0] != region.calls:
+            region.steps += 1
+            version.ran = (region.calls, region.steps)
+        region.pipeline.store(version.names, result[1])
+        return result[0]
+
+
+class DynamoRegion:
+    """A module run under torch dynamo with fxprobe's backend (see the module docstring)."""
+
+    def __init__(self, path: str, module: nn.Module, *, pipeline: Pipeline,
+                 capture: Capture, copy: CopyPolicy,
+                 is_leaf: Callable[[nn.Module, str], bool],
+                 choose: Callable[[Sequence[Site]], list[Site]],
+                 on_sites: Callable[[list[Site], list[Site]], None]) -> None:
+        self.path = path
+        self.module = module
+        self.pipeline = pipeline
+        self.capture = capture
+        self.copy = copy
+        self.is_leaf = is_leaf
+        self.choose = choose
+        self.on_sites = on_sites
+        self.namer = Namer()
+        # Every name of each parameter (tied weights have several).
+        self.param_names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(p), []).append(name)
+        self.module_ids = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        self.state = [*module.parameters(), *module.buffers()]
+        self.sites: dict[str, Site] = {}
+        self.modules: set[str] = set()
+        """The paths of the modules whose code ran in a captured graph."""
+        self.captured: list[_Captured] = []
+        self.graphs = 0
+        self.calls = 0
+        self.runs = 0
+        self.steps = 0
+        """Instrumented graphs run so far (each counted once per forward)."""
+        self.last_runs = 0
+        self._forward = type(module).forward
+        self._compiled: Callable[..., Any] | None = None
+
+    @property
+    def what(self) -> str:
+        """``GPT2Model ('transformer')``, for messages."""
+        return type(self.module).__name__ + (f" ({self.path!r})" if self.path else "")
+
+    def versions(self) -> list[int]:
+        """The version counters of the module's parameters and buffers: a change shows an
+        in-place write by the forward (see ``_tap.TappedModule._run_deferred``)."""
+        return [t._version for t in self.state]
+
+    def instrumented(self) -> dict[str, _Instrumented]:
+        """Every instrumented graph so far, by key (``tapped.graphs``):
+        ``"dynamo:<region path>:<graph number>"``, the graphs numbered from 0 in the order
+        dynamo captured them, then ``"@<module path>"`` for a graph dynamo reuses for another
+        instance of the module it was captured for (``layers.1`` running ``layers.0``'s graph).
+        """
+        return {key: version for key, _, _, version in self._versions()}
+
+    def _versions(self) -> list[tuple[str, int, _Captured, _Instrumented]]:
+        out = []
+        for i, captured in enumerate(self.captured):
+            for version in captured.versions.values():
+                key = f"dynamo:{self.path}:{i}"
+                if version.prefix != captured.captured_prefix:
+                    key += f"@{_join_path(self.path, version.prefix)}"
+                out.append((key, i, captured, version))
+        return out
+
+    def drawn(self) -> list[CapturedGraph]:
+        """Every named graph so far (see :meth:`instrumented`), for the pictures."""
+        return [CapturedGraph(key, self.path, number, captured.frame,
+                              _join_path(self.path, version.prefix), version.named, version.ran)
+                for key, number, captured, version in self._versions()]
+
+    @property
+    def info(self) -> CaptureInfo:
+        return CaptureInfo(self.path, self.graphs, max(self.last_runs - 1, 0), len(self.sites))
+
+    def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """The torch.compile backend: each captured graph is tapped and runs eagerly."""
+        self.graphs += 1
+        captured = _Captured(self, gm, example_inputs)
+        captured.version(example_inputs)
+        self.captured.append(captured)
+        return captured
+
+    def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str
+                   ) -> _Instrumented:
+        """Name the graph's nodes for the module instance at ``prefix`` and insert its taps."""
+        graph = copy_graph(gm.graph)
+        named: NamedGraph = name_graph(
+            graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
+            captured_prefix=captured_prefix, frame_prefix=prefix,
+            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
+        self.modules |= named.modules
+        new = [s for s in named.order if s.name not in self.sites]
+        self.sites.update((s.name, s) for s in named.order)
+        selected = self.choose(named.order)
+        chosen = {s.name for s in selected}
+        for node, probs in named.sdpa.items():
+            if probs.name not in chosen:
+                continue  # computed only where selected: the model keeps its fused attention
+            with graph.inserting_after(node):
+                extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
+            attach(extra, probs)
+        self.on_sites(new, selected)
+        named_graph = copy_graph(graph)
+        # A captured graph returns to dynamo's bytecode (the code between graph breaks, or
+        # the caller), which fxprobe does not see and which may write into what it returns.
+        order, copied, outplaced = insert_taps(
+            graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
+            pipeline=self.pipeline, escapes=True)
+        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
+                             prefix, named_graph)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self._compiled
+        if compiled is None:
+            own_forward = self._forward
+
+            def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                # Not the forward itself: a decorated forward (transformers' wrappers) as the
+                # top frame is split at its first call; called from here it is inlined.
+                return own_forward(module, *args, **kwargs)
+
+            # A code object of its own: dynamo caches graphs (and counts recompilations
+            # against recompile_limit) per code object, and this one is per region.
+            run.__code__ = run.__code__.replace(co_name=f"fxprobe_{type(self.module).__name__}")
+            compiled = self._compiled = torch.compile(run, backend=self.backend)
+        self.calls += 1
+        before = self.runs
+        result = compiled(self.module, *args, **kwargs)
+        self.last_runs = ran = self.runs - before
+        if ran == 0:
+            raise CaptureError(
+                f"torch dynamo ran {type(self.module).__name__}"
+                f"{f' ({self.path})' if self.path else ''} without any of fxprobe's graphs, "
+                "so nothing could be tapped: it hit torch._dynamo.config.recompile_limit "
+                f"(now {torch._dynamo.config.recompile_limit}) or skipped the frame (as it "
+                "does inside an outer torch.compile, which traces through it). Raise "
+                "that limit, call torch._dynamo.reset(), or use tracer='hooks'."
+            )
+        return result

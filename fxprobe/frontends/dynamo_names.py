@@ -1,0 +1,280 @@
+"""Site identity for graphs that torch dynamo captured: the fx frontend's names, from node meta.
+
+Dynamo names a node after the variable it was assigned to (``attn_weights_3``); fxprobe names
+it as the fx frontend does: the enclosing module's path, taken from ``node.meta
+["nn_module_stack"]``, then the op (``transformer.h.0.attn.softmax``), repeats counted within
+the module. A call of a module that fx would not trace into (``nn.Linear``, ``nn.LayerNorm``)
+is one site named by its path, whose value is the call's output.
+
+A name must not depend on which graph a node landed in (graph breaks, recompilations), so
+:class:`Namer` keys each node by what it is (module path, op, source line, occurrence) and hands
+out the same name whenever that key comes back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..core.ops import method_key, module_key, op_key
+from ..core.site import CALL_ARGS, Site, attach
+
+_SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
+_ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
+FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def module_path(stack_path: str) -> str:
+    """``"L['self'].h[0]._modules['attn']"`` -> ``"h.0.attn"`` (relative to the frame's self)."""
+    rest = _SOURCE_ROOT.sub("", stack_path)
+    rest = _ITEM.sub(r".\1", rest)
+    return rest.strip(".")
+
+
+def param_path(source_name: str) -> str | None:
+    """``"L['self']._modules['h']._parameters['weight']"`` -> ``"h.weight"``."""
+    if not _SOURCE_ROOT.match(source_name):
+        return None
+    rest = _SOURCE_ROOT.sub("", source_name)
+    rest = re.sub(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r".\1", rest)
+    if "[" in rest or "(" in rest:
+        return None
+    return rest.strip(".")
+
+
+def op_name(node: fx.Node) -> str:
+    """The op part of a site name, as fx would name the node (``softmax``, ``matmul``)."""
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", None) or "op"
+    if isinstance(target, torch._ops.OpOverload):
+        name = target._opname
+    name = fx.graph._snake_case(re.sub(r"\W+", "_", name)).strip("_")
+    return name or "op"
+
+
+def dynamo_op_key(node: fx.Node) -> str | None:
+    """The canonical op of a node, for every spelling dynamo records (ATen overloads too)."""
+    target = node.target
+    if node.op == "call_method":
+        return method_key(str(target))
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+        return method_key(packet.__name__.lstrip("_"))
+    return op_key(target)
+
+
+def _location(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    found = FILE_LINE.findall(trace)
+    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+
+
+class Namer:
+    """Hands out site names that stay the same across graphs, breaks and recompilations."""
+
+    def __init__(self) -> None:
+        self._names: dict[tuple[str, str, int], str] = {}
+        self._counts: dict[str, int] = {}
+
+    def name(self, base: str, location: str, occurrence: int) -> str:
+        key = (base, location, occurrence)
+        name = self._names.get(key)
+        if name is None:
+            count = self._counts.get(base, 0)
+            self._counts[base] = count + 1
+            name = f"{base}_{count}" if count else base
+            self._names[key] = name
+        return name
+
+
+def _join(prefix: str, name: str) -> str:
+    if not prefix:
+        return name
+    return f"{prefix}.{name}" if name else prefix
+
+
+@dataclass
+class NamedGraph:
+    """The sites of one captured graph, for one instance of the frame's module."""
+
+    sites: dict[fx.Node, Site]
+    """The site of each node that has one (calls, not placeholders or attributes)."""
+    sdpa: dict[fx.Node, Site]
+    """The attention-probabilities site beside each scaled_dot_product_attention call."""
+    order: list[Site]
+    """Every site in graph order (attention probabilities right after their SDPA call)."""
+    modules: frozenset[str] = frozenset()
+    """The paths of the modules whose code ran in the graph (the frame's own included)."""
+
+
+def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
+               module_ids: dict[int, str], captured_prefix: str, frame_prefix: str,
+               is_leaf: Callable[[nn.Module, str], bool], namer: Namer,
+               probs_fn: Callable[..., Any]) -> NamedGraph:
+    """Give every call node of a dynamo graph a :class:`Site` (``how="dynamo"``).
+
+    Args:
+        graph: the captured graph.
+        root: the module the dynamo region runs (fxprobe's copy).
+        root_path: its path in the model.
+        module_ids: the path (relative to ``root``) of every module, by ``id``; dynamo keys
+            ``nn_module_stack`` entries by the id of the module called.
+        captured_prefix: the path, relative to ``root``, of the module that was ``self`` in
+            the frame when dynamo captured it ("" for the region's own forward).
+        frame_prefix: the same for the module instance the names are for (a graph captured
+            for ``layers.0`` also runs ``layers.1``).
+        is_leaf: whether fx would keep a module (by absolute path) as one call.
+        namer: the region's namer.
+        probs_fn: the function that stands for attention probabilities.
+    """
+    modules: dict[str, nn.Module | None] = {}
+    seen_modules: set[str] = {_join(root_path, frame_prefix)}
+
+    def resolve(key: str, path: str) -> str:
+        ident = key.split("@", 1)[0]
+        rel = module_ids.get(int(ident)) if ident.isdigit() else None
+        if rel is None:
+            return _join(frame_prefix, module_path(path))
+        if captured_prefix != frame_prefix and (
+                rel == captured_prefix or rel.startswith(captured_prefix + ".")
+                or not captured_prefix):
+            rel = _join(frame_prefix, rel[len(captured_prefix):].lstrip("."))
+        return rel
+
+    def module_at(rel: str) -> nn.Module | None:
+        if rel not in modules:
+            try:
+                modules[rel] = root.get_submodule(rel)
+            except AttributeError:
+                modules[rel] = None
+        return modules[rel]
+
+    calls = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    # Which leaf-module call (by nn_module_stack key, unique per call) each node belongs to.
+    leaf_call: dict[fx.Node, tuple[str, str, nn.Module]] = {}
+    innermost: dict[fx.Node, str] = {}
+    for node in calls:
+        stack = node.meta.get("nn_module_stack") or {}
+        inner = frame_prefix  # code of the frame's own module has no stack entry
+        for key, (path, _cls) in stack.items():
+            rel = resolve(str(key), str(path))
+            inner = rel
+            if node in leaf_call:
+                continue
+            m = module_at(rel)
+            if m is not None and rel and is_leaf(m, _join(root_path, rel)):
+                leaf_call[node] = (str(key), rel, m)
+        innermost[node] = _join(root_path, inner)
+    members: dict[str, list[fx.Node]] = {}
+    for node, (key, _rel, _m) in leaf_call.items():
+        members.setdefault(key, []).append(node)
+    outputs: dict[fx.Node, tuple[str, nn.Module]] = {}
+    inputs: dict[fx.Node, tuple[tuple[fx.Node, ...], fx.Node]] = {}
+    for nodes in members.values():
+        group = set(nodes)
+        out = nodes[-1]
+        for n in nodes:
+            if any(u not in group for u in n.users):
+                out = n
+        _k, rel, m = leaf_call[out]
+        outputs[out] = (_join(root_path, rel), m)
+        inputs[out] = (_call_inputs(nodes, group), nodes[0])
+    # Calls of modules dynamo traced through (``h.0.mlp``): a site on the one node whose value
+    # leaves the call. Without nested graph breaks (dynamo's default) a call that a graph
+    # break splits runs as a frame of its own, so every call seen here is whole.
+    whole = not getattr(torch._dynamo.config, "nested_graph_breaks", False)
+    calls_of: dict[str, list[fx.Node]] = {}
+    where: dict[str, tuple[str, nn.Module]] = {}
+    for node in calls:
+        for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+            rel = resolve(str(key), str(path))
+            m = module_at(rel)
+            if m is None or not rel:
+                continue
+            seen_modules.add(_join(root_path, rel))
+            if whole and not is_leaf(m, _join(root_path, rel)):
+                calls_of.setdefault(str(key), []).append(node)
+                where[str(key)] = (rel, m)
+    module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node]]] = {}
+    for key, nodes in calls_of.items():
+        group = set(nodes)
+        leaving = [n for n in nodes if any(u not in group for u in n.users)]
+        if len(leaving) > 1:
+            # Values that only leave the graph (a KV cache dynamo writes back) are not
+            # what the code after the call reads.
+            leaving = [n for n in leaving
+                       if any(u not in group and u.op != "output" for u in n.users)]
+        if len(leaving) != 1:
+            continue  # several values (a tuple) or none: no one node holds the output
+        rel, m = where[key]
+        module_calls.setdefault(leaving[0], []).append(
+            (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0]))
+
+    seen: dict[tuple[str, str], int] = {}
+    sites: dict[fx.Node, Site] = {}
+    sdpa: dict[fx.Node, Site] = {}
+    order: list[Site] = []
+
+    def next_name(base: str, loc: str) -> str:
+        occurrence = seen.get((base, loc), 0)
+        seen[(base, loc)] = occurrence + 1
+        return namer.name(base, loc, occurrence)
+
+    for node in calls:
+        loc = _location(node)
+        if node in outputs:
+            path, m = outputs[node]
+            site = Site(next_name(path, loc), "dynamo", "call_module", path, path, type(m),
+                        module_key(type(m)))
+            # Its inputs are the module's, not the functional call's (``F.linear(x, w, b)``).
+            node.meta.setdefault(CALL_ARGS, {})[site.name] = inputs[node]
+        else:
+            mpath = innermost[node]
+            base = _join(mpath, op_name(node))
+            key = dynamo_op_key(node)
+            site = Site(next_name(base, loc), "dynamo", node.op, node.target, mpath, None, key)
+        attach(node, site)
+        sites[node] = site
+        order.append(site)
+        # Outer calls end after inner ones: the innermost module's site comes first.
+        for path, m, args, first in reversed(module_calls.get(node, ())):
+            call = Site(next_name(path, _location(first)), "dynamo", "call_module", path, path,
+                        type(m), module_key(type(m)), inlined=True, listed=False)
+            attach(node, call)
+            node.meta.setdefault(CALL_ARGS, {})[call.name] = (args, first)
+            order.append(call)
+        if site.op_key == "scaled_dot_product_attention":
+            base = _join(site.module_path, "attention_probs")
+            probs = Site(next_name(base, loc), "dynamo", "call_function", probs_fn,
+                         site.module_path, None, None)
+            sdpa[node] = probs
+            order.append(probs)
+    return NamedGraph(sites, sdpa, order, frozenset(seen_modules))
+
+
+def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ...]:
+    """The values a module call read from outside it, in first-use order: its tensor inputs,
+    without the parameters and buffers (graph inputs that dynamo sourced from a module)."""
+    found: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in group or a in found or a.op == "get_attr":
+                continue
+            if a.op == "placeholder" and is_state(a):
+                continue
+            found[a] = None
+    return tuple(found)
+
+
+def is_state(node: fx.Node) -> bool:
+    """Whether a placeholder of a dynamo graph is a parameter or buffer of a module (dynamo
+    passes the module's state in as graph inputs), not a value the code computed or was given."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    return isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name)

@@ -1,0 +1,590 @@
+"""Tracing: a model's module tree -> fx graphs with qualified site names, falling back per module.
+
+``plan()`` walks a (copied) model. Every module it can trace with ``torch.fx`` becomes a *region*:
+a graph whose nodes carry torchvision-style names (``layer1.0.relu_1``). A module whose own code
+cannot be traced becomes *opaque*: it runs as written, its traceable children become regions of
+their own, and its leaf children are reached by hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import linecache
+import math
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..capture.inplace import OUT_OF_PLACE
+from ..core.errors import TracedStateError, TraceError
+from ..core.ops import method_key, module_key, op_key
+from ..core.options import TracerKind
+from ..core.site import CALL_ARGS, Site, attach, sites_of
+from .mirror import guard_state, has_patched_forward, user_hooks
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+# fxprobe's tracing machinery: its frames are never where a model's tracing failed.
+_OWN_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                   for f in ("_trace.py", "_mirror.py"))
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A module fxprobe could not trace and runs as written, reaching inside it by hooks."""
+
+    path: str
+    """Qualified path of the module ('' for the top-level model)."""
+    module_type: type[nn.Module]
+    """Its class."""
+    error: str
+    """The tracing error, one line."""
+    location: str
+    """``file:line: code`` of the source line where tracing failed, if known."""
+
+    @property
+    def where(self) -> str:
+        """The module's path, or "the top-level module"."""
+        return self.path or "the top-level module"
+
+    @property
+    def what(self) -> str:
+        """``module 'gate' (Gate)``, or ``the top-level forward of Net``."""
+        if self.path:
+            return f"module {self.path!r} ({self.module_type.__name__})"
+        return f"the top-level forward of {self.module_type.__name__}"
+
+    def __str__(self) -> str:
+        where = self.path or f"<top-level {self.module_type.__name__}>"
+        loc = f" at {self.location}" if self.location else ""
+        return f"{where}: {self.error}{loc}"
+
+
+@dataclass(frozen=True)
+class DynamoTarget:
+    """A module that runs under torch dynamo (``_dynamo``): its sites are found as it runs."""
+
+    path: str
+    """Qualified path of the module ('' for the top-level model)."""
+    module_type: type[nn.Module]
+    """Its class."""
+    reason: str
+    """Why: the torch.fx error, one line, or that ``tracer="dynamo"`` asked for it."""
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """``tracer="auto"``: a module fx could not trace, tried with torch dynamo at its first call.
+
+    Until then (and for good if dynamo fails on it) it is a :class:`Fallback` like any other:
+    its hook sites and the regions traced inside it are in the plan, so that they are known
+    before the first forward. Once dynamo captured it, its dynamo sites replace them.
+    """
+
+    fallback: Fallback
+    """The module as a fallback: path, type, the torch.fx error."""
+    sites: frozenset[str]
+    """The names of the sites the fallback reaches inside it (hooks, regions traced inside)."""
+    regions: frozenset[str]
+    """The paths of the regions traced inside it."""
+    fallbacks: tuple[Fallback, ...]
+    """Its own fallback and those of untraceable modules inside it."""
+
+    @property
+    def path(self) -> str:
+        return self.fallback.path
+
+    def covers(self, path: str) -> bool:
+        """Whether ``path`` is a module strictly inside this one."""
+        own = self.fallback.path
+        return path != own and (not own or path.startswith(own + "."))
+
+
+@dataclass
+class Region:
+    """A module traced into one fx graph whose nodes carry their sites (before any tap)."""
+
+    path: str
+    """Qualified path of the traced module ('' for the model)."""
+    module: nn.Module
+    """fxprobe's copy of that module."""
+    graph: fx.Graph
+    """The traced graph; ``sites_of(node)`` gives each node's sites."""
+
+    def sites(self) -> Iterator[tuple[fx.Node, Site]]:
+        """Every (node, site) of the graph, in execution order."""
+        for node in self.graph.nodes:
+            for site in sites_of(node):
+                yield node, site
+
+
+@dataclass
+class Plan:
+    """How one mode (train or eval) of a model is reached: regions, fallbacks, sites in order."""
+
+    root_region: Region | None
+    regions: dict[str, Region]
+    fallbacks: list[Fallback]
+    sites: list[Site]
+    dynamo: list[DynamoTarget] = field(default_factory=list)
+    """Modules captured by torch dynamo; their sites are known after their first forward."""
+    deferred: list[Deferred] = field(default_factory=list)
+    """``tracer="auto"``: fallbacks to try with torch dynamo at their first call."""
+
+
+class SiteTracer(fx.Tracer):
+    """The fx frontend's tracer: every node it records carries its :class:`Site` in
+    ``node.meta`` (see :func:`fxprobe.core.site.attach`), named as torchvision names it.
+
+    Buffers are traced as graph values (``proxy_buffer_attributes``): otherwise a forward that
+    updates a buffer in place (a counter, a running statistic) would write into the model's
+    real buffer once while tracing and be missing from the graph. A buffer, and a value computed
+    from buffers alone, is no site: torchvision's tracer sees constants there. A call of a
+    module that fx traces through gets a site too (its path, ``inlined=True``) on the call's
+    last node.
+
+    torchvision's ``get_graph_node_names`` keeps ``torchvision.ops`` modules whole
+    (:func:`library_blocks`: ``Conv2dNormActivation``, ``MLP``...) and names one node per call.
+    This tracer traces through them, so that their convolutions and activations stay sites, but
+    lists the call (its path, ``listed=True``) in their place and the sites inside them with
+    ``listed=False``: ``fxprobe.sites(model)`` then equals torchvision's names. It records
+    ``torchvision.ops`` functions as single calls (:func:`autowrap_modules`), as torchvision
+    does.
+    """
+
+    proxy_buffer_attributes = True
+
+    def __init__(self, prefix: str, leaf_types: tuple[type, ...], leaf_paths: frozenset[str],
+                 opaque: set[str], autowrap_functions: tuple[Callable[..., Any], ...],
+                 blocks: tuple[type, ...] = ()) -> None:
+        # fx annotates autowrap_modules as a 1-tuple; it takes any number of modules.
+        super().__init__(autowrap_modules=autowrap_modules(),  # type: ignore[arg-type]
+                         autowrap_functions=autowrap_functions)
+        self.prefix = prefix
+        self.leaf_types = leaf_types
+        self.leaf_paths = leaf_paths
+        self.opaque = opaque
+        self.current = ""
+        self.failed_path: str | None = None
+        self.node_names = Namer()
+        self.call_names = Namer()
+        self.taken: set[str] = set()
+        self.buffer_values: set[fx.Node] = set()
+        self.blocks = blocks
+        self.inside_blocks = 0
+
+    def absolute(self, path: str) -> str:
+        return _join(self.prefix, path)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.opaque:
+            return True
+        if module_qualified_name and user_hooks(m):
+            return True  # a boundary: called as a module, so its hooks run at every call
+        return is_leaf(m, self.absolute(module_qualified_name), self.leaf_types, self.leaf_paths)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        old = self.current
+        try:
+            path = self.path_of_module(m)
+            self.current = path
+            if self.is_leaf_module(m, path):
+                return self.create_proxy("call_module", path, args, kwargs)
+            before = self.graph._root.prev  # the last node so far (the root sentinel if none)
+            block = bool(path) and bool(self.blocks) and isinstance(m, self.blocks)
+            self.inside_blocks += block
+            try:
+                out = forward(*args, **kwargs)
+            except Exception:
+                if self.failed_path is None:  # the innermost module sees the error first
+                    self.failed_path = path
+                raise
+            finally:
+                self.inside_blocks -= block
+            listed = block and not self.inside_blocks
+            last = out.node if isinstance(out, fx.Proxy) else None
+            if last is None and listed and _holds_proxy(out):
+                # A block that returns a nest (an FPN's dict) is one node in torchvision's
+                # graph: one node that hands the nest on stands for it here.
+                last = self.graph.create_node("call_function", _nest, (_nodes_of(out),), {})
+            made = before.next if before.next is not self.graph._root else None
+            if path and last is not None and made is not None and not _made_since(before, last):
+                # The call hands back a value made before it (its input) and ran ops: the
+                # value it returns is that one after those ops (which may have written it in
+                # place), so the site sits on a node after them.
+                last = self.graph.create_node("call_function", _nest, (last,), {})
+            if path and last is not None:
+                first = made if made is not None else last
+                self._name_call(m, path, last, args, first, listed=listed)
+            return out
+        finally:
+            self.current = old
+
+    def _name_call(self, m: nn.Module, path: str, last: fx.Node, args: tuple[Any, ...],
+                   first: fx.Node, listed: bool) -> None:
+        target = self.absolute(path)
+        # A listed block call is a node of torchvision's graph: it counts among the nodes.
+        namer = self.node_names if listed else self.call_names
+        name = self._unique(namer.next(target))
+        attach(last, Site(name, "fx", "call_module", target, target, type(m), None,
+                          inlined=True, listed=listed))
+        arg_nodes = tuple(a.node if isinstance(a, fx.Proxy) else a for a in args)
+        last.meta.setdefault(CALL_ARGS, {})[name] = (arg_nodes, first)
+
+    def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], name: str | None = None, type_expr: Any = None,
+                     *rest: Any) -> fx.Proxy:
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest)
+        node = proxy.node
+        if kind == "get_attr" and self._is_buffer(str(target)):
+            self.buffer_values.add(node)
+            return proxy  # torchvision's tracer makes no named node for a buffer
+        inputs = node.all_input_nodes
+        if kind in ("call_function", "call_method") and inputs and all(
+                n in self.buffer_values for n in inputs):
+            # torchvision's tracer sees a buffer as a constant tensor: what is computed from
+            # buffers alone (maxvit's relative_position_index.view(-1)) runs eagerly there and
+            # is no node, so it is no site here either (and takes no name from later nodes).
+            self.buffer_values.add(node)
+            return proxy
+        module_path = self.absolute(self.current)
+        qual = module_path
+        if node.op != "call_module":
+            qual = _join(qual, node.name)
+        site = self._site(self._unique(self.node_names.next(qual)), node, module_path)
+        if self.inside_blocks:
+            site = dataclasses.replace(site, listed=False)
+        attach(node, site)
+        return proxy
+
+    def _site(self, name: str, node: fx.Node, module_path: str) -> Site:
+        if node.op == "call_module":
+            target = self.absolute(str(node.target))
+            mtype = type(self.root.get_submodule(str(node.target)))
+            return Site(name, "fx", node.op, target, target, mtype, module_key(mtype))
+        if node.op == "call_function":
+            return Site(name, "fx", node.op, node.target, module_path, None, op_key(node.target))
+        if node.op == "call_method":
+            key = method_key(str(node.target))
+            return Site(name, "fx", node.op, node.target, module_path, None, key)
+        return Site(name, "fx", node.op, node.target, module_path, None, None)
+
+    def _unique(self, name: str) -> str:
+        # torchvision's scheme can repeat a name (a module "x" called twice beside a module
+        # "x_1"); a site name must be unique, so a repeat is suffixed further.
+        base, n = name, 1
+        while name in self.taken:
+            name = f"{base}_{n}"
+            n += 1
+        self.taken.add(name)
+        return name
+
+    def _is_buffer(self, target: str) -> bool:
+        owner, _, attr = target.rpartition(".")
+        try:
+            module = self.root.get_submodule(owner)
+        except AttributeError:
+            return False
+        return attr in module._buffers
+
+
+def _made_since(before: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` comes after ``before`` in the graph (a call made it, ``before`` being
+    the last node before the call)."""
+    n = before.next
+    while n.op != "root":
+        if n is node:
+            return True
+        n = n.next
+    return False
+
+
+def _nest(value: Any) -> Any:
+    """What a block returned, as it is (the node a nest-returning block's site sits on)."""
+    return value
+
+
+setattr(_nest, OUT_OF_PLACE, True)  # writes nothing (for the in-place analysis)
+
+
+def _holds_proxy(value: Any) -> bool:
+    found = False
+
+    def visit(v: Any) -> Any:
+        nonlocal found
+        found = found or isinstance(v, fx.Proxy)
+        return v
+
+    fx.node.map_aggregate(value, visit)
+    return found
+
+
+def _nodes_of(value: Any) -> Any:
+    return fx.node.map_aggregate(value, lambda v: v.node if isinstance(v, fx.Proxy) else v)
+
+
+class Namer:
+    """torchvision's ``get_graph_node_names`` naming: fx's global ``_N`` suffix is replaced by a
+    count local to the name (``layer1.0.relu``, ``layer1.0.relu_1``)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+
+    def next(self, name: str) -> str:
+        if re.match(r".+_[0-9]+$", name) is not None:
+            name = name.rsplit("_", 1)[0]
+        # The most recent earlier name of the form {name} or {name}_{k} decides the suffix.
+        index = self.last.get(name)
+        if index is not None:
+            name = f"{name}_{index + 1}"
+        self.last[name] = 0
+        base, sep, digits = name.rpartition("_")
+        if sep and digits.isdigit():
+            self.last[base] = int(digits)
+        return name
+
+
+def is_leaf(m: nn.Module, path: str, leaf_types: tuple[type, ...],
+            leaf_paths: frozenset[str]) -> bool:
+    """fx's default leaves (torch.nn modules but Sequential) plus the user's ``leaf_modules``
+    (``leaf_types`` and ``leaf_paths``)."""
+    if path in leaf_paths or (leaf_types and isinstance(m, leaf_types)):
+        return True
+    mod = type(m).__module__
+    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(
+        m, nn.Sequential
+    )
+
+
+def autowrap_modules() -> tuple[ModuleType, ...]:
+    """Modules whose functions fx records as single calls: fx's ``math`` and, as torchvision's
+    ``get_graph_node_names`` does, ``torchvision.ops`` (``stochastic_depth``, ``nms``...)."""
+    ops = _torchvision_ops()
+    return (math,) if ops is None else (math, ops)
+
+
+def _torchvision_ops() -> ModuleType | None:
+    # A model holding a torchvision ops module or calling one of its functions has imported
+    # torchvision.ops already; fxprobe never imports torchvision itself.
+    return sys.modules.get("torchvision.ops")
+
+
+def library_blocks() -> tuple[type, ...]:
+    """The ``nn.Module`` classes that ``torchvision.ops`` exports (``Conv2dNormActivation``,
+    ``MLP``, ``SqueezeExcitation``, ``StochasticDepth``, ``Permute``...), subclasses included
+    (vit's ``MLPBlock``): torchvision's ``get_graph_node_names`` keeps them whole.
+
+    Call it before tracing: while fx traces, ``autowrap_modules`` has replaced these classes in
+    ``torchvision.ops`` by wrapper functions.
+    """
+    ops = _torchvision_ops()
+    if ops is None:
+        return ()
+    return tuple(obj for _, obj in inspect.getmembers(ops)
+                 if inspect.isclass(obj) and issubclass(obj, nn.Module))
+
+
+def failure_location(exc: BaseException, module: nn.Module | None = None) -> str:
+    """``file:line: code`` of the deepest frame outside torch and fxprobe.
+
+    Some failures happen before any of the model's code runs (fx refusing a signature:
+    ``co_varnames is too small``); they point at the ``forward`` of ``module`` instead.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if frame.filename.startswith(_TORCH_DIR) or frame.filename in _OWN_FILES:
+            continue
+        code = (frame.line or "").strip()
+        return f"{frame.filename}:{frame.lineno}: {code}"
+    forward = getattr(type(module), "forward", None) if module is not None else None
+    code_obj = getattr(forward, "__code__", None)
+    if code_obj is None:
+        return ""
+    line = linecache.getline(code_obj.co_filename, code_obj.co_firstlineno).strip()
+    return f"{code_obj.co_filename}:{code_obj.co_firstlineno}: {line or 'def forward(...)'}"
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+class _Planner:
+    def __init__(self, tracer: TracerKind, leaf_types: tuple[type, ...],
+                 leaf_paths: frozenset[str], autowrap: tuple[Callable[..., Any], ...],
+                 blocks: tuple[type, ...] = ()) -> None:
+        self.blocks = blocks
+        self.tracer = tracer
+        self.leaf_types = leaf_types
+        self.leaf_paths = leaf_paths
+        self.autowrap = autowrap
+        self.regions: dict[str, Region] = {}
+        self.fallbacks: list[Fallback] = []
+        self.sites: list[Site] = []
+        self.dynamo: list[DynamoTarget] = []
+        self.bounded: set[str] = set()  # modules with hooks, called from a traced region
+        # "fx+dynamo": what fx cannot trace goes to dynamo ("dynamo" sends everything there).
+        self.use_dynamo = tracer == "fx+dynamo"
+        # "auto": what fx cannot trace falls back to hooks, and is tried with dynamo at run
+        # time; not inside such a module (dynamo runs all of it, or none).
+        self.deferred: list[Deferred] = []
+        self.defer = tracer == "auto"
+
+    def visit(self, module: nn.Module, path: str) -> Region | None:
+        """Trace ``module`` (marking untraceable descendants opaque) or make it opaque."""
+        if self.tracer == "hooks" or isinstance(module, _CONTAINERS):
+            self.open_up(module, path)
+            return None
+        if has_patched_forward(module):
+            self.fallbacks.append(Fallback(path, type(module), _PATCHED, ""))
+            self.open_up(module, path)
+            return None
+        if self.tracer == "dynamo":
+            self.dynamo.append(DynamoTarget(path, type(module), "tracer='dynamo'"))
+            return None
+        opaque: set[str] = set()
+        errors: dict[str, Fallback] = {}
+        for rel, m in module.named_modules():
+            if rel and has_patched_forward(m):
+                opaque.add(rel)
+                errors[rel] = Fallback(_join(path, rel), type(m), _PATCHED, "")
+        while True:
+            tracer = SiteTracer(path, self.leaf_types, self.leaf_paths, opaque, self.autowrap,
+                                self.blocks)
+            try:
+                with guard_state(module, functools.partial(_path_in, tracer)):
+                    graph = tracer.trace(module)
+                break
+            except Exception as e:  # any failure of tracing sends that module to the fallback
+                rel = tracer.failed_path or ""
+                if isinstance(e, TracedStateError) and e.module_path is not None:
+                    rel = e.module_path
+                if self.tracer == "fx":
+                    raise _trace_error(module, path, rel, e) from e
+                sub = module.get_submodule(rel) if rel else module
+                failure = Fallback(_join(path, rel), type(sub), one_line(e),
+                                   failure_location(e, sub))
+                if (rel == "" or rel in opaque) and self.use_dynamo:
+                    self.dynamo.append(DynamoTarget(path, type(module), failure.error))
+                    return None
+                if rel == "" or rel in opaque:
+                    self.fall_back(failure, module, path)
+                    return None
+                opaque.add(rel)
+                errors[rel] = failure
+        region = Region(path, module, graph)
+        self.regions[path] = region
+        for node in graph.nodes:
+            if node.op == "call_module" and node.target in opaque:
+                rel = str(node.target)
+                sub = module.get_submodule(rel)
+                if self.use_dynamo and not has_patched_forward(sub):
+                    self.dynamo.append(DynamoTarget(_join(path, rel), type(sub),
+                                                    errors[rel].error))
+                else:
+                    self.fall_back(errors[rel], sub, _join(path, rel))
+            elif node.op == "call_module":
+                self._enter_boundary(module, path, str(node.target))
+            self.sites.extend(sites_of(node))
+        return region
+
+    def _enter_boundary(self, module: nn.Module, path: str, rel: str) -> None:
+        """A module with hooks of its own is called, not inlined (its hooks run at each call);
+        what it computes is reached as a region of its own, as any traced module is."""
+        sub = module.get_submodule(rel)
+        cpath = _join(path, rel)
+        if (cpath in self.bounded or not user_hooks(sub)
+                or is_leaf(sub, cpath, self.leaf_types, self.leaf_paths)):
+            return
+        self.bounded.add(cpath)
+        if isinstance(sub, _CONTAINERS):
+            self.open_up(sub, cpath)
+        else:
+            self.visit(sub, cpath)
+
+    def fall_back(self, failure: Fallback, module: nn.Module, path: str) -> None:
+        """``module`` runs as written; under "auto", dynamo gets a try at it first."""
+        if not self.defer or has_patched_forward(module):
+            self.fallbacks.append(failure)
+            self.open_up(module, path)
+            return
+        n_sites, n_fallbacks, regions = len(self.sites), len(self.fallbacks), set(self.regions)
+        self.fallbacks.append(failure)
+        self.defer = False  # nothing inside is deferred on its own
+        try:
+            self.open_up(module, path)
+        finally:
+            self.defer = True
+        self.deferred.append(Deferred(
+            failure, frozenset(s.name for s in self.sites[n_sites:]),
+            frozenset(set(self.regions) - regions), tuple(self.fallbacks[n_fallbacks:])))
+
+    def open_up(self, module: nn.Module, path: str) -> None:
+        """Reach inside a module that runs as written: hooks on leaves, regions elsewhere."""
+        for name, child in module.named_children():
+            cpath = _join(path, name)
+            if self.tracer == "hooks":
+                self.open_up(child, cpath)
+                if not isinstance(child, _CONTAINERS):
+                    self.sites.append(hook_site(child, cpath))
+            elif isinstance(child, _CONTAINERS):
+                self.open_up(child, cpath)
+            elif is_leaf(child, cpath, self.leaf_types, self.leaf_paths):
+                self.sites.append(hook_site(child, cpath))
+            elif self.visit(child, cpath) is None:
+                # Runs as written inside code that runs as written: its call is hooked.
+                self.sites.append(hook_site(child, cpath))
+
+
+_PATCHED = ("its forward was replaced on the instance (a patched forward, e.g. by accelerate "
+            "or PEFT): it runs as written")
+
+
+def _path_in(tracer: SiteTracer, module: nn.Module) -> str | None:
+    try:
+        return tracer.absolute(tracer.path_of_module(module))
+    except NameError:
+        return None
+
+
+def _trace_error(module: nn.Module, path: str, rel: str, e: BaseException) -> TraceError:
+    sub = module.get_submodule(rel) if rel else module
+    f = Fallback(_join(path, rel), type(sub), one_line(e), failure_location(e, sub))
+    return TraceError(
+        f"torch.fx could not trace {f.what}: {f.error}"
+        + (f"\n  at {f.location}" if f.location else "")
+        + "\nUse tracer='auto' to tap the rest at op level and reach this module by hooks, "
+        "or pass leaf_modules=[...] naming it (type or path) to keep it opaque."
+    )
+
+
+def hook_site(module: nn.Module, path: str) -> Site:
+    return Site(path, "hook", "call_module", path, path, type(module), module_key(type(module)))
+
+
+def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (),
+         autowrap_functions: Sequence[Callable[..., Any]] = ()) -> Plan:
+    """Trace ``root`` (fxprobe's copy of the user's model, already in the wanted mode)."""
+    leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
+    leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
+    planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions),
+                       library_blocks())
+    root_region = planner.visit(root, "")
+    return Plan(root_region, planner.regions, planner.fallbacks, planner.sites, planner.dynamo,
+                planner.deferred)

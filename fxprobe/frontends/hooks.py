@@ -1,0 +1,97 @@
+"""The hook frontend: module calls inside code that runs as written.
+
+Hooks go on fxprobe's own copies of the modules, never on the user's objects, and record only
+while the tapped module's forward runs, in the thread that runs it. They apply the same
+:class:`~capture.pipeline.Pipeline` as the taps in traced graphs. They return ``None`` unless
+``fn=`` replaced the output: a forward hook that returns a value replaces the module's output.
+
+A module call inside a traced region below untraced code (``self.inner.lin(x)`` written in an
+untraceable forward, where ``inner`` is traced) is also hooked: the hook records only while that
+region is not running, since the region's own taps see the call when it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..capture.pipeline import Pipeline, write_back
+from ..core.options import Capture, CopyPolicy
+from .mirror import fxprobe_hook
+
+
+class HookSet:
+    """The hooks of one tapped module, at most one pair per copied module."""
+
+    def __init__(self, pipeline: Pipeline, *, capture: Capture, copy: CopyPolicy) -> None:
+        self.pipeline = pipeline
+        self.rec = pipeline.rec
+        self.capture = capture
+        # fxprobe cannot see what runs after a hooked call, so "auto" copies here.
+        self.copy = copy != "never"
+        self.handles: dict[str, list[RemovableHandle]] = {}
+        self.modules: dict[str, nn.Module] = {}
+
+    def ensure(self, name: str, module: nn.Module, region: str | None = None) -> None:
+        """Hook ``module`` as site ``name``; with ``region``, only while it is not running."""
+        if name in self.handles:
+            if self.modules[name] is module:
+                return
+            for h in self.handles.pop(name):  # the module was replaced: hook the new one
+                h.remove()
+        rec, capture, pipeline, copy = self.rec, self.capture, self.pipeline, self.copy
+        handles = []
+
+        def wanted() -> bool:
+            state = rec.state
+            return state.active and name in state.hook_paths and (
+                region is None or not state.running.get(region))
+
+        if capture in ("input", "both"):
+            def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
+                if wanted():
+                    kept = pipeline.inputs(args, copy)
+                    if capture == "input":
+                        pipeline.store((rec.hook_name(name),), (kept,))
+                    else:
+                        rec.state.pending.setdefault(name, []).append(kept)
+                return None
+
+            handles.append(module.register_forward_pre_hook(fxprobe_hook(pre_hook)))
+
+        if capture in ("output", "both"):
+            def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+                if not wanted():
+                    return None
+                key = rec.hook_name(name)
+                flow, kept = pipeline.output(key, output, copy)
+                if (flow is not output and getattr(mod, "inplace", False) is True
+                        and not torch.is_grad_enabled()):
+                    # The caller may read the tensor the module wrote, not what it returns.
+                    # Not while autograd records: the module's backward may need that tensor.
+                    write_back(output, flow)
+                if capture == "both":
+                    stack = rec.state.pending.get(name)
+                    kept = (stack.pop() if stack else (), kept)
+                pipeline.store((key,), (kept,))
+                return None if flow is output else flow
+
+            handles.append(module.register_forward_hook(fxprobe_hook(hook)))
+        self.handles[name] = handles
+        self.modules[name] = module
+
+    def discard(self, names: set[str] | frozenset[str]) -> None:
+        """Remove the hooks of these sites (a module dynamo runs again, see ``_tap``)."""
+        for name in names:
+            for h in self.handles.pop(name, ()):
+                h.remove()
+
+    def remove(self) -> None:
+        for handles in self.handles.values():
+            for h in handles:
+                h.remove()
+        self.handles.clear()
+        self.modules.clear()

@@ -1,0 +1,359 @@
+"""The owner of "never modify the model": fxprobe's copy of the module tree, and the guard
+that keeps tracing from writing model state.
+
+:func:`mirror` makes, for each module, a new object of the same class whose ``__dict__`` holds
+the original's values with its own hook tables, flags and submodule dict. Parameters and
+buffers are shared *by their dicts*: the copy and the model hold the very same
+``_parameters``/``_buffers`` dicts, so a conversion of either (``.double()``, ``.half()``,
+``.to(device)``, which rebind buffers in those dicts) is seen by both, as if the tapped module
+were the model. Registering a hook on, calling ``.eval()`` on, or swapping a submodule of the
+copy does not touch the model.
+
+:func:`guard_state` is used around every trace (``tap``, ``sites``, ``extractor``,
+``to_dot``): a forward that would write model state while being traced — assign a module
+attribute (``self.n += 1``), write into a parameter or buffer in place, grow a list or dict held
+by a module — raises :class:`TracedStateError` instead, the container is restored, and that
+module runs as written. torch.fx would otherwise run the write once, at trace time, and leave it
+out of the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from ..core.errors import TracedStateError
+from ..core.ops import INPLACE_DUNDERS, inplace_name
+
+_SHARED = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+_OVERRIDE = "_fxprobe_override"
+
+
+def mirror(model: nn.Module, *, share_state: bool = True) -> nn.Module:
+    """Return a copy of ``model``'s module tree that shares every parameter and buffer.
+
+    Args:
+        model: the user's module; nothing of it changes.
+        share_state: share the parameter and buffer dicts themselves (the default, for the
+            tapped module). ``False`` gives the copy dicts of its own holding the same tensors,
+            for private runs that replace buffers (shape propagation).
+    """
+    return _Copier(share_state).copy(model)
+
+
+class _Children(dict):  # type: ignore[type-arg]
+    """A copied module's submodule dict that counts its changes (``tapped.fc = new``,
+    ``add_module``, ``del``) in a cell shared by the tapped module's tree, so that the tapped
+    module sees with one comparison per forward that its graphs call modules no longer
+    there (see :func:`count_changes`)."""
+
+    def __init__(self, items: Any = (), changes: list[int] | None = None) -> None:
+        super().__init__(items)
+        self.changes = changes if changes is not None else [0]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.changes[0] += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.changes[0] += 1
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self.changes[0] += 1
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self.changes[0] += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.changes[0] += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.changes[0] += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.changes[0] += 1
+        return super().setdefault(key, default)
+
+    def __reduce__(self) -> Any:  # pickles and deep-copies as a plain dict
+        return (dict, (dict(self),))
+
+
+def count_changes(root: nn.Module, cell: list[int], skip: tuple[str, ...] = ()) -> None:
+    """Make the submodule dicts of ``root``'s copied tree count their changes in ``cell``, but
+    below the paths in ``skip`` (torch dynamo guards on those itself, and inlines plain dicts
+    only)."""
+    for path, m in list(root.named_modules()):
+        if any(path == p or path.startswith(p + ".") for p in skip if p) or "" in skip:
+            continue
+        children = m.__dict__["_modules"]
+        if type(children) is dict:
+            m.__dict__["_modules"] = _Children(children, cell)
+        elif isinstance(children, _Children):
+            children.changes = cell
+
+
+def adopt(root: nn.Module) -> list[str]:
+    """Replace every module placed into ``root``'s copied tree after it was made (the user's
+    own object, ``tapped.fc = nn.Linear(...)``) by a copy sharing its state, so that fxprobe
+    never installs anything on it; return their paths."""
+    copier = _Copier(True, keep_copies=True)
+    adopted = []
+    for path, m in list(root.named_modules()):
+        for key, child in list(m._modules.items()):
+            if child is not None and not child.__dict__.get(_COPY, False):
+                m._modules[key] = copier.copy(child)
+                adopted.append(f"{path}.{key}" if path else key)
+    return adopted
+
+
+_COPY = "_fxprobe_copy"
+
+
+class _Copier:
+    """Copies module trees (see :func:`mirror`); ``keep_copies``: fxprobe's own copies met on
+    the way stay as they are (:func:`adopt`)."""
+
+    def __init__(self, share_state: bool, keep_copies: bool = False) -> None:
+        self.share_state = share_state
+        self.keep_copies = keep_copies
+        self.memo: dict[int, nn.Module] = {}
+
+    def copy(self, m: nn.Module) -> nn.Module:
+        memo, share_state = self.memo, self.share_state
+        if id(m) in memo:  # a module registered under two names stays one module
+            return memo[id(m)]
+        if self.keep_copies and m.__dict__.get(_COPY, False):
+            return m
+        c = object.__new__(type(m))
+        memo[id(m)] = c
+        state = dict(m.__dict__)
+        for key, value in state.items():
+            if share_state and key in _SHARED:
+                continue
+            # Own containers (hooks, flags) so that changes to the copy stay there.
+            if isinstance(value, dict):
+                state[key] = type(value)(value) if type(value) is not dict else dict(value)
+            elif isinstance(value, set):
+                state[key] = set(value)
+            elif isinstance(value, types.MethodType) and value.__self__ is m:
+                # A method bound to the model (a patched forward, accelerate's _old_forward)
+                # runs on the copy, so that the copy's children are the ones it calls.
+                state[key] = types.MethodType(value.__func__, c)
+        state["_modules"] = {
+            k: (self.copy(v) if v is not None else None) for k, v in m._modules.items()}
+        state[_COPY] = True
+        c.__dict__.update(state)
+        return c
+
+
+def own_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward the model runs for ``module``: a patched instance forward, else the class's."""
+    patched = module.__dict__.get("forward")
+    if patched is not None and not getattr(patched, _OVERRIDE, False):
+        return patched  # type: ignore[no-any-return]
+    return types.MethodType(type(module).forward, module)
+
+
+def has_patched_forward(module: nn.Module) -> bool:
+    """Whether the user (or a library such as accelerate) replaced ``forward`` on the instance."""
+    patched = module.__dict__.get("forward")
+    return patched is not None and not getattr(patched, _OVERRIDE, False)
+
+
+def install_override(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """Make ``forward`` the copy's forward (fxprobe's dispatcher for a traced region)."""
+    setattr(forward, _OVERRIDE, True)
+    object.__setattr__(module, "forward", forward)
+
+
+def drop_overrides(root: nn.Module) -> None:
+    """Remove the forwards fxprobe installed on copied modules; patched user forwards stay."""
+    for m in root.modules():
+        if getattr(m.__dict__.get("forward"), _OVERRIDE, False):
+            del m.__dict__["forward"]
+
+
+_FXPROBE_HOOK = "_fxprobe_hook"
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def fxprobe_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a hook as fxprobe's own: :func:`user_hooks` and :class:`HookWatch` ignore it."""
+    setattr(fn, _FXPROBE_HOOK, True)
+    return fn
+
+
+def user_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that are not fxprobe's (forward, pre-forward, backward)."""
+    return any(_hook_keys(module))  # a table with a hook not fxprobe's is a non-empty tuple
+
+
+def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(k for k, fn in getattr(module, table).items()
+                       if not getattr(fn, _FXPROBE_HOOK, False)) for table in _HOOK_TABLES)
+
+
+class HookWatch:
+    """Notices a hook registered on (or removed from) a module whose forward a graph inlined,
+    where the graph would never run it.
+
+    Every hook registration in the process (modules and tensors alike) draws a number from
+    ``RemovableHandle.next_id``: while it has not moved, no hook was added, and the check is
+    one comparison. When it has, the watched modules are looked at: a module the fx frontend
+    inlined had no hooks when traced (a hooked module is a region boundary, see ``_trace``),
+    so any hook on it now is new. A module under torch dynamo may have been captured with its
+    hooks; those few are compared with their hook tables at every check, since removing a hook
+    draws no number."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.modules = modules
+        self.hooked = {path: _hook_keys(m) for path, m in modules.items() if user_hooks(m)}
+        self.epoch = RemovableHandle.next_id
+
+    def changed(self) -> list[str]:
+        """The paths of the watched modules whose hooks changed (empty: none did)."""
+        out = [p for p, keys in self.hooked.items() if _hook_keys(self.modules[p]) != keys
+               ] if self.hooked else []
+        if RemovableHandle.next_id == self.epoch:
+            return out
+        self.epoch = RemovableHandle.next_id
+        for path, m in self.modules.items():
+            d = m.__dict__
+            if (path not in self.hooked and (d["_forward_hooks"] or d["_forward_pre_hooks"]
+                                             or d["_backward_hooks"] or d["_backward_pre_hooks"])
+                    and user_hooks(m)):
+                out.append(path)
+        return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+    return ptr or None
+
+
+class _TensorWriteGuard(TorchFunctionMode):
+    """Refuse in-place writes into the model's parameters and buffers."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.owned: dict[int, str] = {}
+        named = [*root.named_parameters(remove_duplicate=False),
+                 *root.named_buffers(remove_duplicate=False)]
+        for name, t in named:
+            ptr = _storage_ptr(t)
+            if ptr is not None:
+                self.owned.setdefault(ptr, name)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        targets: list[Any] = []
+        if (inplace_name(name) or name in INPLACE_DUNDERS
+                or kwargs.get("inplace") is True) and args:
+            targets.append(args[0])
+        if kwargs.get("out") is not None:
+            targets.append(kwargs["out"])
+        for t in targets:
+            owner = self.owned.get(_storage_ptr(t) or -1) if isinstance(t, torch.Tensor) else None
+            if owner is not None:
+                raise TracedStateError(
+                    f"the forward writes in place into the model's tensor {owner!r} "
+                    f"({name}), which torch.fx cannot record"
+                )
+        return func(*args, **kwargs)
+
+
+def _containers(root: nn.Module) -> list[tuple[str, str, Any, Any]]:
+    """(module path, attribute, container, shallow copy) of every list, dict and set that a
+    module holds as plain state."""
+    found = []
+    for path, m in root.named_modules(remove_duplicate=True):
+        for key, value in vars(m).items():
+            if not key.startswith("_") and type(value) in (list, dict, set):
+                found.append((path, key, value, value.copy()))
+    return found
+
+
+def _restore(container: Any, saved: Any) -> None:
+    if isinstance(container, list):
+        container[:] = saved
+    else:
+        container.clear()
+        container.update(saved)
+
+
+def _changed(container: Any, saved: Any) -> bool:
+    if len(container) != len(saved):
+        return True
+    if isinstance(container, list):
+        return any(a is not b for a, b in zip(container, saved, strict=True))
+    if isinstance(container, dict):
+        return any(container.get(k, saved) is not v for k, v in saved.items())
+    return container != saved
+
+
+@contextlib.contextmanager
+def guard_state(root: nn.Module, where: Callable[[nn.Module], str | None]) -> Iterator[None]:
+    """While tracing ``root``, refuse every write of model state (see the module docstring).
+
+    Args:
+        root: the copy being traced.
+        where: the qualified path of a module of the tree, or None for a module outside it
+            (one the forward builds on the fly may set its own attributes).
+
+    Raises:
+        TracedStateError: from inside the forward (attribute stores, tensor writes), or when
+            the trace ends, for a container that grew or shrank (after restoring it).
+    """
+    members = {id(m) for m in root.modules()}
+    original = nn.Module.__setattr__
+
+    def guarded(module: nn.Module, name: str, value: Any) -> None:
+        if id(module) in members:
+            path = where(module)
+            shown = f"{path}.{name}" if path else name
+            what = "a traced value" if isinstance(value, fx.Proxy) else "a value"
+            raise TracedStateError(
+                f"the forward stores {what} in {shown!r} (self.{name} = ...): module state "
+                "that torch.fx cannot record"
+            )
+        original(module, name, value)
+
+    snapshot = _containers(root)
+    nn.Module.__setattr__ = guarded  # type: ignore[method-assign,assignment]
+    failed = False
+    try:
+        with _TensorWriteGuard(root):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+        touched = [(path, key, c) for path, key, c, saved in snapshot if _changed(c, saved)]
+        for _, _, c, saved in snapshot:
+            _restore(c, saved)
+        if touched and not failed:
+            path, key, c = touched[0]
+            error = TracedStateError(
+                f"the forward changes self.{key} (a {type(c).__name__} held by "
+                f"{path or 'the module'!r}): Python state that torch.fx cannot record"
+            )
+            error.module_path = path
+            raise error

@@ -1,0 +1,1 @@
+"""Tables and pictures of what a tapped model holds."""

@@ -1,0 +1,346 @@
+"""Tables of sites: what a tapped module captured, or what a model offers to tap.
+
+``summary()`` turns a :class:`~fxprobe.TappedModule` (its selected sites and the values of the
+last forward) or a :class:`~fxprobe.SiteNames` listing into a :class:`Table` that prints in the
+terminal, as GitHub Markdown or as HTML. Cells are plain text, formatted once, so the same
+table reads the same in every format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import ConfigError, UnsupportedModelError
+from ..core.record import InOut
+from ..core.site import Site
+from ..runtime.program import SiteNames, check_model, list_sites
+
+FORMATS = {"text": "simple", "github": "github", "markdown": "github", "html": ""}
+"""Accepted ``fmt`` values and the tabulate format each one uses."""
+
+_NOT_RUN = "(not run)"
+_SHOWN_ITEMS = 4  # elements of a tuple/list/dict value spelled out before "..."
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Shape, dtype and size of a captured value, as text (tensors nested anywhere count)."""
+
+    shape: str
+    """``[2, 8, 16, 16]`` for a tensor, ``([2, 6, 12], [1, 2, 12])`` for a tuple of them, the
+    value itself for a small Python scalar, else empty."""
+    dtype: str
+    """``float32``; several dtypes joined by commas; the type name of a non-tensor value."""
+    nbytes: int | None
+    """Sum of ``numel * element_size`` over the tensors in the value (inputs and output for
+    ``capture="both"``); None if it holds none."""
+
+    @property
+    def label(self) -> str:
+        """One line for a graph node: ``float32 [2, 8, 16, 16]``."""
+        return f"{self.dtype} {self.shape}".strip()
+
+
+def describe_value(value: Any) -> ValueInfo:
+    """Shape, dtype and bytes of ``value`` (a tensor, a nest of them, a record or a scalar)."""
+    if _is_stats(value):
+        shape = getattr(value, "shape", None)
+        dtype = getattr(value, "dtype", None)
+        return ValueInfo(_shape_text(shape) if shape is not None else "",
+                         _dtype_text(dtype) if dtype is not None else type(value).__name__, None)
+    if isinstance(value, InOut):  # shown as its output, what flows on; sized as all it holds
+        out, ins = describe_value(value.output), describe_value(value.inputs)
+        size = None if out.nbytes is None and ins.nbytes is None else \
+            (out.nbytes or 0) + (ins.nbytes or 0)
+        return ValueInfo(out.shape, out.dtype, size)
+    dtypes: list[str] = []
+    total = [0, 0]  # bytes, tensor count
+
+    def shape_of(v: Any, depth: int) -> str:
+        if isinstance(v, torch.Tensor):
+            d = _dtype_text(v.dtype)
+            if d not in dtypes:
+                dtypes.append(d)
+            total[0] += v.numel() * v.element_size()
+            total[1] += 1
+            return _shape_text(v.shape)
+        if isinstance(v, (tuple, list)) and not isinstance(v, torch.Size):
+            parts = [shape_of(x, depth + 1) for x in v]
+            shown = parts[:_SHOWN_ITEMS] + (["..."] if len(parts) > _SHOWN_ITEMS else [])
+            open_, close = ("(", ")") if isinstance(v, tuple) else ("[", "]")
+            return open_ + ", ".join(shown) + ("," if len(parts) == 1 and open_ == "(" else "") \
+                + close
+        if isinstance(v, Mapping):
+            items = [f"{k}: {shape_of(x, depth + 1)}" for k, x in v.items()]
+            shown = items[:_SHOWN_ITEMS] + (["..."] if len(items) > _SHOWN_ITEMS else [])
+            return "{" + ", ".join(shown) + "}"
+        if depth == 0:
+            return _scalar_text(v)
+        return type(v).__name__
+
+    shape = shape_of(value, 0)
+    if total[1]:
+        return ValueInfo(shape, ", ".join(dtypes), total[0])
+    if isinstance(value, torch.Size):
+        return ValueInfo(shape, "Size", None)
+    return ValueInfo(shape, type(value).__name__, None)
+
+
+def _shape_text(shape: Any) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def _dtype_text(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _scalar_text(v: Any) -> str:
+    if isinstance(v, torch.Size):
+        return _shape_text(v)
+    if isinstance(v, (bool, int, float, complex, str)) or v is None:
+        text = repr(v)
+        return text if len(text) <= 24 else ""
+    return ""
+
+
+def _is_stats(value: Any) -> bool:
+    # reduce="stats" records, recognised by shape rather than by import so that this module
+    # works whichever version of the record is installed.
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)
+            and type(value).__name__ == "Stats")
+
+
+def _stat_cells(value: Any) -> dict[str, str]:
+    cells: dict[str, str] = {}
+    for f in dataclasses.fields(value):
+        if f.name in ("shape", "dtype"):
+            continue
+        cells[f.name] = _number_text(getattr(value, f.name))
+    return cells
+
+
+def _number_text(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        if v.numel() == 1:
+            v = v.item()
+        else:
+            return f"{_dtype_text(v.dtype)} {_shape_text(v.shape)}"
+    if isinstance(v, bool) or v is None:
+        return "" if v is None else str(v)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def human_bytes(n: int | None) -> str:
+    """``512 B``, ``2.0 KiB``, ``1.5 MiB``; empty for None."""
+    if n is None:
+        return ""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@dataclass(frozen=True, repr=False)
+class Table:
+    """A table of sites that prints in the terminal, as Markdown or as HTML.
+
+    ``str(table)`` renders it in ``table.fmt``; ``table.render(fmt)`` in another format. In a
+    notebook it shows as HTML.
+    """
+
+    headers: tuple[str, ...]
+    """Column titles."""
+    rows: tuple[tuple[str, ...], ...]
+    """One tuple of already formatted cells per row."""
+    notes: tuple[str, ...] = ()
+    """Lines shown under the table: totals, and modules that run as written (hook fallback)."""
+    fmt: str = "text"
+    """Format of ``str(table)``: ``"text"``, ``"github"`` (also ``"markdown"``) or ``"html"``."""
+    numeric: frozenset[str] = frozenset()
+    """Headers of the columns aligned to the right."""
+
+    def render(self, fmt: str | None = None) -> str:
+        """The table as text in ``fmt`` (default: ``self.fmt``)."""
+        fmt = check_format(self.fmt if fmt is None else fmt)
+        if fmt == "html":
+            return self._html()
+        try:
+            from tabulate import tabulate
+        except ImportError as e:  # pragma: no cover - a declared dependency
+            raise ImportError("fxprobe tables need tabulate: pip install tabulate") from e
+        align = tuple("right" if h in self.numeric else "left" for h in self.headers)
+        body = tabulate([list(r) for r in self.rows], headers=list(self.headers),
+                        tablefmt=FORMATS[fmt], disable_numparse=True, colalign=align)
+        bullet = "- " if fmt in ("github", "markdown") else ""
+        return body + "\n\n" + "\n".join(bullet + n for n in self.notes) if self.notes else body
+
+    def _html(self) -> str:
+        # tabulate pads HTML cells with spaces; written by hand, cells are exactly the text.
+        def row(tag: str, cells: Sequence[str]) -> str:
+            return "<tr>" + "".join(
+                f'<{tag}{self._align(h)}>{html.escape(c)}</{tag}>'
+                for h, c in zip(self.headers, cells, strict=True)) + "</tr>"
+
+        lines = ["<table>", "<thead>", row("th", self.headers), "</thead>", "<tbody>"]
+        lines += [row("td", r) for r in self.rows]
+        lines += ["</tbody>", "</table>"]
+        lines += [f"<p>{html.escape(n)}</p>" for n in self.notes]
+        return "\n".join(lines)
+
+    def _align(self, header: str) -> str:
+        return ' style="text-align: right;"' if header in self.numeric else ""
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __repr__(self) -> str:
+        return self.render()
+
+    def _repr_html_(self) -> str:
+        return self.render("html")
+
+    def column(self, header: str) -> list[str]:
+        """The cells of one column, top to bottom."""
+        i = self.headers.index(header)
+        return [r[i] for r in self.rows]
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f"fmt={fmt!r} is not a table format; use one of {', '.join(map(repr, FORMATS))}"
+        )
+    return fmt
+
+
+def tapped_table(sites: Sequence[Site], taps: Mapping[str, Any], fallbacks: Iterable[Any],
+                 fmt: str = "text") -> Table:
+    """The selected sites with what the last forward captured at each."""
+    check_format(fmt)
+    selected = {s.name for s in sites}
+    extra: dict[str, list[str]] = {}  # repeated hook calls: "fc_1" goes under "fc"
+    for key in taps:
+        base, _, n = key.rpartition("_")
+        if key not in selected and base in selected and n.isdigit():
+            extra.setdefault(base, []).append(key)
+    records: list[tuple[Site, str, Any]] = []
+    for s in sites:
+        records.append((s, s.name, taps[s.name] if s.name in taps else _NOT_RUN))
+        for key in extra.get(s.name, []):
+            records.append((s, key, taps[key]))
+    stat_names: list[str] = []
+    for _, _, value in records:
+        if _is_stats(value):
+            stat_names += [k for k in _stat_cells(value) if k not in stat_names]
+    headers = ("name", "op", "how", "shape", "dtype", "bytes", *stat_names)
+    rows = []
+    total: int | None = None
+    for site, key, value in records:
+        if value is _NOT_RUN:
+            rows.append((key, site.op, site.how, _NOT_RUN, "", "", *([""] * len(stat_names))))
+            continue
+        info = describe_value(value)
+        if info.nbytes is not None:
+            total = (total or 0) + info.nbytes
+        stats = _stat_cells(value) if _is_stats(value) else {}
+        rows.append((key, site.op, site.how, info.shape, info.dtype, human_bytes(info.nbytes),
+                     *(stats.get(k, "") for k in stat_names)))
+    hooks = sum(1 for s in sites if s.how == "hook")
+    dyn = sum(1 for s in sites if s.how == "dynamo")
+    ran = sum(1 for _, _, v in records if v is not _NOT_RUN)
+    size = f", {human_bytes(total)} in all" if total is not None else ""
+    notes = [f"{len(sites)} sites tapped ({len(sites) - hooks - dyn} fx, {hooks} hook"
+             f"{f', {dyn} dynamo' if dyn else ''}); "
+             f"{ran} values captured in the last forward{size}"]
+    notes += _fallback_notes(fallbacks)
+    return Table(headers, tuple(rows), tuple(notes), fmt,
+                 frozenset({"bytes", *stat_names}))
+
+
+def sites_table(sites: Sequence[Site], fallbacks: Iterable[Any], fmt: str = "text",
+                tapped: Iterable[str] | None = None) -> Table:
+    """Every site: name, op, module path, and whether fx or only a hook reaches it."""
+    check_format(fmt)
+    chosen = set(tapped) if tapped is not None else None
+    headers = ("name", "op", "module path", "how") + (("tapped",) if chosen is not None else ())
+    rows = []
+    for s in sites:
+        row: tuple[str, ...] = (s.name, s.op, s.module_path, s.how)
+        if chosen is not None:
+            row += ("yes" if s.name in chosen else "",)
+        rows.append(row)
+    hooks = sum(1 for s in sites if s.how == "hook")
+    dyn = sum(1 for s in sites if s.how == "dynamo")
+    notes = [f"{len(sites)} sites: {len(sites) - hooks - dyn} at op level (fx), "
+             + (f"{dyn} at op level (torch dynamo), " if dyn else "")
+             + f"{hooks} by module hook only (inside code torch.fx could not trace)"]
+    notes += _fallback_notes(fallbacks)
+    return Table(headers, tuple(rows), tuple(notes), fmt)
+
+
+def _fallback_notes(fallbacks: Iterable[Any]) -> list[str]:
+    notes = []
+    for f in fallbacks:
+        loc = f" at {f.location}" if f.location else ""
+        notes.append(f"runs as written (hook fallback): {f.where} ({f.module_type.__name__}): "
+                     f"{f.error}{loc}")
+    return notes
+
+
+def summary(obj: Any, fmt: str = "text") -> Table:
+    """A table of sites: of a tapped module, of ``fxprobe.sites(...)``, or of a model.
+
+    Args:
+        obj: a :class:`~fxprobe.TappedModule` (its selected sites, with the shape, dtype and
+            size of what the last forward captured, and statistics when the captured values
+            are ``fxprobe.Stats`` records); a :class:`~fxprobe.SiteNames` from
+            ``fxprobe.sites`` or a sequence of :class:`~fxprobe.Site` (name, op, module path,
+            fx or hook); or an ``nn.Module``, listed as ``fxprobe.sites(model)`` would.
+        fmt: ``"text"`` for the terminal, ``"github"`` (or ``"markdown"``), or ``"html"``.
+
+    Returns:
+        A :class:`Table`; ``print`` it, or ``table.render("html")``.
+
+    Raises:
+        ConfigError: ``fmt`` is not one of the formats above.
+        UnsupportedModelError: ``obj`` is none of the above.
+
+    Example:
+        >>> print(fxprobe.summary(fxprobe.sites(model), fmt="github"))
+    """
+    check_format(fmt)
+    view = getattr(obj, "_fxprobe_view", None)
+    if view is not None:  # a TappedModule
+        v = view()
+        table = tapped_table(v.selected, v.taps or {}, v.plan.fallbacks, fmt)
+        captured = tuple(str(info) for info in v.captures)  # graphs and breaks (dynamo)
+        return dataclasses.replace(table, notes=table.notes + captured) if captured else table
+    if isinstance(obj, SiteNames):
+        return sites_table(obj.records, obj.fallbacks, fmt)
+    from ..runtime.artifact import TappedArtifact, artifact_kind, artifact_sites
+
+    if isinstance(obj, TappedArtifact):  # a tapped ScriptModule or ExportedProgram
+        return tapped_table(list(obj.sites), dict(obj.taps), (), fmt)
+    if artifact_kind(obj) is not None:
+        return sites_table([s for s in artifact_sites(obj) if s.listed], (), fmt)
+    if isinstance(obj, nn.Module):
+        listing = list_sites(check_model(obj, "fxprobe.summary"), train=False, tracer="auto",
+                             leaf_modules=(), autowrap_functions=())
+        return sites_table(listing.records, listing.fallbacks, fmt)
+    if isinstance(obj, Sequence) and all(isinstance(s, Site) for s in obj):
+        return sites_table(list(obj), (), fmt)
+    raise UnsupportedModelError(
+        f"fxprobe.summary() takes a TappedModule, the result of fxprobe.sites(), a list of "
+        f"Site or an nn.Module; got {type(obj).__name__}"
+    )

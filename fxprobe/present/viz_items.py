@@ -1,0 +1,305 @@
+"""What the picture of a model holds: the items (sites, calls, inputs) and the edges between them.
+
+``to_dot`` reads a model into a :class:`Scene` (``present.viz``), turns it into :class:`Item` s
+in execution order with the data-flow edges between them (this module), and emits DOT text
+(``fxprobe.present.viz_dot``). Here: which node of which graph becomes an item, what is folded into
+what (shape plumbing, attributes, inputs with defaults), and which items a ``depth`` collapses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx, nn
+
+from ..core.site import Site, node_site
+from ..frontends.dynamo import CapturedGraph
+from ..frontends.dynamo_names import is_state
+from ..frontends.fx import Plan
+from .summary import ValueInfo
+
+
+@dataclass(eq=False)
+class Item:
+    """One thing to draw: a site, a module that runs as written, or a model input/output."""
+
+    id: str
+    role: str
+    """site, input, output, return, module (an opaque module with no site of its own)."""
+    owner: str
+    """The module path this item belongs to, for clusters and for ``depth``."""
+    module: str | None = None
+    """For module calls and hook sites: the called module's path."""
+    site: Site | None = None
+    members: list[Item] = field(default_factory=list)
+    """For a collapsed module: the items it stands for."""
+    folded: list[str] = field(default_factory=list)
+    """Sites folded into this one: shape plumbing that feeds it, or optional inputs."""
+    constants: list[str] = field(default_factory=list)
+    """Attributes (parameters, buffers, constants) read by this op, drawn in its label."""
+    graph: str | None = None
+    """For the items of a graph torch dynamo captured: its key in ``tapped.graphs``."""
+
+
+@dataclass
+class Scene:
+    """Everything ``to_dot`` knows about one model before it draws."""
+
+    title: str
+    plan: Plan
+    root: nn.Module
+    tapped: frozenset[str]
+    infos: dict[str, ValueInfo]
+    capture: str = "output"
+    ran: bool = False
+    """True when an example input ran: a site without a value did not run."""
+    run: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
+    """For a deployed artifact: run an example input, return every site's value."""
+    dynamo: dict[str, int] = field(default_factory=dict)
+    """Modules torch dynamo runs: their tapped sites, by path."""
+    graphs: dict[str, list[CapturedGraph]] = field(default_factory=dict)
+    """The graphs dynamo captured that are drawn op by op, by the path of the module it runs
+    (see :func:`newest`); a module dynamo runs without any is drawn as one call."""
+
+def path_depth(path: str) -> int:
+    return path.count(".") + 1 if path else 0
+
+
+def path_parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def path_prefix(path: str, n: int) -> str:
+    return ".".join(path.split(".")[:n])
+
+
+def path_inside(path: str, scope: str) -> bool:
+    return scope == "" or path == scope or path.startswith(scope + ".")
+
+
+_SIZE_METHODS = frozenset({"size", "dim", "numel", "ndimension", "nelement"})
+_SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda"})
+# Optional inputs whose default is one of these are drawn compactly.
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def plumbing(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes that only compute sizes: ``x.size()``, ``x.shape`` and what Python operators
+    and builtins make of them (``getitem``, ``+``, ``//``, tuples for ``view``), never a
+    tensor op (``torch.zeros(x.size(0))`` is not plumbing)."""
+    found: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_method" and n.target in _SIZE_METHODS:
+            found.add(n)
+        elif n.op == "call_function" and n.target is getattr and len(n.args) > 1 \
+                and n.args[1] in _SIZE_ATTRS:
+            found.add(n)
+        elif n.op == "call_function" and getattr(n.target, "__module__", None) in (
+                "_operator", "operator", "builtins") and n.all_input_nodes \
+                and all(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
+def _optional_input(node: fx.Node) -> bool:
+    return node.op == "placeholder" and len(node.args) > 0 and isinstance(node.args[0],
+                                                                           _CONSTANTS)
+
+
+def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool = True,
+             graphs: Mapping[str, Sequence[CapturedGraph]] | None = None
+             ) -> tuple[list[Item], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Items in site order, the data-flow edges between them (by item id), and the pairs to
+    stack in execution order that no data flow links (the graphs of a module dynamo runs,
+    one after another, then the module's call)."""
+    items: list[Item] = []
+    edges: list[tuple[str, str]] = []
+    by_name = {s.name: s for s in p.sites}
+    placed: set[str] = set()
+    regions_by_site: dict[str, str] = {}
+    for region in p.regions.values():
+        for _node, site in region.sites():
+            regions_by_site[site.name] = region.path
+    node_ids: dict[tuple[str, fx.Node], str] = {}
+    graphs = graphs or {}
+    whole = graphs.get("") if p.root_region is None else None  # the model, under dynamo
+
+    def add_graph(key: str, path: str, graph: fx.Graph, out: str | None,
+                  dynamo: CapturedGraph | None = None) -> None:
+        """The items of one graph; ``key`` tells its nodes apart from other graphs'."""
+        gkey = dynamo.key if dynamo is not None else None
+        optional: list[fx.Node] = []
+        folded: set[fx.Node] = set()
+        if not show_plumbing:
+            shape_ops = plumbing(graph)
+            for node in graph.nodes:
+                own = node_site(node)
+                if own is not None and own.name in tapped:
+                    continue  # a tapped site is always drawn
+                # The model's own inputs stay: the user passes them (with other values).
+                if own is not None and path and _optional_input(node):
+                    optional.append(node)
+                    folded.add(node)
+                elif node in shape_ops or (node.op == "get_attr" and own is not None):
+                    folded.add(node)
+        sources: dict[fx.Node, list[str]] = {}  # what a folded node stands for, by item id
+        names: dict[fx.Node, list[str]] = {}  # the folded sites behind a folded node
+
+        def source_ids(n: fx.Node) -> list[str]:
+            sid = node_ids.get((key, n))
+            if sid is not None:
+                return [sid]
+            return sources.get(n, [])
+
+        if optional:
+            shown = [f"{str(n.target).lstrip('*')} (default {n.args[0]!r})" for n in optional]
+            items.append(Item(f"{path}/optional", "optional", path, folded=shown))
+        for node in graph.nodes:
+            if node in folded and node.op == "get_attr":
+                continue  # drawn in the label of each op that reads it
+            if node in folded:
+                if node not in optional:
+                    ids = [i for a in node.all_input_nodes for i in source_ids(a)]
+                    sources[node] = list(dict.fromkeys(ids))
+                    own = node_site(node)
+                    behind = [x for a in node.all_input_nodes for x in names.get(a, [])]
+                    names[node] = behind + ([own.name] if own is not None else [])
+                continue
+            if node.op == "output":
+                # Not the key itself: graphviz reads a colon in an edge's end as a port.
+                oid = out or (f"{path}/dynamo{key.split(':', 2)[2]}/return" if dynamo
+                              else f"{path}/return")
+                if oid != "/output" or dynamo is None:  # the whole model's: appended last
+                    items.append(Item(oid, "output" if oid == "/output" else "return", path,
+                                      graph=gkey))
+                node_ids[(key, node)] = oid
+            else:
+                own = node_site(node)
+                if own is None or own.name in placed:  # drawn once, whatever the graphs
+                    continue
+                name = own.name
+                site = by_name.get(name, own if dynamo is not None else None)
+                module = own.module_path if own.kind == "call_module" else None
+                owner = own.module_path
+                role = "input" if node.op == "placeholder" and not path else "site"
+                items.append(Item(name, role, owner, module, site,
+                                  graph=gkey))
+                placed.add(name)
+                node_ids[(key, node)] = name
+            target = node_ids.get((key, node))
+            if target is None:
+                continue
+            direct = [src for src in node.all_input_nodes if src not in folded]
+            for src in direct:
+                sid = node_ids.get((key, src))
+                if sid is not None:
+                    edges.append((sid, target))
+            for src in node.all_input_nodes:
+                if src in folded and src.op == "get_attr":
+                    items[-1].constants.append(str(src.target).rpartition(".")[2])
+                elif not direct:  # only shape ops feed it: link what they measured
+                    edges.extend((sid, target) for sid in source_ids(src))
+                for name in names.get(src, []):
+                    if name not in items[-1].folded:
+                        items[-1].folded.append(name)
+
+    def add_region(path: str) -> None:
+        region = p.regions[path]
+        add_graph(path, path, region.graph, None if path else "/output")
+
+    if p.root_region is None:
+        items.append(Item("/input", "input", ""))
+        if not whole:
+            items.append(Item("/model", "module", "", ""))
+            edges += [("/input", "/model"), ("/model", "/output")]
+    done: set[str] = set()
+    for s in p.sites:  # regions appear where their first site runs
+        hit = regions_by_site.get(s.name)
+        if hit is not None and hit not in done:
+            done.add(hit)
+            add_region(hit)
+        elif s.how == "hook" and s.name not in placed:
+            items.append(Item(s.name, "site", s.name, s.name, s))
+            placed.add(s.name)
+    for path in p.regions:
+        if path not in done:
+            add_region(path)
+    after: list[tuple[str, str]] = []
+    for path, drawn in graphs.items():
+        after += _add_dynamo(path, drawn, items, edges, add_graph, node_ids,
+                             not path and whole is not None)
+    modules = {it.module for it in items if it.module is not None}
+    for f in p.fallbacks:
+        if f.path and f.path not in modules:  # no site of its own: still show it
+            items.append(Item(f"{f.path}/module", "module", f.path, f.path))
+    if p.root_region is None:
+        items.append(Item("/output", "output", ""))
+    return items, edges, after
+
+
+def _add_dynamo(path: str, drawn: Sequence[CapturedGraph], items: list[Item],
+                edges: list[tuple[str, str]], add_graph: Callable[..., None],
+                node_ids: dict[tuple[str, fx.Node], str], whole: bool) -> list[tuple[str, str]]:
+    """Draw the graphs of the module dynamo runs at ``path``, one after another; return the
+    pairs that stack them (and the module's call after them) in the order they ran."""
+    spans: list[tuple[str, str]] = []
+    for i, g in enumerate(drawn):
+        start = len(items)
+        if whole and i == 0:  # the model's inputs feed the first graph
+            for node in g.graph.nodes:
+                if node.op == "placeholder" and not is_state(node):
+                    node_ids[(g.key, node)] = "/input"
+        add_graph(g.key, path, g.graph, "/output" if whole and i == len(drawn) - 1 else None, g)
+        if len(items) > start:
+            last = items[-1].id if not (whole and i == len(drawn) - 1) else "/output"
+            spans.append((items[start].id, last))
+    after = [(spans[i][1], spans[i + 1][0]) for i in range(len(spans) - 1)]
+    if not spans or whole:
+        return after
+    inside = {it.id for it in items if path_inside(it.owner, path) and it.graph is not None}
+    for it in items:
+        if it.module == path and it.graph is None and it.site is not None:  # the call
+            after.append((spans[-1][1], it.id))
+            after += [(a, spans[0][0]) for a, b in edges if b == it.id and a not in inside]
+    return after
+
+
+def newest(graphs: Sequence[CapturedGraph]) -> dict[str, list[CapturedGraph]]:
+    """The graphs to draw, by the path of the module dynamo runs: of each frame and module
+    instance the newest capture (a recompilation for a new shape replaces the graph it was
+    made for), in the order they ran in the last forward that ran them (never run: last)."""
+    last: dict[tuple[str, int, str], CapturedGraph] = {}
+    for g in graphs:
+        last[(g.path, g.frame if g.frame is not None else -1 - g.number, g.instance)] = g
+    out: dict[str, list[CapturedGraph]] = {}
+    never = (1 << 62, 0)
+    for g in sorted(last.values(), key=lambda g: (g.ran if g.ran[0] >= 0 else never, g.number)):
+        out.setdefault(g.path, []).append(g)
+    return out
+
+
+def collapse(items: list[Item], depth: int | None) -> dict[str, Item]:
+    """Map each item id to what is drawn for it: itself, or the node of a collapsed module."""
+    if depth is None:
+        return {it.id: it for it in items}
+    groups: dict[str, list[Item]] = {}
+    for it in items:
+        if path_depth(it.owner) > depth:
+            groups.setdefault(path_prefix(it.owner, depth + 1), []).append(it)
+    rep: dict[str, Item] = {}
+    for it in items:
+        if path_depth(it.owner) <= depth:
+            rep[it.id] = it
+            continue
+        path = path_prefix(it.owner, depth + 1)
+        members = groups[path]
+        if all(m.module == path for m in members):
+            rep[it.id] = it  # calls of a module with nothing drawn inside: draw the calls
+            continue
+        gid = f"{path}/group"
+        group = rep.get(gid) or Item(gid, "group", path, path, None, members)
+        rep[gid] = group
+        rep[it.id] = group
+    return rep

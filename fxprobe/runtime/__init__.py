@@ -1,0 +1,2 @@
+"""What runs a tapped model or artifact: programs built from frontends, ``TappedModule``,
+artifacts, the extractor and timm-style features."""

@@ -1,0 +1,430 @@
+"""Build a program: what one mode of a tapped model runs, planned once and run many times.
+
+:func:`build_program` is a pure step — (model copy, selectors, options, mode) in, a
+:class:`Program` out — made of passes over one copy of each frontend's graph: select sites,
+insert taps (``_rewrite.insert_taps``), compile. Installing it (hooks, dispatch of traced
+regions) and running it is the runtime's part (``_tap.TappedModule``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..capture.pipeline import Pipeline
+from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
+from ..core.errors import SelectorError, UnsupportedModelError
+from ..core.options import TapOptions, TracerKind
+from ..core.select import Selector, select
+from ..core.site import Site
+from ..frontends.dynamo import CapturedGraph, CaptureInfo, DynamoRegion
+from ..frontends.fx import Deferred, Fallback, Plan, is_leaf, plan
+from ..frontends.mirror import HookWatch, mirror
+
+if TYPE_CHECKING:
+    from ..present.summary import Table
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """A hook the runtime installs: site ``name`` on the module at ``path``."""
+
+    name: str
+    path: str
+    region: str | None
+    """For a module call inside a traced region below untraced code: that region's path (the
+    hook records only while the region is not running, see ``_hooks``); else None."""
+
+
+@dataclass
+class Program:
+    """Everything one mode of a tapped module runs: compiled regions and hooks."""
+
+    training: bool
+    plan: Plan
+    selected: tuple[Site, ...]
+    compiled: dict[str, Compiled]
+    hooks: tuple[HookSpec, ...]
+    order: dict[str, int]
+    guarded: dict[str, tuple[str, ...]]
+    """Per region below untraced code: its sites that are hooked too (see ``HookSpec``). The
+    region's capture counts as their first call, so a direct call after it is ``name_1``."""
+    dynamo: dict[str, DynamoRegion] = field(default_factory=dict)
+    """Modules run under torch dynamo, by path. Their selected sites join ``selected`` and
+    ``order`` as their graphs are captured (the first forward)."""
+    unchecked: list[Selector] | None = None
+    """With dynamo regions: the selectors to check once the first forward found their sites."""
+    watch: HookWatch | None = None
+    """Watches the modules the graphs inlined for hooks registered after tracing."""
+    deferred: dict[str, Deferred] = field(default_factory=dict)
+    """``tracer="auto"``: fallbacks tried with torch dynamo at their first call, by path."""
+    state: dict[str, str] = field(default_factory=dict)
+    """Of each deferred module: "pending" (before its first call), "dynamo" (captured: its
+    dynamo sites replace the fallback's) or "fallback" (dynamo failed: hooks, as written)."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Why dynamo failed on a deferred module, by path."""
+    base: tuple[Site, ...] = ()
+    """The sites selected before any forward (fx and hooks)."""
+    added: dict[str, tuple[str, Site]] = field(default_factory=dict)
+    """The sites dynamo regions selected, by name: the region's path and the site, in the
+    order found."""
+    hook_names: frozenset[str] = frozenset()
+    """The hooked sites that record now (not those inside a module dynamo runs)."""
+
+    def __post_init__(self) -> None:
+        self.base = self.selected
+        self.refresh()
+
+    def hidden(self) -> frozenset[str]:
+        """Site names of fallbacks that dynamo runs instead (or will, before the first call)."""
+        return frozenset(n for path, d in self.deferred.items()
+                         if self.state.get(path) != "fallback" for n in d.sites)
+
+    def refresh(self) -> None:
+        """Recompute ``selected``, ``order`` and ``hook_names`` from the deferred states."""
+        seen: set[str] = set()
+        selected = []
+        for s in self._current(self.base, in_place=True):
+            if s.name not in seen:
+                seen.add(s.name)
+                selected.append(s)
+        for path, s in self.added.values():
+            if self.state.get(path) != "fallback" and s.name not in seen:
+                seen.add(s.name)
+                selected.append(s)
+        self.selected = tuple(selected)
+        self.order = {s.name: i for i, s in enumerate(selected)}
+        hidden = self.hidden()
+        self.hook_names = frozenset(h.name for h in self.hooks if h.name not in hidden)
+
+    def _current(self, sites: Sequence[Site], in_place: bool = False) -> list[Site]:
+        """``sites`` as they stand now: a fallback's site inside a module dynamo runs is gone
+        once dynamo ran its module's code (dynamo's own sites replace it), and a dynamo site
+        not run yet before that (a branch not taken: dynamo names a module call by its path,
+        as the hook did). With ``in_place``, dynamo's site of the same name takes its place."""
+        captured = {n for path, d in self.deferred.items() if self.state.get(path) == "dynamo"
+                    for n in d.sites}
+        if not captured:
+            return list(sites)
+        reached = {m for region in self.dynamo.values() for m in region.modules}
+        out = []
+        for s in sites:
+            found = self.added.get(s.name) if in_place and s.name in captured else None
+            if s.name not in captured:
+                out.append(s)
+            elif found is not None:
+                out.append(found[1])
+            elif (s.module_path not in reached and s.name not in reached
+                  and s.kind not in ("placeholder", "get_attr")):
+                out.append(dataclasses.replace(s, how="dynamo"))
+        return out
+
+    def set_state(self, path: str, state: str, reason: str = "") -> None:
+        self.state[path] = state
+        if reason:
+            self.reasons[path] = reason
+        self.refresh()
+
+    def active(self, path: str) -> bool:
+        """Whether the hooks and regions at ``path`` run: not inside a module dynamo runs."""
+        return not any(d.covers(path) for p, d in self.deferred.items()
+                       if self.state.get(p) != "fallback")
+
+    @property
+    def fallbacks(self) -> tuple[Fallback, ...]:
+        """The modules that run as written now (a deferred one once dynamo failed on it,
+        with dynamo's reason)."""
+        gone = {f for p, d in self.deferred.items() if self.state.get(p) == "dynamo"
+                for f in d.fallbacks}
+        out = []
+        for f in self.plan.fallbacks:
+            if f in gone:
+                continue
+            reason = self.reasons.get(f.path)
+            if reason is not None and f.path in self.deferred and f is self.deferred[
+                    f.path].fallback:
+                f = dataclasses.replace(f, error=f"{f.error}; torch dynamo failed too: {reason}")
+            out.append(f)
+        return tuple(out)
+
+    def known_sites(self) -> list[Site]:
+        """Every site known now: the plan's (see :meth:`_current`), then the sites dynamo
+        found so far."""
+        found = self._current(self.plan.sites)
+        for path, region in self.dynamo.items():
+            if self.state.get(path) != "fallback":
+                found.extend(region.sites.values())
+        return found
+
+    def current_plan(self) -> Plan:
+        """The plan as the pictures draw it now: without the fallbacks dynamo replaced (the
+        modules dynamo runs are drawn as one call each)."""
+        if not self.deferred:
+            return self.plan
+        gone = {r for p, d in self.deferred.items() if self.state.get(p) == "dynamo"
+                for r in d.regions}
+        captured = {n for path, d in self.deferred.items() if self.state.get(path) == "dynamo"
+                    for n in d.sites}
+        return dataclasses.replace(
+            self.plan, fallbacks=list(self.fallbacks),
+            sites=[s for s in self.plan.sites if s.name not in captured],
+            regions={k: r for k, r in self.plan.regions.items() if k not in gone})
+
+    def site(self, name: str) -> Site | None:
+        """The selected site of ``name`` (``name_1``, a hooked module's second call: its site)."""
+        i = self.order.get(name)
+        if i is None:
+            base, sep, n = name.rpartition("_")
+            i = self.order.get(base) if sep and n.isdigit() else None
+        return self.selected[i] if i is not None else None
+
+
+def check_model(model: Any, what: str = "fxprobe.tap") -> nn.Module:
+    """The module to instrument for ``model``, or a clear refusal.
+
+    A ``torch.compile``d module is reached through the module it compiles (``_orig_mod``):
+    its site names are the uncompiled model's, and the tapped module runs eagerly (compile the
+    tapped module to compile the taps too).
+    """
+    if hasattr(model, "_fxprobe_view"):  # a TappedModule
+        raise UnsupportedModelError(
+            f"{what} was given a TappedModule; tap the original model instead (one tap() can "
+            "select any number of sites: pass every selector in one ops=[...] list)"
+        )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a TorchScript module: fxprobe.tap and fxprobe.sites "
+            f"take it (docs/artifacts.md), {what} needs the original Python nn.Module"
+        )
+    compiled = getattr(torch, "_dynamo", None)
+    optimized = getattr(getattr(compiled, "eval_frame", None), "OptimizedModule", None)
+    if optimized is not None and isinstance(model, optimized):
+        warnings.warn(
+            f"{what} was given a torch.compile'd module: it uses the module it compiles (its "
+            "_orig_mod), whose site names are the same; a tapped module runs eagerly. To "
+            "compile the taps too, compile the tapped module: "
+            "torch.compile(fxprobe.tap(model, ...)).",
+            stacklevel=3,
+        )
+        model = model._orig_mod
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"fxprobe taps torch.nn.Module instances; got {type(model).__name__}. "
+            "Wrap a function in an nn.Module whose forward calls it."
+        )
+    return model
+
+
+def plan_model(root: nn.Module, options: TapOptions) -> Plan:
+    """Trace fxprobe's copy ``root`` (already in the wanted mode) with the options' tracer."""
+    return plan(root, tracer=options.tracer, leaf_modules=options.leaf_modules,
+                autowrap_functions=options.autowrap_functions)
+
+
+def build_program(root: nn.Module, selectors: list[Selector] | None, options: TapOptions,
+                  training: bool, pipeline: Pipeline, *, model_name: str,
+                  strict: bool = True) -> Program:
+    """Plan ``root`` in one mode, select sites, and compile every region that has a tap.
+
+    Args:
+        root: fxprobe's copy of the model (see ``_mirror``), in mode ``training``.
+        selectors: what ``ops=`` asked for (None: every site).
+        options: the validated options.
+        training: the mode this program is for.
+        pipeline: the tapped module's pipeline, called by the inserted nodes.
+        model_name: how messages name the model.
+        strict: check the selectors against the other mode's sites before refusing one.
+    """
+    p = plan_model(root, options)
+    mode = "train" if training else "eval"
+
+    def other_mode() -> list[Site]:
+        other = mirror(root)
+        other.train(not training)
+        return plan_model(other, options).sites
+
+    if p.dynamo:  # more sites appear as dynamo captures graphs: check after a forward
+        selected = [s for s in p.sites if not s.inlined] if selectors is None else [
+            s for s in p.sites if any(sel(s) for sel in selectors)]
+    else:
+        try:
+            selected = select(p.sites, selectors, context=f"{model_name} ({mode} mode)",
+                              fallbacks=p.fallbacks, other_mode=other_mode if strict else None)
+        except SelectorError:
+            if not p.deferred:
+                raise
+            # Dynamo may find the sites inside the modules fx could not trace: the check
+            # waits for the first forward (check_found), which raises if still nothing matched.
+            assert selectors is not None  # None selects everything and cannot fail
+            selected = [s for s in p.sites if any(sel(s) for sel in selectors)]
+    names = {s.name for s in selected}
+    compiled: dict[str, Compiled] = {}
+    for path, region in p.regions.items():
+        chosen = names & {s.name for _, s in region.sites()}
+        if not chosen:
+            continue  # nothing selected here: the module runs its own forward
+        graph = copy_graph(region.graph)
+        order, copied, outplaced = insert_taps(
+            graph, region.module.get_submodule, chosen, capture=options.capture,
+            copy=options.copy, pipeline=pipeline,
+            escapes=bool(path))  # a region below the root returns to untraced code
+        compiled[path] = compile_region(path, region.module, graph, order, copied, outplaced)
+    hooks = [HookSpec(s.name, s.name, None) for s in selected if s.how == "hook"]
+    guarded: dict[str, tuple[str, ...]] = {}
+    for path, region in p.regions.items():
+        if not path:
+            continue  # the root region runs whenever the tapped module does
+        calls = [s for _, s in region.sites() if s.name in names and s.kind == "call_module"]
+        hooks.extend(HookSpec(s.name, str(s.target), path) for s in calls)
+        if calls:
+            guarded[path] = tuple(s.name for s in calls)
+    prog = Program(training, p, tuple(selected), compiled, tuple(hooks),
+                   {s.name: i for i, s in enumerate(selected)}, guarded,
+                   deferred={d.path: d for d in p.deferred},
+                   state={d.path: "pending" for d in p.deferred})
+    if p.dynamo or p.deferred:
+        prog.unchecked = list(selectors) if selectors is not None else None
+        for path in [*(t.path for t in p.dynamo), *(d.path for d in p.deferred)]:
+            prog.dynamo[path] = _dynamo_region(root, path, selectors, options, pipeline, prog)
+    inlined = _inlined(root, compiled, prog.dynamo)
+    prog.watch = HookWatch(inlined) if inlined else None
+    return prog
+
+
+def _inlined(root: nn.Module, compiled: Mapping[str, Compiled],
+             dynamo: Mapping[str, DynamoRegion]) -> dict[str, nn.Module]:
+    """The modules whose forwards the compiled graphs inlined (they are not called, so a hook
+    registered on one later would never run), by path: below each compiled region, all but
+    the modules its graph calls (and their own modules); below each dynamo region, all."""
+    out: dict[str, nn.Module] = {}
+    for path, comp in compiled.items():
+        called = {str(n.target) for n in comp.graph.nodes if n.op == "call_module"}
+        module = root.get_submodule(path) if path else root
+        for rel, m in module.named_modules():
+            parts = rel.split(".")
+            if rel and not any(".".join(parts[:i]) in called for i in range(1, len(parts) + 1)):
+                out[f"{path}.{rel}" if path else rel] = m
+    for path, region in dynamo.items():
+        for rel, m in region.module.named_modules():
+            if rel:
+                out[f"{path}.{rel}" if path else rel] = m
+    return out
+
+
+def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
+                   options: TapOptions, pipeline: Pipeline, prog: Program) -> DynamoRegion:
+    """A module run under torch dynamo; the sites it selects join ``prog`` as they appear."""
+    leaf_types = tuple(t for t in options.leaf_modules if isinstance(t, type))
+    leaf_paths = frozenset(p for p in options.leaf_modules if isinstance(p, str))
+
+    def choose(found: Sequence[Site]) -> list[Site]:
+        if selectors is None:
+            return [s for s in found if not s.inlined]
+        return [s for s in found if any(sel(s) for sel in selectors)]
+
+    def on_sites(new: list[Site], chosen: list[Site]) -> None:
+        fresh = [s for s in chosen if s.name not in prog.added]
+        if fresh:
+            prog.added.update((s.name, (path, s)) for s in fresh)
+            prog.refresh()
+
+    module = root.get_submodule(path) if path else root
+    return DynamoRegion(
+        path, module, pipeline=pipeline, capture=options.capture, copy=options.copy,
+        is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths), choose=choose,
+        on_sites=on_sites)
+
+
+def check_found(prog: Program, model_name: str) -> None:
+    """After a forward of a program with dynamo regions: the selectors, against every site
+    found so far (``select``'s rules: a union may leave a type or function unmatched)."""
+    found = prog.known_sites()
+    mode = "train" if prog.training else "eval"
+    select(found, prog.unchecked, fallbacks=prog.fallbacks,
+           context=f"{model_name} ({mode} mode; sites found by the first forward: dynamo "
+           "captures graphs as the model runs; a module call that a graph break splits, or "
+           "that returns several values, is no site under dynamo: select the ops inside it, "
+           "or use tracer='hooks')")
+    prog.unchecked = None
+
+
+def captures_of(prog: Program) -> tuple[CaptureInfo, ...]:
+    return tuple(region.info for region in prog.dynamo.values())
+
+
+def graphs_of(prog: Program) -> tuple[CapturedGraph, ...]:
+    """The graphs dynamo captured so far in the modules it runs (not those it failed on)."""
+    return tuple(g for path, region in prog.dynamo.items()
+                 if prog.state.get(path) != "fallback" for g in region.drawn())
+
+
+@dataclass(frozen=True)
+class View:
+    """What the drawing and the tables read of a tapped module (no private state)."""
+
+    title: str
+    plan: Plan
+    root: nn.Module
+    selected: tuple[Site, ...]
+    capture: str
+    taps: Mapping[str, Any] | None
+    """The last forward's values, or None before any forward."""
+    captures: tuple[CaptureInfo, ...] = ()
+    """What torch dynamo captured (graphs, breaks), for modules it runs."""
+    graphs: tuple[CapturedGraph, ...] = ()
+    """The graphs torch dynamo captured in the modules it runs, with their sites, in the order
+    captured (every version: recompilations and reuses for other instances included)."""
+
+
+class SiteNames(tuple[str, ...]):
+    """Site names in execution order, as torchvision's ``get_graph_node_names`` lists them;
+    ``.records`` holds the :class:`Site` of each.
+
+    ``.modules`` lists the calls of modules that fx traced through (``layer1``), and ``.inner``
+    the sites inside blocks torchvision keeps whole (the convolution inside a
+    ``Conv2dNormActivation``): both are sites, selectable by name, type or function, but not
+    in the tuple. ``.fallbacks`` names the modules that run as written.
+    """
+
+    records: tuple[Site, ...]
+    modules: tuple[Site, ...]
+    inner: tuple[Site, ...]
+    fallbacks: tuple[Fallback, ...]
+
+    def __new__(cls, records: Sequence[Site], fallbacks: Sequence[Fallback]) -> SiteNames:
+        listed = [s for s in records if s.listed]
+        self = super().__new__(cls, (s.name for s in listed))
+        self.records = tuple(listed)
+        self.modules = tuple(s for s in records if s.inlined and not s.listed)
+        self.inner = tuple(s for s in records if not s.inlined and not s.listed)
+        self.fallbacks = tuple(fallbacks)
+        return self
+
+    def table(self, fmt: str = "text") -> Table:
+        """A table of name, op, module path and how each site is reached.
+
+        ``fmt`` is ``"text"``, ``"github"`` (Markdown) or ``"html"``.
+
+        Example:
+            >>> print(fxprobe.sites(model).table())
+        """
+        from ..present.summary import summary
+
+        return summary(self, fmt)
+
+
+def list_sites(model: nn.Module, *, train: bool, tracer: TracerKind,
+               leaf_modules: Sequence[Any], autowrap_functions: Sequence[Callable[..., Any]]
+               ) -> SiteNames:
+    """Plan a copy of ``model`` in one mode and list its sites (see ``fxprobe.sites``)."""
+    root = mirror(model)
+    root.train(train)
+    p = plan(root, tracer=tracer, leaf_modules=leaf_modules,
+             autowrap_functions=autowrap_functions)
+    return SiteNames(p.sites, p.fallbacks)

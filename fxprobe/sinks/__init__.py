@@ -1,0 +1,1 @@
+"""Where captured values go: disk shards and their reader, loggers, torch.distributed."""

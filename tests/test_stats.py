@@ -142,7 +142,7 @@ def test_std_of_large_tensors_on_every_cpu_path(name: str, path: str,
     """std with Bessel's correction (numpy's ``ddof=1``) for large tensors, to the precision
     of their dtype, by each path a CPU takes for them: the tensor ops a GPU runs too, torch
     with host reads (numba off or busy), the numba kernel. One at a time and in a batch."""
-    from fxprobe import _stats_numba
+    from fxprobe.capture.stats import numba as _stats_numba
 
     t = LARGE[name]
     ran = []

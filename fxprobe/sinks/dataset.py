@@ -13,7 +13,6 @@ one forward with one gather instead of one Python call per row.
 
 from __future__ import annotations
 
-import bisect
 import collections
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -123,13 +122,6 @@ class CaptureDataset(Dataset[Any]):
         state["_cache"] = collections.OrderedDict()  # maps stay in the process that made them
         return state
 
-    def _locate(self, i: int) -> tuple[int, int]:
-        if isinstance(i, bool) or not -self._len <= i < self._len:
-            raise IndexError(f"row {i!r} out of range: the dataset has {self._len} rows")
-        i = int(i) % self._len
-        k = bisect.bisect_right(self._starts, i) - 1
-        return k, i - self._starts[k]
-
     def _flat(self, k: int) -> dict[str, torch.Tensor]:
         """Forward k's values with their leading dims flattened: views of the maps."""
         got = self._cache.get(k)
@@ -139,47 +131,61 @@ class CaptureDataset(Dataset[Any]):
             got = {n: values[n].flatten(0, lead - 1) if lead == 2 else values[n]
                    for n in self.names}
             self._cache[k] = got
-            if len(self._cache) > 16:
+            if len(self._cache) > 256:  # each map holds a file descriptor
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(k)
         return got
 
+    def _gather(self, indices: Any) -> dict[str, torch.Tensor]:
+        """Rows ``indices`` of every name, stacked: one gather per forward they fall in."""
+        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        if idx.numel() and not (-self._len <= int(idx.min()) and int(idx.max()) < self._len):
+            bad = idx[(idx < -self._len) | (idx >= self._len)][0]
+            raise IndexError(f"row {int(bad)} out of range: the dataset has {self._len} rows")
+        idx = idx.remainder(max(self._len, 1))
+        starts = torch.tensor(self._starts, dtype=torch.long)
+        k = torch.searchsorted(starts, idx, right=True) - 1
+        local = idx - starts[k]
+        order = torch.argsort(k, stable=True)
+        ks, counts = torch.unique_consecutive(k[order], return_counts=True)
+        out: dict[str, torch.Tensor] = {}
+        begin = 0
+        for kk, count in zip(ks.tolist(), counts.tolist(), strict=True):
+            where = order[begin:begin + count]
+            begin += count
+            rows = local[where]
+            kept = self._kept[kk]
+            if kept is not None:
+                rows = kept[rows]
+            for n, t in self._flat(kk).items():
+                if n not in out:
+                    out[n] = torch.empty((idx.numel(), *t.shape[1:]), dtype=t.dtype)
+                out[n].index_copy_(0, where, t.index_select(0, rows))
+        if not out:  # no rows asked for
+            out = {n: torch.empty((0, *s)) for n, s in self.row_shapes.items()}
+        return out
+
     def _pack(self, values: dict[str, torch.Tensor]) -> Any:
         return values[self.names[0]] if self._single else values
 
-    def __getitem__(self, i: int) -> Any:
-        k, r = self._locate(i)
-        kept = self._kept[k]
-        row = int(kept[r]) if kept is not None else r
-        return self._pack({n: t[row].clone() for n, t in self._flat(k).items()})
+    def __getitem__(self, i: Any) -> Any:
+        """Row ``i``; a list or 1-d tensor of rows gives them stacked (one batch), which is
+        the fast way to read: ``DataLoader(ds, batch_size=None, sampler=BatchSampler(...))``."""
+        if isinstance(i, bool) or not isinstance(i, (int, torch.Tensor, Sequence)) or \
+                isinstance(i, str):
+            raise TypeError(f"dataset rows are read by int or a sequence of ints, not {i!r}")
+        scalar = isinstance(i, int) or (isinstance(i, torch.Tensor) and i.dim() == 0)
+        got = self._gather(i)
+        return self._pack({n: v[0] for n, v in got.items()} if scalar else got)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Many rows at once (``DataLoader`` passes a batch): one gather per forward."""
-        where = [self._locate(i) for i in indices]
-        by_forward: dict[int, list[int]] = {}
-        for pos, (k, _) in enumerate(where):
-            by_forward.setdefault(k, []).append(pos)
-        out: dict[str, list[torch.Tensor | None]] = {n: [None] * len(where) for n in self.names}
-        for k, positions in by_forward.items():
-            local = torch.tensor([where[p][1] for p in positions], dtype=torch.long)
-            kept = self._kept[k]
-            if kept is not None:
-                local = kept[local]
-            for n, t in self._flat(k).items():
-                rows = t.index_select(0, local)
-                for p, row in zip(positions, rows.unbind(0), strict=True):
-                    out[n][p] = row
-        return [self._pack({n: _filled(out[n][p]) for n in self.names})
-                for p in range(len(where))]
+        """Many rows at once, as ``DataLoader`` asks for a batch: one gather per forward."""
+        got = self._gather(list(indices))
+        rows = {n: v.unbind(0) for n, v in got.items()}
+        return [self._pack({n: rows[n][p] for n in self.names}) for p in range(len(indices))]
 
     def __repr__(self) -> str:
         what = self.names[0] if self._single else list(self.names)
         masked = f", mask={self.mask!r}" if self.mask else ""
         return f"CaptureDataset({what!r}, rows={self.rows!r}{masked}, {self._len} rows)"
-
-
-def _filled(row: torch.Tensor | None) -> torch.Tensor:
-    if row is None:  # every position was filled by its forward's gather
-        raise RuntimeError("internal: a dataset row was not read; please report this")
-    return row

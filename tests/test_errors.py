@@ -87,3 +87,20 @@ def test_every_fallback_of_a_transformer_points_at_a_source_line() -> None:
     for f in tapped.fallbacks:  # co_varnames failures happen before any model code runs
         path, line, code = f.location.split(":", 2)
         assert path.endswith(".py") and line.isdigit() and code.strip(), str(f)
+
+
+@pytest.mark.parametrize("leaf, close", [("0", "none"), (["layer1.0.conv9"], "layer1.0.conv1"),
+                                         (["no.such.path"], "none")])
+def test_leaf_module_paths_must_name_modules(leaf: object, close: str) -> None:
+    model, _, _ = zoo.make("resnet")
+    bad = leaf if isinstance(leaf, str) else leaf[0]  # type: ignore[index]
+    pattern = (f"leaf_modules entry '{re.escape(bad)}' is no module path"
+               f".*close: [^)]*{re.escape(close)}")
+    for call in (lambda: fxprobe.tap(model, leaf_modules=leaf),
+                 lambda: fxprobe.sites(model, leaf_modules=leaf),
+                 lambda: fxprobe.extractor(model, return_nodes=["layer1"], leaf_modules=leaf)):
+        with pytest.raises(fxprobe.ConfigError, match=pattern):
+            call()
+    # A path that is one keeps the module a single call: its insides are no sites.
+    names = [s.name for s in fxprobe.tap(model, leaf_modules="layer1").sites]
+    assert "layer1" in names and not any(n.startswith("layer1.") for n in names)

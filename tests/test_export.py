@@ -98,6 +98,36 @@ def test_inplace_hazards_copy_only_what_is_overwritten() -> None:
     assert torch.equal(never.taps["bn"], model.act(model.bn(model.lin(x))))
 
 
+
+class _WrittenThenReturned(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = x * 2
+        b.add_(x)
+        c = torch.sin(x)
+        c.mul_(3)
+        return b, c.relu()
+
+
+def test_a_tapped_value_written_in_place_and_returned() -> None:
+    torch.manual_seed(0)
+    model, x = _WrittenThenReturned(), torch.randn(5)
+    program = torch.export.export(model, (x,))
+    tapped = fxprobe.tap(program, ops=["mul", "sin"])
+    out = tapped(x)
+    want = program.module()(x)
+    assert all(torch.equal(a, b) for a, b in zip(out, want, strict=True))
+    assert torch.equal(out[0], x * 2 + x) and torch.equal(out[1], (torch.sin(x) * 3).relu())
+    assert torch.equal(tapped.taps["mul"], x * 2)  # before add_ wrote it
+    assert torch.equal(tapped.taps["sin"], torch.sin(x))
+    scripted = fxprobe.tap(torch.jit.script(model), ops=["mul", "sin"])
+    scripted(x)
+    assert all(torch.equal(tapped.taps[n], scripted.taps[n]) for n in ("mul", "sin"))
+    for copy in ("always", "never"):  # never: the written value, as the program leaves it
+        other = fxprobe.tap(program, ops="mul", copy=copy)
+        assert torch.equal(other(x)[0], x * 2 + x)
+        assert torch.equal(other.taps["mul"], x * 2 if copy == "always" else x * 2 + x)
+
+
 def test_tapped_program_saves_and_loads_with_its_taps(tmp_path: Path) -> None:
     model, (x,), _ = zoo.make("resnet")
     tapped = fxprobe.tap(torch.export.export(model, (x,)), ops=[nn.Conv2d, "layer*.add", "x"])

@@ -124,6 +124,40 @@ def test_cnn_stages_by_name_equal_hooks() -> None:
         fxprobe.features(model, ["layer2"], return_prefix_tokens=True)(x)
 
 
+def test_feature_info_chooses_blocks_and_channels_are_measured() -> None:
+    model, (x,), _ = zoo.make("resnet")
+    seen: dict[str, torch.Tensor] = {}
+    handles = [getattr(model, n).register_forward_hook(
+        lambda m, i, o, n=n: seen.__setitem__(n, o.clone())) for n in ("layer1", "layer2")]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    named = fxprobe.features(model, ["layer1", "layer2"])
+    assert named.channels() == [None, None]
+    got = named(x)  # measured at the first call
+    assert named.channels() == [seen[n].shape[1] for n in ("layer1", "layer2")]
+    assert named.reduction() == [x.shape[-2] // seen[n].shape[-2] for n in ("layer1", "layer2")]
+    info = [{"module": "layer1", "num_chs": 7, "reduction": 4},
+            {"module": "layer2", "num_chs": 9, "reduction": 8}]
+    model.feature_info = info  # timm's layout: indices count these entries
+    f = fxprobe.features(model, [-1, 0, 0])  # in the model's order, each once, as timm
+    assert f.feature_info == info and f.channels() == [7, 9] and f.reduction() == [4, 8]
+    assert all(torch.equal(a, b) for a, b in zip(f(x), got, strict=True))
+    assert torch.equal(fxprobe.features(model, 1)(x)[0], seen["layer2"])
+    with pytest.raises(ConfigError, match="index 2 is out of range: feature_info lists 2"):
+        fxprobe.features(model, [2])
+    model.feature_info = [*info, {"module": "layer9"}]
+    with pytest.raises(ConfigError, match="names module 'layer9'.*close: layer"):
+        fxprobe.features(model)
+    model.feature_info = "layer1"
+    with pytest.raises(ConfigError, match="blocks="):
+        fxprobe.features(model)
+    assert torch.equal(fxprobe.features(model, ["layer1"])(x)[0], seen["layer1"])
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"indices": [0], "blocks": "layers"}, "blocks='layers' is no module.*candidates: blocks"),
     ({"indices": [7]}, "block index 7 is out of range: 'blocks' holds 4"),
@@ -170,6 +204,47 @@ _TIMM_SCRIPT = textwrap.dedent("""
         got = fxprobe.features(tv, [1], blocks="encoder.layers")(x)[0]
     assert torch.equal(want, got)
     print("torchvision vit equal")
+
+    def same_weights(fo, m):  # features_only keys: flattened (stages_0) or under model.
+        sd = m.state_dict()
+        pick = lambda k: next(c for c in (k, k.removeprefix("model."), k.replace("_", ".", 1))
+                              if c in sd)
+        fo.load_state_dict({k: sd[pick(k)] for k in fo.state_dict()})
+        return fo.eval()
+
+    for name, kw, fo_kw in [
+            ("efficientnet_b0", {}, {}), ("resnet18", {}, {}), ("convnext_atto", {}, {}),
+            ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=4, embed_dim=32,
+                                          num_heads=2), dict(out_indices=(0, 1, 2, 3)))]:
+        torch.manual_seed(0)
+        m = timm.create_model(name, pretrained=False, **kw).eval()
+        x = torch.randn(2, 3, 32, 32) if "vit" in name else torch.randn(2, 3, 64, 64)
+        n = len(m.feature_info)
+        with torch.no_grad():
+            for idx in (None, 2, [1, 3], [-1, 0]):
+                want = m.forward_intermediates(x, indices=idx, intermediates_only=True)
+                f = fxprobe.features(m, idx)
+                got = f(x)
+                assert len(got) == len(want), (name, idx, len(got), len(want))
+                assert all(torch.equal(a, b) for a, b in zip(want, got)), (name, idx)
+            fo = same_weights(timm.create_model(name, pretrained=False, features_only=True,
+                                                **kw, **fo_kw), m)
+            f = fxprobe.features(m, list(fo.feature_info.out_indices))
+            got, want = f(x), fo(x)
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(want, got))
+            assert f.channels() == fo.feature_info.channels(), name
+            assert f.reduction() == fo.feature_info.reduction(), name
+            assert [d["module"] for d in f.feature_info] == fo.feature_info.module_name()
+            try:  # a features_only model: its feature_info names the full model's modules
+                fxprobe.features(fo)
+            except fxprobe.ConfigError as e:  # stages.0 is stages_0 there
+                assert "features_only" in str(e) and name in ("convnext_atto",
+                                                                "vit_tiny_patch16_224"), e
+            except fxprobe.UnsupportedModelError as e:  # a ModuleDict
+                assert "container" in str(e) and name == "resnet18", e
+            else:
+                assert name == "efficientnet_b0"  # its features model keeps blocks.N
+        print("timm equal", name, n, f.feature_info[-1]["module"])
 """)
 
 
@@ -185,3 +260,6 @@ def test_equals_timm_forward_intermediates_and_torchvision_tokens() -> None:
         pytest.skip(f"{TV_PYTHON} has no timm (pip install timm into it)")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "vit equal 3" in run.stdout and "torchvision vit equal" in run.stdout
+    for line in ("resnet18 5 layer4", "convnext_atto 4 stages.3", "efficientnet_b0 5 blocks.6",
+                 "vit_tiny_patch16_224 4 blocks.3"):
+        assert f"timm equal {line}" in run.stdout, run.stdout

@@ -182,7 +182,9 @@ def test_lightning_callback_writes_site_stat_metrics(tmp_path: Path) -> None:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             (x,) = batch
             seen.append((batch_idx, _by_hand(self.raw, x)))  # before this step's update
-            return self.net(x).square().mean()
+            loss = self.net(x).square().mean()
+            self.log("loss", loss, on_step=True, on_epoch=False)
+            return loss
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -198,11 +200,15 @@ def test_lightning_callback_writes_site_stat_metrics(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("run/*/metrics.csv")
     rows = list(csv.DictReader(path.open()))
     logged = [r for r in rows if r.get("1/mean")]
-    # Batches 0, 2, 4 are logged, at the global step after their optimizer step.
-    assert [int(r["step"]) for r in logged] == [1, 3, 5]
+    # Batches 0, 2, 4 are logged, at the step where Lightning puts their own self.log
+    # metrics (the loss of batch 0 at step 0), not at the global step after their update.
+    losses = {int(r["step"]): float(r["loss"]) for r in rows if r.get("loss")}
+    assert sorted(losses) == [0, 1, 2, 3, 4]
+    assert [int(r["step"]) for r in logged] == [0, 2, 4]
     assert {k for k in rows[0] if "/" in k} == {"1/mean", "1/std", "2/mean", "2/std"}
     for r, (batch_idx, ref) in zip(logged, [seen[0], seen[2], seen[4]], strict=True):
-        assert batch_idx == int(r["step"]) - 1
+        assert batch_idx == int(r["step"])
+        assert close(losses[batch_idx], float(ref["2"].square().mean()))
         for site in ("1", "2"):
             want = np_stats(ref[site])
             assert close(float(r[f"{site}/mean"]), want["mean"])

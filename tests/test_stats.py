@@ -211,7 +211,7 @@ def test_stats_vectors_same_size_batch_and_edges() -> None:
         _assert_close(row, t.cpu())
     empty = stats_vectors([])
     assert empty.shape == (0, 8)
-    with pytest.raises(TypeError, match="complex"):
+    with pytest.raises(ConfigError, match="complex"):
         stats_vectors([torch.ones(2), torch.ones(2, dtype=torch.complex64)])
 
 
@@ -269,9 +269,9 @@ def test_triton_kernel_on_many_programs() -> None:
 def test_stats_vector_is_detached_and_rejects_complex() -> None:
     x = torch.randn(5, requires_grad=True)
     assert not stats_vector(x * 2).requires_grad
-    with pytest.raises(TypeError, match="complex"):
+    with pytest.raises(ConfigError, match="complex.*t.abs"):  # an fxprobe error, with a fix
         stats_vector(torch.randn(3, dtype=torch.complex64))
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(ConfigError, match="needs a torch.Tensor, got list.*as_tensor"):
         stats_vector([1.0, 2.0])  # type: ignore[arg-type]
 
 
@@ -385,6 +385,18 @@ def test_stats_table_text() -> None:
     assert stats_table({"0": _stats()}, fmt="github").startswith("| site")
 
 
+
+def test_stats_table_of_tensors() -> None:
+    # As tapped.taps holds them: tensors are summarised (numbers by hand below).
+    table = stats_table({"a": torch.tensor([[0.0, 1.0], [2.0, -4.0]]), "s": _stats()})
+    rows = [line.split() for line in table.splitlines()[2:]]
+    assert rows[0] == ["a", "2x2", "float32", "-0.25", "2.63", "-4", "2", "4", "25.0", "0", "0"]
+    assert rows[1][0] == "s" and rows[1][3] == "0.5"
+    with pytest.raises(ConfigError, match=r"'b' \(str\), 'c' \(Tensor, complex\)"):
+        stats_table({"a": torch.ones(2), "b": "x",  # type: ignore[dict-item]
+                     "c": torch.ones(2, dtype=torch.complex64)})
+
+
 class _Source:
     def __init__(self) -> None:
         self.reads = 0
@@ -433,6 +445,33 @@ def test_stats_logger_callable_stats_context_and_disabled(caplog: pytest.LogCapt
     calls.clear()
     quiet()
     assert calls == []
+
+
+def test_stats_logger_says_once_when_its_logger_drops_the_records(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import warnings
+
+    src = _Source()
+    quiet = logging.getLogger("fxprobe.test.default_level")  # WARNING, Python's default
+    slog = StatsLogger(src, every=1, logger=quiet)
+    with pytest.warns(UserWarning, match="'fxprobe.test.default_level' drops INFO records "
+                      r"\(its level is WARNING.*step\(\) returns None.*basicConfig") as seen:
+        assert [slog.step() for _ in range(3)] == [None] * 3
+    assert len(seen) == 1 and src.reads == 0
+    alone = logging.getLogger("fxprobe.test.no_handler")  # enabled, but no handler takes it
+    alone.setLevel(logging.INFO)
+    alone.propagate = False
+    try:
+        with pytest.warns(UserWarning, match="no handler takes them") as seen:
+            assert StatsLogger(src, every=1, logger=alone).step() is not None
+        assert "returns None" not in str(seen[0].message)
+    finally:
+        alone.propagate = True
+    caplog.set_level(logging.INFO, logger="fxprobe.test.kept")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept: nothing to say
+        StatsLogger(src, every=1, logger=logging.getLogger("fxprobe.test.kept")).step()
+        StatsLogger(src, every=1, logger=quiet, sink=lambda i, st: None).step()
 
 
 def test_stats_logger_rejects_bad_arguments() -> None:

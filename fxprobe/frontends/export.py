@@ -20,6 +20,7 @@ Each output node of a tap carries its site in ``meta["custom"]["fxprobe_taps"]``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 import warnings
 from collections.abc import Sequence
@@ -275,7 +276,10 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     old_out = graph.graph_copy(ep.graph, env)
-    # Every decision below is made on the copy; the user's graph is only read.
+    # Every decision below is made on the copy; the user's graph is only read. The outputs sit
+    # in an output node meanwhile, so that an in-place op run out of place below is replaced
+    # there too (b = x * 2; b.add_(x); return b) and the hazards see what is returned.
+    held = graph.output(old_out)
     values = {i: env[eg.nodes[i]] for i in selected}
     outplaced: set[str] = set()
     if copy_policy == "auto":
@@ -307,12 +311,18 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
             copied.add(site.name)
         taps.append(new)
         names.append(site.name)
+    old_out = held.args[0]
+    graph.erase_node(held)
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     outputs: list[Any] = list(old_out) if isinstance(old_out, (tuple, list)) else [old_out]
     graph.output(tuple(outputs + taps)).meta = dict(out_node.meta)
     graph.lint()
     gm = fx.GraphModule(ep.graph_module, graph)
-    specs = list(ep.graph_signature.output_specs) + [
+    specs = [  # an output run out of place above is a new node: its spec names that one
+        dataclasses.replace(spec, arg=TensorArgument(name=o.name))
+        if isinstance(spec.arg, TensorArgument) and isinstance(o, fx.Node)
+        and o.name != spec.arg.name else spec
+        for spec, o in zip(ep.graph_signature.output_specs, outputs, strict=True)] + [
         OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=t.name), None) for t in taps]
     signature = ExportGraphSignature(list(ep.graph_signature.input_specs), specs)
     with warnings.catch_warnings():  # torch's own TreeSpec pickling warns on deepcopy

@@ -9,6 +9,7 @@ their own, and its leaf children are reached by hooks.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import linecache
@@ -26,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from ..capture.inplace import OUT_OF_PLACE
-from ..core.errors import TracedStateError, TraceError
+from ..core.errors import ConfigError, TracedStateError, TraceError
 from ..core.ops import method_key, module_key, op_key
 from ..core.options import TracerKind
 from ..core.site import CALL_ARGS, Site, attach, sites_of
@@ -583,6 +584,13 @@ def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (
     """Trace ``root`` (fxprobe's copy of the user's model, already in the wanted mode)."""
     leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
     leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
+    paths = [name for name, _ in root.named_modules() if name]
+    for p in sorted(leaf_paths - set(paths)):
+        close = difflib.get_close_matches(p, paths, n=3, cutoff=0.5)
+        raise ConfigError(
+            f"leaf_modules entry {p!r} is no module path of {type(root).__name__} (close: "
+            f"{', '.join(close) or 'none'}); pass paths as model.named_modules() gives them "
+            "(e.g. 'encoder.layer.0') or module types")
     planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions),
                        library_blocks())
     root_region = planner.visit(root, "")

@@ -7,6 +7,7 @@ the last chosen block, and each block's output is then laid out the way timm use
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -25,11 +26,17 @@ class Features(nn.Module):
 
     def __init__(self, body: fx.GraphModule, names: Sequence[str], output_fmt: OutputFormat,
                  prefix_tokens: int | None, grid: tuple[int, int] | None,
-                 return_prefix_tokens: bool) -> None:
+                 return_prefix_tokens: bool,
+                 info: Sequence[dict[str, Any]] | None = None) -> None:
         super().__init__()
         self.body = body
         self.names = list(names)
         """The site names of the chosen blocks, in the order of the list returned."""
+        self.feature_info: list[dict[str, Any]] = [
+            dict(d) for d in info] if info is not None else [{"module": n} for n in names]
+        """One dict per output, as timm's ``feature_info``: ``module``, ``num_chs`` (channels)
+        and ``reduction`` (the input's size over the map's). From the model's ``feature_info``
+        when it has one, else measured at the first call."""
         self.output_fmt = output_fmt
         self.prefix_tokens = prefix_tokens
         self.grid = grid
@@ -37,7 +44,31 @@ class Features(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> list[Any]:
         values = self.body(*args, **kwargs)
-        return [self._layout(name, values[name]) for name in self.names]
+        out = [self._layout(name, values[name]) for name in self.names]
+        if any("num_chs" not in d for d in self.feature_info):
+            self._measure(args[0] if args else None, out)
+        return out
+
+    def channels(self) -> list[int | None]:
+        """The channels of each output (timm's ``feature_info.channels()``)."""
+        return [d.get("num_chs") for d in self.feature_info]
+
+    def reduction(self) -> list[int | None]:
+        """The stride of each output against the input (timm's ``feature_info.reduction()``);
+        None where it was not measured yet or the input is no image."""
+        return [d.get("reduction") for d in self.feature_info]
+
+    def _measure(self, x: Any, out: list[Any]) -> None:
+        for d, value in zip(self.feature_info, out, strict=True):
+            m = value[0] if isinstance(value, tuple) else value
+            if self.output_fmt == "NLC":  # (B, H*W, C): the grid is not in the shape
+                d["num_chs"], d["reduction"] = int(m.shape[-1]), None
+                continue
+            c, h = (m.shape[1], m.shape[2]) if self.output_fmt == "NCHW" else (
+                m.shape[3], m.shape[1])
+            d["num_chs"] = int(c)
+            d["reduction"] = (x.shape[-2] // h if isinstance(x, torch.Tensor) and x.dim() == 4
+                              and h and x.shape[-2] % h == 0 else None)
 
     def _layout(self, name: str, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4):
@@ -89,7 +120,7 @@ class Features(nn.Module):
 
 
 def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | None = None, *,
-             blocks: str = "blocks", output_fmt: OutputFormat = "NCHW",
+             blocks: str | None = None, output_fmt: OutputFormat = "NCHW",
              prefix_tokens: int | None = None, grid: tuple[int, int] | None = None,
              return_prefix_tokens: bool = False, leaf_modules: Sequence[Any] = (),
              train: bool = False) -> Features:
@@ -104,11 +135,14 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
 
     Args:
         model: a module fx can trace whole (timm's and torchvision's models are).
-        indices: which blocks: ``None`` (all children of ``blocks``), an int ``n`` (the last
-            ``n``), block indices (``[2, 5, -1]``), or site names and module paths
-            (``["layer1", "layer2"]`` for a ResNet; ``blocks`` is then not used).
-        blocks: the path of the module holding the blocks in order (timm: ``"blocks"``;
-            torchvision's ViT: ``"encoder.layers"``).
+        indices: which blocks: ``None`` (all of them), an int ``n`` (the last ``n``), block
+            indices (``[2, 5, -1]``), or site names and module paths (``["layer1", "layer2"]``
+            for a ResNet; ``blocks`` is then not used). On a model with timm's
+            ``feature_info`` the indices count its entries, as ``forward_intermediates`` does
+            (in the model's order, each once).
+        blocks: the path of the module holding the blocks in order (torchvision's ViT:
+            ``"encoder.layers"``). Default: the model's ``feature_info`` (timm's models), else
+            ``"blocks"``.
         output_fmt: ``"NCHW"`` (timm's default), ``"NHWC"`` or ``"NLC"``.
         prefix_tokens: how many leading tokens are not patches; default: the model's
             ``num_prefix_tokens`` (timm), else inferred (0 or 1, whichever leaves a square).
@@ -119,11 +153,13 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
         train: trace the training-mode forward.
 
     Returns:
-        A :class:`Features` module sharing the model's parameters.
+        A :class:`Features` module sharing the model's parameters, with timm's per-output
+        ``feature_info`` (``module``, ``num_chs``, ``reduction``).
 
     Raises:
         ConfigError: ``blocks`` is no module of the model or holds no blocks, an index out of
-            range, an unknown ``output_fmt``, or a value that cannot be laid out.
+            range, a ``feature_info`` entry that names no module of the model, an unknown
+            ``output_fmt``, or a value that cannot be laid out.
         SelectorError: a site name that is no site.
 
     Example:
@@ -131,7 +167,12 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
     """
     if output_fmt not in ("NCHW", "NHWC", "NLC"):
         raise ConfigError(f"output_fmt={output_fmt!r}: use 'NCHW', 'NHWC' or 'NLC'")
-    names = _block_names(model, indices, blocks)
+    info = _feature_info(model) if blocks is None and not _named(indices) else None
+    if info is not None:
+        info = [info[i] for i in sorted(set(_take(indices, len(info), "feature_info lists")))]
+        names = [d["module"] for d in info]
+    else:
+        names = _block_names(model, indices, blocks or "blocks")
     if prefix_tokens is None:
         found = getattr(model, "num_prefix_tokens", None)
         prefix_tokens = found if isinstance(found, int) else None
@@ -141,12 +182,62 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
             grid = (int(size[0]), int(size[1]))
     body = extractor(model, return_nodes=list(dict.fromkeys(names)),
                      leaf_modules=leaf_modules, train=train)
-    return Features(body, names, output_fmt, prefix_tokens, grid, return_prefix_tokens)
+    return Features(body, names, output_fmt, prefix_tokens, grid, return_prefix_tokens, info)
+
+
+def _named(indices: Any) -> bool:
+    return isinstance(indices, (list, tuple)) and bool(indices) and all(
+        isinstance(i, str) for i in indices)
+
+
+def _feature_info(model: nn.Module) -> list[dict[str, Any]] | None:
+    """timm's ``feature_info`` of the model as dicts (module, num_chs, reduction), or None when
+    it has none; ConfigError when an entry names no module of the model."""
+    found = getattr(model, "feature_info", None)
+    if found is None:
+        return None
+    if callable(getattr(found, "get_dicts", None)):  # timm's FeatureInfo (features_only)
+        found = found.get_dicts()
+    if (not isinstance(found, (list, tuple)) or not found
+            or not all(isinstance(d, dict) and isinstance(d.get("module"), str) for d in found)):
+        raise ConfigError(
+            f"{type(model).__name__}.feature_info is not timm's list of dicts with a 'module' "
+            "path; pass blocks= (the module holding the blocks) or site names as indices")
+    modules = dict(model.named_modules())
+    out = []
+    for d in found:
+        if d["module"] not in modules:
+            close = difflib.get_close_matches(d["module"], [p for p in modules if p], n=3)
+            raise ConfigError(
+                f"{type(model).__name__}.feature_info names module {d['module']!r}, which is "
+                f"no module of the model (close: {', '.join(close) or 'none'}); a timm "
+                "features_only model returns its features itself; else pass blocks= or site "
+                "names as indices")
+        out.append({k: d[k] for k in ("module", "num_chs", "reduction") if k in d})
+    return out
+
+
+def _take(indices: Any, n: int, what: str) -> list[int]:
+    """Positions among ``n`` blocks: None (all), an int (the last n) or a list of indices."""
+    if indices is None:
+        return list(range(n))
+    if isinstance(indices, int) and not isinstance(indices, bool):
+        if not 1 <= indices <= n:
+            raise ConfigError(f"indices={indices}: an int takes the last n blocks, 1 to {n}")
+        return list(range(n - indices, n))
+    if isinstance(indices, (list, tuple)) and indices and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        for i in indices:
+            if not -n <= i < n:
+                raise ConfigError(f"block index {i} is out of range: {what} {n} blocks")
+        return [i % n for i in indices]
+    raise ConfigError(
+        f"indices={indices!r}: pass None, an int (the last n blocks), a list of block indices "
+        "or a list of site names")
 
 
 def _block_names(model: nn.Module, indices: Any, blocks: str) -> list[str]:
-    if isinstance(indices, (list, tuple)) and indices and all(isinstance(i, str)
-                                                              for i in indices):
+    if _named(indices):
         return list(indices)
     try:
         holder = model.get_submodule(blocks)
@@ -160,22 +251,4 @@ def _block_names(model: nn.Module, indices: Any, blocks: str) -> list[str]:
     children = [f"{blocks}.{name}" for name, _ in holder.named_children()]
     if not children:
         raise ConfigError(f"{blocks!r} ({type(holder).__name__}) has no child blocks")
-    if indices is None:
-        return children
-    if isinstance(indices, int) and not isinstance(indices, bool):
-        if not 1 <= indices <= len(children):
-            raise ConfigError(
-                f"indices={indices}: an int takes the last n blocks, 1 to {len(children)}")
-        return children[-indices:]
-    if isinstance(indices, (list, tuple)) and indices and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in indices):
-        out = []
-        for i in indices:
-            if not -len(children) <= i < len(children):
-                raise ConfigError(
-                    f"block index {i} is out of range: {blocks!r} holds {len(children)} blocks")
-            out.append(children[i])
-        return out
-    raise ConfigError(
-        f"indices={indices!r}: pass None, an int (the last n blocks), a list of block indices "
-        "or a list of site names")
+    return [children[i] for i in _take(indices, len(children), f"{blocks!r} holds")]

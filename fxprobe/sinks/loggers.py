@@ -135,8 +135,9 @@ def lightning_callback(source: Any = None, every: int = 50, fields: Iterable[str
 
     After every training batch it steps a :class:`~fxprobe.StatsLogger`; on every
     ``every``-th batch (from the first) it sends one scalar per site and statistic to each of
-    the trainer's loggers (``logger.log_metrics(..., step=trainer.global_step)``), so it works
-    with TensorBoard, CSV, W&B and MLflow loggers alike. On the other batches nothing is read
+    the trainer's loggers (``logger.log_metrics``), at the step where Lightning puts that
+    batch's ``self.log`` metrics, so it works with TensorBoard, CSV, W&B and MLflow loggers
+    alike. On the other batches nothing is read
     from the device.
 
     Args:
@@ -186,10 +187,22 @@ def lightning_callback(source: Any = None, every: int = 50, fields: Iterable[str
 
         def _emit(self, index: int, stats: Mapping[str, Stats]) -> None:
             values = stats_scalars(stats, chosen, prefix)
+            step = _logging_step(self._trainer)
             for lg in self._trainer.loggers:
-                lg.log_metrics(values, step=self._trainer.global_step)
+                lg.log_metrics(values, step=step)
 
     return FxProbeStats()
+
+
+def _logging_step(trainer: Any) -> int:
+    """The step Lightning's own ``self.log`` gives this batch's metrics: the batches that
+    stepped before it. ``trainer.global_step`` already counts this batch's optimizer step
+    (one late), and counts each optimizer of a manual step."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    if isinstance(step, int):
+        return step
+    return int(trainer.global_step)  # Lightning before 1.6 logged at global_step
 
 
 _QUIET = 1  # below any logger's level: the callback's StatsLogger writes no logging table

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,7 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
         is float64 and float32 otherwise.
 
     Raises:
-        TypeError: ``t`` is not a tensor, or is complex.
+        ConfigError: ``t`` is not a tensor, or is complex.
 
     Example:
         >>> stats_vector(torch.tensor([1.0, 2.0, float("nan")]))
@@ -213,9 +214,10 @@ _SMALL = 1 << 16
 
 def _check(t: object) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"stats_vector needs a torch.Tensor, got {type(t).__name__}")
+        raise ConfigError(f"stats_vector needs a torch.Tensor, got {type(t).__name__}; pass "
+                          "torch.as_tensor(...) of it")
     if t.is_complex():
-        raise TypeError(
+        raise ConfigError(
             f"stats_vector does not summarise complex tensors ({t.dtype}); pass t.abs() or "
             "torch.view_as_real(t)"
         )
@@ -460,8 +462,12 @@ def stats_table(stats: Mapping[str, Stats], fmt: str = "simple") -> str:
     """A text table of ``{site: Stats}``, one row per site, in the mapping's order.
 
     Args:
-        stats: site name -> :class:`Stats` (a :class:`StatsBatch` is fetched).
+        stats: site name -> :class:`Stats` or tensor (a :class:`StatsBatch` is fetched;
+            tensors are summarised with :func:`stats_vector`, as ``tapped.taps`` holds them).
         fmt: any ``tabulate`` table format (``"simple"``, ``"github"``, ``"plain"`` ...).
+
+    Raises:
+        ConfigError: a value is neither Stats nor a real tensor.
 
     Returns:
         The table; columns site, shape, dtype, mean, std, min, max, absmax, zeros %, nan, inf.
@@ -471,6 +477,14 @@ def stats_table(stats: Mapping[str, Stats], fmt: str = "simple") -> str:
     """
     from tabulate import tabulate
 
+    if not all(isinstance(v, Stats) for v in stats.values()):
+        bad = [f"{n!r} ({type(v).__name__}{', complex' if isinstance(v, torch.Tensor) else ''})"
+               for n, v in stats.items() if not isinstance(v, Stats) and not (
+                   isinstance(v, torch.Tensor) and not v.is_complex())]
+        if bad:
+            raise ConfigError(
+                f"stats_table needs Stats or real tensors as values; got {', '.join(bad)}")
+        stats = collect(stats)
     rows = []
     for name, s in stats.items():
         shape = "x".join(map(str, s.shape)) if s.shape else "scalar"
@@ -565,6 +579,7 @@ class StatsLogger(_EveryN):
             )
         self.last: Mapping[str, Stats] | None = None
         """The statistics logged last, or None."""
+        self._warned = False
 
     def step(self) -> Mapping[str, Stats] | None:
         """Count one step; on every ``every``-th (from the first) log and return the stats."""
@@ -572,6 +587,16 @@ class StatsLogger(_EveryN):
 
     def _act(self, index: int) -> Mapping[str, Stats] | None:
         log = self.logger.isEnabledFor(self.level)
+        if self.sink is None and not self._warned and not _reaches_a_handler(self.logger,
+                                                                            self.level):
+            self._warned = True
+            warnings.warn(
+                f"StatsLogger: logger {self.logger.name!r} drops {logging.getLevelName(self.level)}"
+                f" records (its level is {logging.getLevelName(self.logger.getEffectiveLevel())}"
+                ", or no handler takes them), so nothing is logged"
+                f"{'' if log else ' and step() returns None'}; call logging.basicConfig("
+                "level=logging.INFO) or give the logger a handler, or pass a level it keeps "
+                "(level=logging.WARNING) or a sink=", stacklevel=4)
         if not log and self.sink is None:
             return None
         stats = collect(self._read())
@@ -585,6 +610,23 @@ class StatsLogger(_EveryN):
 
     def __enter__(self) -> StatsLogger:
         return self
+
+
+def _reaches_a_handler(logger: logging.Logger, level: int) -> bool:
+    """Whether a record of ``level`` would reach a handler, as ``Logger.callHandlers`` does
+    (handler filters aside): Python's last-resort handler takes only WARNING and above."""
+    if not logger.isEnabledFor(level):
+        return False
+    any_handler = False
+    current: logging.Logger | None = logger
+    while current is not None:
+        for h in current.handlers:
+            any_handler = True
+            if level >= h.level:
+                return True
+        current = current.parent if current.propagate else None
+    last = logging.lastResort
+    return not any_handler and last is not None and level >= last.level
 
 
 def collect(values: Mapping[str, Any]) -> Mapping[str, Stats]:

@@ -162,3 +162,38 @@ def test_a_dataset_sees_committed_shards_only(tmp_path: Path) -> None:
             tapped(x, mask)
     assert len(early) == 2 * 12
     assert len(fxprobe.open_captures(tmp_path).dataset("lin")) == 4 * 12
+
+
+def test_batches_of_rows_read_as_one_gather(tmp_path: Path) -> None:
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    model = Block()
+    seen = harvest(model, tmp_path, batches(4), shard_size=2_000)
+    ds = fxprobe.open_captures(tmp_path).dataset(["lin", "act"], mask="mask")
+    keep = torch.cat([m.reshape(-1) for m in seen["mask"]]).bool()
+    expected = {n: torch.cat([v.reshape(-1, 6) for v in seen[n]])[keep] for n in ("lin", "act")}
+    rows = [5, 0, 35, 5, -1]
+    got = ds[rows]
+    for n in ("lin", "act"):
+        assert torch.equal(got[n], expected[n][rows]), n
+    torch.manual_seed(0)
+    loader = DataLoader(ds, batch_size=None,
+                        sampler=BatchSampler(RandomSampler(ds), 10, drop_last=False))
+    got_all = torch.cat([b["act"] for b in loader])
+    order = [int((expected["act"] == row).all(1).nonzero().item()) for row in got_all]
+    assert sorted(order) == list(range(len(ds)))
+    with pytest.raises(IndexError, match="out of range"):
+        ds[[0, len(ds)]]
+
+
+def test_the_sae_walkthrough_in_the_docs_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import tempfile
+
+    text = (Path(__file__).resolve().parent.parent / "docs/disk.md").read_text()
+    section = text.split("## Harvest activations for a sparse autoencoder")[1]
+    code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    exec(compile(code, "docs/disk.md (SAE walkthrough)", "exec"), {"__name__": "__docs__"})
+    assert capsys.readouterr().out.split() == ["16", "1024", "0", "1", "True"]

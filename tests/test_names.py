@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 import zoo
@@ -172,3 +174,32 @@ def test_a_traced_through_module_gives_its_inputs() -> None:
     # storage that aliases the output: both are the values as they were at the call.
     assert torch.equal(both.inputs[0], seen["inp"])
     assert torch.equal(both.output, ref["layer1.1"])
+
+
+class _Augmented(nn.Module):
+    """Augmented assignments beside the operators torchvision's tracer records for them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y += x
+        z = y + 1
+        z -= x
+        z *= 3
+        return z
+
+
+def test_augmented_assignment_is_named_and_selected_as_its_operator() -> None:
+    """``y += x`` runs in place now (``operator.iadd``) but keeps torchvision's name (``add``,
+    as ``y + x``), its readable op (``operator.add``) and its op key: every spelling of
+    ``add`` selects it."""
+    model = _Augmented()
+    names = fxprobe.sites(model)
+    assert list(names) == ["x", "mul", "add", "add_1", "sub", "mul_1"]
+    records = {s.name: s for s in names.records}
+    assert (records["add"].op_key, records["add"].op) == ("add", "operator.add")
+    assert (records["sub"].op_key, records["mul_1"].op_key) == ("sub", "mul")
+    for sel in (torch.add, operator.add, operator.iadd, torch.Tensor.add, "add*"):
+        assert [s.name for s in fxprobe.tap(model, ops=sel).sites] == ["add", "add_1"], sel
+    graph = fxprobe.extractor(model).graph  # the same tracing: what runs is the in-place op
+    ops = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert operator.iadd in ops and operator.isub in ops and operator.imul in ops

@@ -168,25 +168,27 @@ class Hazards:
 
     def sole_writer(self, node: fx.Node) -> fx.Node | None:
         """The in-place op that overwrites ``node``'s value, when it is the only thing that sees
-        the aliasing: it writes ``node`` itself, no other op writes the group, every other
-        member of the group is made from its result, and every other reader of ``node`` runs
-        before it. Running that op out of place then changes no value but the captured one.
+        the aliasing: it is the first write into the group after ``node`` and writes ``node``
+        itself, and no reader of the group runs after it but through its result (every member
+        made before it, ``node`` included, is read after it by nothing else; later writes are
+        into what it returns: ``out += identity`` then ``ReLU(inplace=True)``). Running that op
+        out of place then changes no value but the captured one.
         Never for storage the graph does not own: a write into a graph input or a module's
         parameter or buffer is seen by the caller after the call (a state the model updates)."""
         root = self.groups.find(node)
-        writers = self.writers.get(root, [])
-        if len(writers) != 1:
+        start = self.order[node]
+        later = [w for w in self.writers.get(root, []) if self.order[w] > start]
+        if not later:
             return None
-        (w,) = writers
+        w = min(later, key=self.order.__getitem__)
         pos = self.order[w]
-        if not (w.args and w.args[0] is node and pos > self.order[node]):
+        if not (w.args and w.args[0] is node):
             return None
         members = self.members(node)
         if any(m.op in ("placeholder", "get_attr") for m in members):
             return None
-        if any(self.order[m] < pos for m in members if m is not node):
-            return None
-        if any(self.order[u] > pos for u in node.users if u is not w):
+        if any(self.order[u] > pos for m in members if self.order[m] < pos
+               for u in m.users if u is not w):
             return None
         return w
 

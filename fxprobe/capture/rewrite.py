@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..core.ops import AUGMENTED_OPERATORS
 from ..core.options import Capture, CopyPolicy
 from ..core.site import CALL_ARGS, Site, sites_of
 from .inplace import OUT_OF_PLACE, Hazards, effects
@@ -69,6 +70,17 @@ def _method_out_of_place(x: Any, name: str, *args: Any, **kwargs: Any) -> Any:
 setattr(_method_out_of_place, OUT_OF_PLACE, True)
 
 
+def _operator_out_of_place(x: Any, name: str, y: Any) -> Any:
+    """``x op= y`` as ``operator.<name>(x, y)``, in ``x``'s dtype as the in-place op keeps it."""
+    out = getattr(operator, name)(x, y)
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out
+
+
+setattr(_operator_out_of_place, OUT_OF_PLACE, True)
+
+
 def _module_out_of_place(module: nn.Module) -> Callable[..., Any]:
     twin = _copy.copy(module)  # shares the module's tensors and hook tables
     object.__setattr__(twin, "inplace", False)
@@ -87,7 +99,8 @@ def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
 
     ``ReLU(inplace=True)`` calls a copy of the module with ``inplace=False``;
     ``F.relu(x, inplace=True)`` gets ``inplace=False``; ``torch.relu_(x)`` becomes
-    ``torch.relu(x)``; ``x.add_(y)`` becomes ``x.add(y)`` cast back to ``x``'s dtype.
+    ``torch.relu(x)``; ``x.add_(y)`` becomes ``x.add(y)`` and ``x += y`` (``operator.iadd``)
+    ``x + y``, each cast back to ``x``'s dtype.
     """
     if op.op == "call_module":
         m = modules(str(op.target))
@@ -106,6 +119,11 @@ def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
     if op.op != "call_function" or not callable(op.target):
         return False
     fn = op.target
+    twin = AUGMENTED_OPERATORS.get(fn)
+    if twin is not None and len(op.args) == 2 and not op.kwargs:
+        op.target = _operator_out_of_place
+        op.args = (op.args[0], twin.__name__, op.args[1])
+        return True
     if op.kwargs.get("inplace") is True:
         op.kwargs = {**op.kwargs, "inplace": False}
         return True
@@ -151,8 +169,8 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
         escapes: what the graph returns goes to code fxprobe cannot see, which may write into
             it (a traced module called from untraced code): returned values count as written.
 
-    With ``copy="auto"``, a captured value that a single in-place op would overwrite, where
-    nothing else sees the aliasing, is kept safe by running that op out of place
+    With ``copy="auto"``, a captured value whose first overwriting in-place op is all that sees
+    the aliasing (``Hazards.sole_writer``) is kept safe by running that op out of place
     (:func:`run_out_of_place`) instead of copying the value first.
 
     Returns:
@@ -163,8 +181,8 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
     hazards = Hazards(graph, modules, escapes) if copy == "auto" else None
     outplaced: set[str] = set()
     if hazards is not None and capture == "output" and pipeline.reduce is None:
-        # Where one in-place op is all that would overwrite a captured value, run it out of
-        # place: the same values, and no copy kernel.
+        # Where the first in-place op that would overwrite a captured value is all that sees
+        # the aliasing, run it out of place: the same values, and no copy kernel.
         for node in list(graph.nodes):
             chosen = [s.name for s in sites_of(node) if s.name in selected]
             if chosen and hazards.output_at_risk(node):

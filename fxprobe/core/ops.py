@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -178,6 +179,17 @@ TENSOR_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
 })
+
+
+AUGMENTED_OPERATORS: dict[Any, Callable[[Any, Any], Any]] = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
+    operator.imod: operator.mod, operator.ipow: operator.pow, operator.imatmul: operator.matmul,
+    operator.iand: operator.and_, operator.ior: operator.or_, operator.ixor: operator.xor,
+    operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
+}
+"""Augmented assignment (``x += y`` is ``operator.iadd``: in place on a tensor, a new value on a
+number) and its out-of-place twin, whose name fx gives the node (``add``: torchvision's)."""
 
 
 INPLACE_DUNDERS = frozenset({

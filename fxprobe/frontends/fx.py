@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from ..capture.inplace import OUT_OF_PLACE
 from ..core.errors import ConfigError, TracedStateError, TraceError
-from ..core.ops import method_key, module_key, op_key
+from ..core.ops import AUGMENTED_OPERATORS, method_key, module_key, op_key
 from ..core.options import TracerKind
 from ..core.site import CALL_ARGS, Site, attach, sites_of
 from .mirror import guard_state, has_patched_forward, user_hooks
@@ -187,6 +187,14 @@ class SiteTracer(fx.Tracer):
     def absolute(self, path: str) -> str:
         return _join(self.prefix, path)
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        graph = super().trace(root, concrete_args)
+        _unbind_augmented(graph)
+        return graph
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opaque:
             return True
@@ -275,7 +283,9 @@ class SiteTracer(fx.Tracer):
             mtype = type(self.root.get_submodule(str(node.target)))
             return Site(name, "fx", node.op, target, target, mtype, module_key(mtype))
         if node.op == "call_function":
-            return Site(name, "fx", node.op, node.target, module_path, None, op_key(node.target))
+            # x += y shows as torchvision shows it (operator.add); its node runs operator.iadd.
+            fn = AUGMENTED_OPERATORS.get(node.target, node.target)
+            return Site(name, "fx", node.op, fn, module_path, None, op_key(node.target))
         if node.op == "call_method":
             key = method_key(str(node.target))
             return Site(name, "fx", node.op, node.target, module_path, None, key)
@@ -298,6 +308,45 @@ class SiteTracer(fx.Tracer):
         except AttributeError:
             return False
         return attr in module._buffers
+
+
+class _Proxy(fx.Proxy):
+    """fx's Proxy, recording ``x += y`` as the in-place op it is (``operator.iadd``).
+
+    fx's Proxy has no ``__iadd__``: Python falls back to ``__add__`` and rebinds the name, so
+    a view or a second name of a tensor ``x`` would miss the update (and a model input would
+    not be updated). The node takes the name fx gives ``x + y`` (``add``): site names stay
+    torchvision's, and the op key (``_ops.op_key``) stays ``add``.
+    """
+
+
+def _augmented(op: Callable[[Any, Any], Any], twin: Callable[[Any, Any], Any]
+               ) -> Callable[[fx.Proxy, Any], fx.Proxy]:
+    def impl(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {}, twin.__name__)
+
+    impl.__name__ = impl.__qualname__ = f"__{op.__name__}__"
+    return impl
+
+
+for _op, _twin in AUGMENTED_OPERATORS.items():
+    setattr(_Proxy, f"__{_op.__name__}__", _augmented(_op, _twin))
+
+
+def _unbind_augmented(graph: fx.Graph) -> None:
+    """fx writes ``operator.iadd(x, y)`` as ``x += y; add = x``, rebinding ``x``: right for a
+    tensor (the same object), wrong for a number that a node after it still reads as ``x``.
+    Such a node gets a name of its own to update (``_nest``: the value as it is)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target in AUGMENTED_OPERATORS
+                and node.args and isinstance(node.args[0], fx.Node)):
+            continue
+        first = node.args[0]
+        if any(order.get(u, -1) > order[node] for u in first.users):
+            with graph.inserting_before(node):
+                name = graph.call_function(_nest, (first,))
+            node.args = (name, *node.args[1:])
 
 
 def _made_since(before: fx.Node, node: fx.Node) -> bool:

@@ -60,18 +60,52 @@ def read_index(path: Path) -> dict[str, Any]:
 
 
 class _ShardReader:
-    """A committed shard, memory-mapped; tensors are views of the map (read on access)."""
+    """A committed shard, memory-mapped; tensors are views of the map (read on access).
 
-    def __init__(self, path: Path) -> None:
-        with open(path, "rb") as f:
+    What the index says of the shard is checked before anything is read as data: its size,
+    a header that parses, a forward range that matches, every tensor inside the file. A shard
+    that fails is reported by name (``DiskError``), never read.
+    """
+
+    def __init__(self, path: Path, listed: Mapping[str, Any] | None = None) -> None:
+        listed = listed or {}
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise DiskError(f"shard {str(path)!r}, listed in the index, cannot be opened: {e}. "
+                            "It was moved or deleted after it was committed") from e
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            expected = listed.get("bytes")
+            if expected is not None and size != expected:
+                raise DiskError(f"shard {str(path)!r} is corrupted: {size} bytes where the "
+                                f"index says {expected} (truncated or overwritten); its "
+                                "forwards cannot be read")
             n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+            try:
+                if not 2 <= n <= size - 8:
+                    raise ValueError(f"a header of {n} bytes in a file of {size}")
+                header = json.loads(f.read(n))
+                meta = json.loads(header.pop("__metadata__")["fxprobe"])
+                first, count = int(meta["first"]), len(meta["layout_of"])
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise DiskError(f"shard {str(path)!r} is corrupted: its header does not "
+                                f"parse ({e}); its forwards cannot be read") from e
+            if "first" in listed and (first, count) != (listed["first"], listed["count"]):
+                raise DiskError(
+                    f"shard {str(path)!r} holds forwards {first}..{first + count - 1} where the "
+                    f"index says {listed['first']}..{listed['first'] + listed['count'] - 1}: "
+                    "it is not the file the index committed")
+            for key, entry in header.items():
+                begin, end = entry.get("data_offsets", (0, 0))
+                if not 0 <= begin <= end <= size - 8 - n:
+                    raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} lies "
+                                    f"outside the file; its forwards cannot be read")
             # ACCESS_COPY: a private, writable map (torch wants writable buffers); the file
             # itself is never changed.
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.start = 8 + n
-        meta = json.loads(header.pop("__metadata__")["fxprobe"])
-        self.first: int = meta["first"]
+        self.first: int = first
         self.layouts = [json.loads(s) for s in meta["layouts"]]
         self.layout_of: list[int] = meta["layout_of"]
         self.entries: dict[str, Any] = header
@@ -162,7 +196,9 @@ class Captures:
         k = bisect.bisect_right(self._firsts, i) - 1
         reader = self._open.get(k)
         if reader is None:
-            reader = _ShardReader(self.path / self._shards[k]["file"])
+            shard = self._shards[k]
+            reader = _ShardReader(self.path / shard["file"],
+                                  dict(shard, first=shard.get("local_first", shard["first"])))
             self._open[k] = reader
             if len(self._open) > 64:  # bound open maps; views keep theirs alive
                 self._open.popitem(last=False)

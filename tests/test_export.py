@@ -98,6 +98,25 @@ def test_inplace_hazards_copy_only_what_is_overwritten() -> None:
     assert torch.equal(never.taps["bn"], model.act(model.bn(model.lin(x))))
 
 
+class _WrittenThenReturned(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x * 2
+        b.add_(x)
+        return b
+
+
+def test_a_tapped_value_written_in_place_and_returned() -> None:
+    # The graph returns what add_ makes; add_ runs out of place, so the output names its twin.
+    torch.manual_seed(0)
+    model, x = _WrittenThenReturned(), torch.randn(3, 4)
+    program = torch.export.export(model, (x,))
+    tapped = fxprobe.tap(program, ops=["mul"])
+    out = tapped(x)
+    assert torch.equal(tapped.taps["mul"], x * 2)  # before the add_
+    assert torch.equal(out, program.module()(x)) and torch.equal(out, model(x))
+    assert tapped.outplaced == {"mul"} and not tapped.copied
+
+
 def test_tapped_program_saves_and_loads_with_its_taps(tmp_path: Path) -> None:
     model, (x,), _ = zoo.make("resnet")
     tapped = fxprobe.tap(torch.export.export(model, (x,)), ops=[nn.Conv2d, "layer*.add", "x"])

@@ -38,11 +38,10 @@ from .core.record import Grads, InOut, Taps
 from .core.select import Selector, where
 from .core.site import Site
 from .frontends.dynamo import CaptureInfo, attention_probs
-from .frontends.export import TappedExport
 from .frontends.fx import Fallback
 from .present.summary import Table, summary
 from .present.viz import render, to_dot
-from .runtime.artifact import TappedArtifact, TappedScript
+from .runtime.artifact import TappedArtifact, TappedExport, TappedScript
 from .runtime.extract import extractor
 from .runtime.features import Features, features
 from .runtime.program import SiteNames

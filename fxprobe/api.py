@@ -30,8 +30,7 @@ from .runtime.tapped import TappedModule
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
-    from .frontends.export import TappedExport
-    from .runtime.artifact import TappedScript
+    from .runtime.artifact import TappedExport, TappedScript
     from .sinks.disk import Disk
 
 

@@ -86,13 +86,16 @@ def test_inplace_hazards_copy_only_what_is_overwritten() -> None:
     program = torch.export.export(model, (x,))
     tapped = fxprobe.tap(program)
     tapped(x)
-    # The ATen graph holds the same in-place ops as the eager code, so the same values are
-    # kept safe the same ways as by the fx frontend: bn and sigmoid by running the one
-    # in-place op that overwrites each out of place, mul, relu_ and view by a copy.
-    assert tapped.copied == {"mul", "relu_", "view"} and tapped.outplaced == {"bn", "sigmoid"}
+    # The ATen graph holds the same in-place ops as the eager code and the one in-place
+    # engine decides for both frontends: bn, mul and sigmoid are kept safe by running the
+    # first in-place op that overwrites each out of place, relu_ and view by a copy. (The fx
+    # graph copies mul: there the later y.add_(1) reads mul's node, y, after relu_ wrote it;
+    # ATen's add_ reads relu_'s result.)
+    assert tapped.copied == {"relu_", "view"} and tapped.outplaced == {"bn", "mul", "sigmoid"}
     ref = fxprobe.tap(model)
     ref(x)
-    assert (tapped.copied, tapped.outplaced) == (ref.copied, ref.outplaced)
+    assert (ref.copied, ref.outplaced) == ({"mul", "relu_", "view"}, {"bn", "sigmoid"})
+    assert all(torch.equal(tapped.taps[n], ref.taps[n]) for n in ref.taps)
     never = fxprobe.tap(program, ops="bn", copy="never")
     never(x)
     assert torch.equal(never.taps["bn"], model.act(model.bn(model.lin(x))))
@@ -126,6 +129,25 @@ def test_a_tapped_value_written_in_place_and_returned() -> None:
         other = fxprobe.tap(program, ops="mul", copy=copy)
         assert torch.equal(other(x)[0], x * 2 + x)
         assert torch.equal(other.taps["mul"], x * 2 if copy == "always" else x * 2 + x)
+
+
+class _WrittenThenReturnedOnce(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x * 2
+        b.add_(x)
+        return b
+
+
+def test_a_tapped_value_written_in_place_and_returned_is_outplaced() -> None:
+    # The graph returns what add_ makes; add_ runs out of place, so the output names its twin.
+    torch.manual_seed(0)
+    model, x = _WrittenThenReturnedOnce(), torch.randn(3, 4)
+    program = torch.export.export(model, (x,))
+    tapped = fxprobe.tap(program, ops=["mul"])
+    out = tapped(x)
+    assert torch.equal(tapped.taps["mul"], x * 2)  # before the add_
+    assert torch.equal(out, program.module()(x)) and torch.equal(out, model(x))
+    assert tapped.outplaced == {"mul"} and not tapped.copied
 
 
 def test_tapped_program_saves_and_loads_with_its_taps(tmp_path: Path) -> None:

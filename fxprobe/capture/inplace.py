@@ -1,11 +1,21 @@
-"""In-place hazards: which captured values a later node of the graph overwrites.
+"""In-place hazards: which captured values a later node of a graph overwrites, and what to do.
 
 A captured tensor must show the value as it was produced. It is at risk when a node that runs
 later writes, in place, into the same storage: into the tensor itself or into a view of it.
-This pass groups nodes whose values may share storage (views, in-place ops that return their
-input, modules that may hand their input back) and lists, for each group, where it is written.
-Anything the pass cannot see into (custom modules, unknown functions) counts as a writer, so
-it errs toward a copy, never toward a stale value.
+The rule is the heart of fxprobe's correctness and lives here only, for every frontend: copy
+the value, or, where one in-place op is all that overwrites it and nothing else sees the
+aliasing, run that op out of place (``relu_`` as ``relu``) and copy nothing.
+
+The engine (:class:`Hazards`) reads a graph through a small adapter (:class:`Graph`) that
+reports, for each node in the order they run, an :class:`Op`: the values it makes and reads,
+those its result may share storage with (views), those it writes in place, and whether it may
+run out of place. Anything an adapter cannot see into (custom modules, unknown functions)
+counts as a writer of everything it is given, so the engine errs toward a copy, never toward a
+stale value. Storage the graph does not own (its inputs, parameters, buffers) is never
+outplaced, only copied: the caller sees a write there after the call.
+
+Adapters: :class:`FxOps` here (fx and dynamo graphs of Python ops); the TorchScript IR and
+torch.export's ATen graphs have theirs in their frontends.
 """
 
 from __future__ import annotations
@@ -13,8 +23,9 @@ from __future__ import annotations
 import builtins
 import inspect
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
@@ -27,25 +38,59 @@ OUT_OF_PLACE = "_fxprobe_out_of_place"
 argument (their result may still alias the first)."""
 
 
+@dataclass(frozen=True)
+class Op:
+    """One node of a graph as the engine sees it (values are whatever the adapter uses as keys:
+    fx nodes, TorchScript value ids)."""
+
+    node: Any
+    """The adapter's node: what :meth:`Hazards.sole_writer` hands back to be run out of place."""
+    makes: tuple[Hashable, ...] = ()
+    """The values it defines."""
+    reads: tuple[Hashable, ...] = ()
+    """The values it reads, its first argument first."""
+    aliases: tuple[Hashable, ...] = ()
+    """The values its results may share storage with (views, in-place ops returning their input)."""
+    writes: tuple[Hashable, ...] = ()
+    """The values it writes in place (everything it reads, for code the adapter cannot see)."""
+    twin: bool = False
+    """It writes its first argument in place and may run out of place instead."""
+
+
+class Graph(Protocol):
+    """What the engine asks of a frontend's graph."""
+
+    def ops(self) -> Iterable[Op]:
+        """Every node, in the order they run."""
+
+    def owned(self, value: Hashable) -> bool:
+        """False for storage the graph does not own: an input, a parameter or buffer."""
+
+    @property
+    def may_share(self) -> Callable[[Hashable, Hashable], bool] | None:
+        """``(value, written)``: the IR's own alias analysis, if it has one; None: the engine
+        groups values by the ops' ``aliases``."""
+
+
 class _Groups:
-    """Union-find over nodes that may share storage."""
+    """Union-find over values that may share storage."""
 
     def __init__(self) -> None:
-        self.parent: dict[fx.Node, fx.Node] = {}
+        self.parent: dict[Hashable, Hashable] = {}
 
-    def find(self, n: fx.Node) -> fx.Node:
+    def find(self, n: Hashable) -> Hashable:
         root = n
-        while self.parent.get(root, root) is not root:
+        while self.parent.get(root, root) != root:
             root = self.parent[root]
-        while n is not root:
+        while n != root:
             nxt = self.parent.get(n, n)
             self.parent[n] = root
             n = nxt
         return root
 
-    def union(self, a: fx.Node, b: fx.Node) -> None:
+    def union(self, a: Hashable, b: Hashable) -> None:
         ra, rb = self.find(a), self.find(b)
-        if ra is not rb:
+        if ra != rb:
             self.parent[ra] = rb
 
 
@@ -134,73 +179,175 @@ _ALIAS_FUNCTIONS = frozenset(
 """What dynamo records ``x.data`` as: the same storage too."""
 
 
-class Hazards:
-    """Answers: is a value captured at node N overwritten by a node that runs after it?"""
+
+
+class FxOps:
+    """The adapter of fx and dynamo graphs (Python ops; see :func:`effects`).
+
+    ``escapes``: what the graph returns goes to code fxprobe cannot see (a traced module called
+    from untraced code, a graph between dynamo graph breaks), which may write into it, and into
+    what it gave the graph: the output counts as a writer of every value it returns and of
+    every input (but a parameter or buffer, ``STATE``).
+    """
+
+    may_share = None
 
     def __init__(self, graph: fx.Graph, modules: Callable[[str], nn.Module],
                  escapes: bool = False) -> None:
-        """``escapes``: what the graph returns goes to code fxprobe cannot see (a traced
-        module called from untraced code, a graph between dynamo graph breaks), which may
-        write into it, and into what it gave the graph: the output counts as a writer of
-        every value it returns and of every input (but a parameter or buffer, ``STATE``)."""
-        self.order = {n: i for i, n in enumerate(graph.nodes)}
-        self.groups = _Groups()
-        self.writes: dict[fx.Node, list[int]] = {}
-        self.writers: dict[fx.Node, list[fx.Node]] = {}
-        pending: list[tuple[fx.Node, fx.Node]] = []
-        inputs = [n for n in graph.nodes if n.op == "placeholder" and not n.meta.get(STATE)]
-        for n in graph.nodes:
-            aliases, writes = effects(n, modules)
-            if escapes and n.op == "output":  # and the graph's inputs: that code holds them
+        self.graph = graph
+        self.modules = modules
+        self.escapes = escapes
+
+    def ops(self) -> Iterable[Op]:
+        inputs = [n for n in self.graph.nodes if n.op == "placeholder" and not n.meta.get(STATE)]
+        for n in self.graph.nodes:
+            aliases, writes = effects(n, self.modules)
+            if self.escapes and n.op == "output":  # and the graph's inputs: that code holds them
                 writes = _tensor_args(n) + inputs
-            for a in aliases:
-                self.groups.union(n, a)
-            pending.extend((n, w) for w in writes)
-        for writer, w in pending:
-            root = self.groups.find(w)
-            self.writes.setdefault(root, []).append(self.order[writer])
-            self.writers.setdefault(root, []).append(writer)
+            first = bool(n.args) and isinstance(n.args[0], fx.Node)
+            yield Op(n, () if n.op == "output" else (n,), tuple(_tensor_args(n)),
+                     tuple(aliases), tuple(writes), bool(writes) and first and n.op != "output")
 
-    def members(self, node: fx.Node) -> list[fx.Node]:
-        """Every node whose value may share storage with ``node``'s."""
-        root = self.groups.find(node)
-        return [n for n in self.order if self.groups.find(n) is root]
+    def owned(self, value: Hashable) -> bool:
+        return not (isinstance(value, fx.Node) and value.op in ("placeholder", "get_attr"))
 
-    def sole_writer(self, node: fx.Node) -> fx.Node | None:
-        """The in-place op that overwrites ``node``'s value, when it is the only thing that sees
-        the aliasing: it is the first write into the group after ``node`` and writes ``node``
-        itself, and no reader of the group runs after it but through its result (every member
-        made before it, ``node`` included, is read after it by nothing else; later writes are
-        into what it returns: ``out += identity`` then ``ReLU(inplace=True)``). Running that op
-        out of place then changes no value but the captured one.
-        Never for storage the graph does not own: a write into a graph input or a module's
-        parameter or buffer is seen by the caller after the call (a state the model updates)."""
-        root = self.groups.find(node)
-        start = self.order[node]
-        later = [w for w in self.writers.get(root, []) if self.order[w] > start]
+class Hazards:
+    """Answers: is a captured value overwritten by a node that runs after it, and may that
+    node run out of place instead of the value being copied?
+
+    Built from a :class:`Graph` adapter; ``Hazards(graph, modules, escapes)`` reads an fx
+    graph through :class:`FxOps`.
+    """
+
+    def __init__(self, graph: Graph | fx.Graph,
+                 modules: Callable[[str], nn.Module] | None = None,
+                 escapes: bool = False) -> None:
+        if isinstance(graph, fx.Graph):
+            assert modules is not None, "an fx graph needs its modules"
+            ir: Graph = FxOps(graph, modules, escapes)
+        else:
+            ir = graph
+        self.graph = ir
+        self.ops = list(ir.ops())
+        self.order: dict[Any, int] = {}
+        """An adapter's node -> its position."""
+        self.made: dict[Hashable, int] = {}
+        self.readers: dict[Hashable, list[int]] = {}
+        self.groups = _Groups()
+        self._writes: list[tuple[int, Hashable]] = []
+        for pos, op in enumerate(self.ops):
+            self.order[op.node] = pos
+            for v in op.makes:
+                self.made.setdefault(v, pos)
+                for a in op.aliases:
+                    self.groups.union(v, a)
+            for v in op.reads:
+                self.readers.setdefault(v, []).append(pos)
+            self._writes.extend((pos, w) for w in op.writes)
+        self._may_share = ir.may_share
+        self._by_group: dict[Hashable, list[int]] = {}
+        if self._may_share is None:
+            for pos, w in self._writes:
+                self._by_group.setdefault(self.groups.find(w), []).append(pos)
+
+    def writes(self, value: Hashable) -> list[int]:
+        """Positions of the ops that write storage ``value`` may share."""
+        if self._may_share is None:
+            return self._by_group.get(self.groups.find(value), [])
+        share = self._may_share
+        return [p for p, w in self._writes if w == value or share(value, w)]
+
+    def members(self, value: Hashable) -> list[Any]:
+        """Every value that may share storage with ``value`` (``value`` included)."""
+        if self._may_share is None:
+            root = self.groups.find(value)
+            return [v for v in self.made if self.groups.find(v) == root]
+        share = self._may_share
+        return [v for v in self.made if v == value or share(value, v)]
+
+    def written_after(self, value: Hashable, pos: int, *, inclusive: bool = False) -> bool:
+        """Whether storage that ``value`` may share is written at or after ``pos``."""
+        return any(p > pos or (inclusive and p == pos) for p in self.writes(value))
+
+    def at_risk(self, value: Hashable) -> bool:
+        """Whether a node after the one that makes ``value`` writes into it: copy it (or run
+        that node out of place, :meth:`sole_writer`)."""
+        return self.written_after(value, self.made.get(value, -1))
+
+    output_at_risk = at_risk
+
+    def input_at_risk(self, value: Hashable, consumer: Any) -> bool:
+        """Whether ``value``, read by the node ``consumer``, is written there or later."""
+        return self.written_after(value, self.order[consumer], inclusive=True)
+
+    def sole_writer(self, value: Hashable) -> Any:
+        """The in-place op that overwrites ``value``, when running it out of place changes no
+        value but the captured one; else None. It is the first op after ``value`` that writes
+        storage ``value`` may share, it writes ``value`` itself (its first argument) and nothing
+        else, and it has an out-of-place twin; no view of ``value`` is made before it, nothing
+        reads ``value`` after it, nor the values ``value`` was made from. Never for storage the
+        graph does not own: a write into a graph input or a module's parameter or buffer is seen
+        by the caller after the call (a state the model updates)."""
+        mine = self.made.get(value)
+        if mine is None:
+            return None
+        later = [p for p in self.writes(value) if p > mine]
         if not later:
             return None
-        w = min(later, key=self.order.__getitem__)
-        pos = self.order[w]
-        if not (w.args and w.args[0] is node):
+        # The first write; later ones may only write what it returns (``out += identity``
+        # then ``ReLU(inplace=True)``): any into a value made before it reads that value after
+        # it, which the readers' check below refuses.
+        pos = min(later)
+        op = self.ops[pos]
+        if not (op.twin and op.reads and op.reads[0] == value and set(op.writes) == {value}):
             return None
-        members = self.members(node)
-        if any(m.op in ("placeholder", "get_attr") for m in members):
+        members = self.members(value)
+        if not all(self.graph.owned(m) for m in members):
             return None
-        if any(self.order[u] > pos for m in members if self.order[m] < pos
-               for u in m.users if u is not w):
-            return None
-        return w
+        for m in members:
+            at = self.made.get(m, -1)
+            if m != value and at < pos and at > mine:
+                return None  # a view made before the write would see it
+            if at < pos and any(r > pos for r in self.readers.get(m, ())):
+                return None  # read after the write: it would see the value unwritten
+        return op.node
 
-    def written_after(self, node: fx.Node, pos: int, *, inclusive: bool = False) -> bool:
-        """Whether storage that ``node``'s value may share is written at or after ``pos``."""
-        for p in self.writes.get(self.groups.find(node), ()):
-            if p > pos or (inclusive and p == pos):
-                return True
-        return False
 
-    def output_at_risk(self, node: fx.Node) -> bool:
-        return self.written_after(node, self.order[node])
+def outplace(analyse: Callable[[], Hazards], values: Mapping[Any, Hashable],
+             run_out_of_place: Callable[[Any], Mapping[Hashable, Hashable] | None]
+             ) -> tuple[dict[Any, Hashable], set[Any]]:
+    """Run out of place each in-place op that alone overwrites a captured value.
 
-    def input_at_risk(self, arg: fx.Node, consumer: fx.Node) -> bool:
-        return self.written_after(arg, self.order[consumer], inclusive=True)
+    Args:
+        analyse: the engine on the graph as it is now (called again after each change).
+        values: the captured values, by a key of the caller's (a site, a name).
+        run_out_of_place: rewrites one op (:meth:`Hazards.sole_writer`) into its out-of-place
+            twin; returns the values it replaced (old -> new), or None where it cannot.
+
+    Returns:
+        The captured values after the rewrites, and the keys whose value needs no copy for it.
+        Repeated until nothing changes: ``out += x; relu_(out)`` frees ``out`` once relu_
+        runs out of place.
+    """
+    current = dict(values)
+    saved: set[Any] = set()
+    for _ in range(len(current) + 1):
+        hazards = analyse()
+        todo: dict[int, tuple[Any, list[Any]]] = {}
+        for key, v in current.items():
+            w = hazards.sole_writer(v)
+            if w is not None:
+                todo.setdefault(hazards.order[w], (w, []))[1].append(key)
+        changed = False
+        for w, keys in todo.values():
+            moved = run_out_of_place(w)
+            if moved is None:
+                continue
+            changed = True
+            saved.update(keys)
+            current = {k: moved.get(v, v) for k, v in current.items()}
+        if not changed:
+            break
+    return current, saved
+
+

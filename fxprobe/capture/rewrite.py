@@ -25,7 +25,7 @@ from torch import fx, nn
 from ..core.ops import AUGMENTED_OPERATORS
 from ..core.options import Capture, CopyPolicy
 from ..core.site import CALL_ARGS, Site, sites_of
-from .inplace import OUT_OF_PLACE, Hazards, effects
+from .inplace import OUT_OF_PLACE, Hazards, effects, outplace
 from .pipeline import Pipeline, clone_tree, write_back
 
 _counter = itertools.count()
@@ -178,19 +178,15 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
         made safe by running their overwriting op out of place.
     """
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
-    hazards = Hazards(graph, modules, escapes) if copy == "auto" else None
     outplaced: set[str] = set()
-    if hazards is not None and capture == "output" and pipeline.reduce is None:
-        # Where the first in-place op that would overwrite a captured value is all that sees
-        # the aliasing, run it out of place: the same values, and no copy kernel.
-        for node in list(graph.nodes):
-            chosen = [s.name for s in sites_of(node) if s.name in selected]
-            if chosen and hazards.output_at_risk(node):
-                writer = hazards.sole_writer(node)
-                if writer is not None and run_out_of_place(writer, modules):
-                    outplaced.update(chosen)
-        if outplaced:
-            hazards = Hazards(graph, modules, escapes)
+    if copy == "auto" and capture == "output" and pipeline.reduce is None:
+        # Where one in-place op is all that would overwrite a captured value, run it out of
+        # place: the same values, and no copy kernel.
+        _, outplaced = outplace(
+            lambda: Hazards(graph, modules, escapes),
+            {s.name: n for n in graph.nodes for s in sites_of(n) if s.name in selected},
+            lambda w: {} if run_out_of_place(w, modules) else None)
+    hazards = Hazards(graph, modules, escapes) if copy == "auto" else None
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     names: list[str] = []
     values: list[Any] = []

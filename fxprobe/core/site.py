@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torch import fx, nn
 
-from .ops import describe_function
+from .irtypes import op_name, python_type
+from .ops import describe_function, method_key, module_key
 
 How = Literal["fx", "hook", "dynamo", "script", "export"]
 
@@ -15,7 +17,7 @@ SITES = "fxprobe_sites"
 """``node.meta`` key of a frontend's graph: the :class:`Site` s whose value is that node's value."""
 STATE = "fxprobe_state"
 """``node.meta`` key on a placeholder of a dynamo graph that is a module's parameter or buffer
-(not a value the code around the graph could write: see ``_inplace.Hazards``)."""
+(not a value the code around the graph could write: see ``capture.inplace.Hazards``)."""
 CALL_ARGS = "fxprobe_call_args"
 """``node.meta`` key on the last node of a module call fx traced through: for each of its sites,
 ``(positional argument nodes, first node of the call)``, so that its inputs can be captured."""
@@ -68,7 +70,29 @@ class Site:
             return "input"
         return "attribute"
 
+    def to_row(self) -> list[str]:
+        """The site as the strings a tapped artifact saves (a TorchScript attribute, an export
+        node's ``meta["custom"]``): name, kind, target, module path, type name, inlined and
+        listed as ``"0"``/``"1"``. :meth:`from_row` reads it back."""
+        return [self.name, self.kind, str(self.target), self.module_path, self.type_name or "",
+                str(int(self.inlined)), str(int(self.listed))]
 
+    @classmethod
+    def from_row(cls, row: Sequence[str], how: How) -> Site:
+        """The site a saved row (:meth:`to_row`) describes, as the frontend ``how`` made it."""
+        name, kind, target, path, tname, inlined, listed = row
+        ptype = python_type(tname) if tname else None
+        key: str | None
+        if "::" in target:  # a TorchScript op: aten::add_
+            key = op_name(target)
+        elif target.startswith("aten."):  # an ATen overload: aten.add_.Tensor
+            key = method_key(target.split(".")[1])
+        elif kind == "call_function":  # a function by its qualified name
+            key = method_key(target.rpartition(".")[2])
+        else:
+            key = module_key(ptype)
+        return cls(name, how, kind, target, path, ptype, key, inlined=inlined == "1",
+                   listed=listed == "1", type_name=tname or None)
 
 
 def sites_of(node: fx.Node) -> list[Site]:

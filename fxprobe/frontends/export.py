@@ -23,20 +23,19 @@ import copy
 import dataclasses
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..core.errors import ConfigError, UnsupportedModelError
+from ..capture.inplace import Hazards, Op, outplace
+from ..capture.rewrite import copy_graph
+from ..core.errors import UnsupportedModelError
+from ..core.irtypes import is_block_type, is_leaf_type, python_type, spelled
 from ..core.ops import method_key, module_key, op_key
-from ..core.options import TapOptions
-from ..core.select import as_selectors, select
-from ..core.site import Site
-from ..runtime.artifact import TappedArtifact
-from .script import is_block_type, is_leaf_type, python_type, spelled
+from ..core.site import Site, attach, sites_of
 
 _TAG = "fxprobe_taps"
 
@@ -68,11 +67,13 @@ def _is_tensor(node: fx.Node) -> bool:
 
 
 class ExportGraph:
-    """The sites of an ExportedProgram's graph, each with the node whose value it is."""
+    """A copy of an ExportedProgram's graph whose nodes carry their sites (``node.meta``, as
+    the fx frontend leaves them); the program is only read."""
 
     def __init__(self, ep: Any) -> None:
         self.ep = ep
-        nodes = list(ep.graph.nodes)
+        self.graph = copy_graph(ep.graph)
+        nodes = list(self.graph.nodes)
         position = {n: i for i, n in enumerate(nodes)}
         user_inputs = set(ep.graph_signature.user_inputs)
         counts: dict[str, int] = {}
@@ -145,78 +146,89 @@ class ExportGraph:
         # Sites in the order their values exist; at one node, the op first, then the calls
         # that hand it back, innermost first.
         entries.sort(key=lambda e: (e[0], e[1]))
-        self.sites = [e[2] for e in entries]
-        self.nodes = [e[3] for e in entries]
+        for _, _, site, node in entries:
+            attach(node, site)
+
+    @property
+    def sites(self) -> list[Site]:
+        """The sites, in the order their values exist."""
+        return [s for n in self.graph.nodes for s in sites_of(n)]
+
+    @property
+    def nodes(self) -> dict[Site, fx.Node]:
+        """Each site and the node (of :attr:`graph`) whose value it is, in site order."""
+        return {s: n for n in self.graph.nodes for s in sites_of(n)}
 
 
-class ExportHazards:
-    """Which nodes' values a later node writes in place, from the ATen schemas' alias info."""
+class AtenOps:
+    """The in-place engine's adapter (:class:`~fxprobe.capture.inplace.Hazards`) of an ATen
+    graph: the ops' schemas say what they write (``Tensor(a!)``) and what their results alias;
+    an in-place ATen op with an out-of-place overload (``aten.add_.Tensor`` ->
+    ``aten.add.Tensor``) may run out of place; a higher-order op or a Python function may alias
+    and write anything it is given."""
+
+    may_share = None
 
     def __init__(self, graph: fx.Graph) -> None:
-        self.nodes = list(graph.nodes)
-        self.order = {n: i for i, n in enumerate(self.nodes)}
-        parent: dict[fx.Node, fx.Node] = {}
+        self.graph = graph
 
-        def find(n: fx.Node) -> fx.Node:
-            while parent.get(n, n) is not n:
-                n = parent[n]
-            return n
-
-        def union(a: fx.Node, b: fx.Node) -> None:
-            ra, rb = find(a), find(b)
-            if ra is not rb:
-                parent[ra] = rb
-
-        writes: list[tuple[int, fx.Node]] = []
-        for n in graph.nodes:
+    def ops(self) -> Iterator[Op]:
+        for n in self.graph.nodes:
+            makes = () if n.op == "output" else (n,)
+            reads = tuple(n.all_input_nodes)
             if n.op != "call_function":
+                yield Op(n, makes, reads)
                 continue
-            pos = self.order[n]
+            aliases: list[fx.Node] = []
+            writes: list[fx.Node] = []
             if n.target is operator.getitem:
-                union(n, n.args[0])  # type: ignore[arg-type]
+                aliases = _nodes_in(n.args[0])
             elif isinstance(n.target, torch._ops.OpOverload):
                 schema = n.target._schema
                 aliased = any(r.alias_info is not None for r in schema.returns)
                 for i, a in enumerate(schema.arguments):
+                    if a.alias_info is None:
+                        continue
                     value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-                    for v in _nodes_in(value):
-                        if a.alias_info is not None and a.alias_info.is_write:
-                            writes.append((pos, v))
-                        if a.alias_info is not None and aliased:
-                            union(n, v)
-            else:  # a higher-order op or a Python function: may alias and write anything
-                for v in _nodes_in((n.args, n.kwargs)):
-                    union(n, v)
-                    writes.append((pos, v))
-        self.find = find
-        self.writes: dict[fx.Node, list[int]] = {}
-        for pos, v in writes:
-            self.writes.setdefault(find(v), []).append(pos)
+                    if a.alias_info.is_write:
+                        writes += _nodes_in(value)
+                    if aliased:
+                        aliases += _nodes_in(value)
+            else:
+                aliases = writes = _nodes_in((n.args, n.kwargs))
+            first = bool(n.args) and isinstance(n.args[0], fx.Node)
+            yield Op(n, makes, reads, tuple(aliases), tuple(writes),
+                     first and _twin(n) is not None)
 
-    def at_risk(self, node: fx.Node) -> bool:
-        mine = self.order[node]
-        return any(p > mine for p in self.writes.get(self.find(node), ()))
+    def owned(self, value: Hashable) -> bool:
+        return not (isinstance(value, fx.Node) and value.op in ("placeholder", "get_attr"))
 
-    def outplaceable(self, node: fx.Node) -> fx.Node | None:
-        """The one in-place ATen op that overwrites ``node``'s value, if running it out of
-        place changes nothing else: it writes the value itself, has an out-of-place twin, and
-        nothing reads the value after it or holds a view of it; else None."""
-        mine = self.order[node]
-        later = [p for p in self.writes.get(self.find(node), ()) if p > mine]
-        if len(later) != 1 or node.op == "placeholder":
-            return None
-        w = self.nodes[later[0]]
-        target = w.target
-        if (not isinstance(target, torch._ops.OpOverload) or not w.args or w.args[0] is not node
-                or not target._opname.endswith("_") or target._opname.startswith("_")):
-            return None
-        twin = getattr(torch.ops.aten, target._opname[:-1], None)
-        if twin is None or target._overloadname not in twin.overloads():
-            return None
-        for u in node.users:
-            if u is not w and (self.order[u] > later[0] or self.find(u) is self.find(node)):
-                return None  # read after the write, or a view that would see it
-        return w
+
+def _twin(node: fx.Node) -> Any:
+    """The out-of-place overload of an in-place ATen op (``aten.add.Tensor``), else None."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target._opname
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    if packet is None or target._overloadname not in packet.overloads():
+        return None
+    return getattr(packet, target._overloadname)
+
+
+def _run_out_of_place(graph: fx.Graph, w: fx.Node) -> dict[Hashable, Hashable] | None:
+    """Replace the in-place op ``w`` by its out-of-place twin; ``{w: the new node}``."""
+    twin = _twin(w)
+    if twin is None:
+        return None
+    with graph.inserting_before(w):
+        new = graph.call_function(twin, w.args, w.kwargs)
+    new.meta = dict(w.meta)
+    w.replace_all_uses_with(new)
+    graph.erase_node(w)
+    return {w: new}
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:
@@ -225,45 +237,9 @@ def _nodes_in(value: Any) -> list[fx.Node]:
     return found
 
 
-def _row(site: Site) -> list[str]:
-    return [site.name, site.kind, str(site.target), site.module_path, site.type_name or "",
-            str(int(site.inlined)), str(int(site.listed))]
-
-
-def _outplace_all(graph: fx.Graph, values: dict[int, fx.Node], names: dict[int, str]
-                  ) -> set[str]:
-    """Run out of place each in-place op that alone overwrites a tapped value (in place in
-    ``values``); the names of the sites it saved from a copy. Repeated: ``out += x;
-    relu_(out)`` frees ``out`` once relu_ runs out of place."""
-    done: set[str] = set()
-    for _ in range(len(values) + 1):
-        hazards = ExportHazards(graph)
-        todo: dict[fx.Node, list[int]] = {}
-        for i, v in values.items():
-            w = hazards.outplaceable(v)
-            if w is not None:
-                todo.setdefault(w, []).append(i)
-        if not todo:
-            break
-        for w, users in todo.items():
-            target = w.target
-            assert isinstance(target, torch._ops.OpOverload)
-            twin = getattr(getattr(torch.ops.aten, target._opname[:-1]), target._overloadname)
-            with graph.inserting_before(w):
-                new = graph.call_function(twin, w.args, w.kwargs)
-            new.meta = dict(w.meta)
-            w.replace_all_uses_with(new)
-            graph.erase_node(w)
-            done.update(names[i] for i in users)
-            for i, v in list(values.items()):
-                if v is w:
-                    values[i] = new
-    return done
-
-
-def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
+def rewrite(eg: ExportGraph, selected: Sequence[Site], copy_policy: str
             ) -> tuple[Any, tuple[str, ...], frozenset[str], frozenset[str]]:
-    """A new ExportedProgram returning the selected values after the program's outputs."""
+    """A new ExportedProgram returning the ``selected`` sites' values after its outputs."""
     from torch.export import ExportedProgram
     from torch.export.graph_signature import (
         ExportGraphSignature,
@@ -273,25 +249,23 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
     )
 
     ep = eg.ep
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    old_out = graph.graph_copy(ep.graph, env)
-    # Every decision below is made on the copy; the user's graph is only read. The outputs sit
-    # in an output node meanwhile, so that an in-place op run out of place below is replaced
-    # there too (b = x * 2; b.add_(x); return b) and the hazards see what is returned.
-    held = graph.output(old_out)
-    values = {i: env[eg.nodes[i]] for i in selected}
+    # Every decision below is made on a copy; the user's graph is only read.
+    graph = copy_graph(eg.graph)
+    wanted = {s.name for s in selected}
+    values: dict[Site, Any] = {s: n for n in graph.nodes for s in sites_of(n) if s.name in wanted}
     outplaced: set[str] = set()
     if copy_policy == "auto":
-        outplaced = _outplace_all(graph, values, {i: eg.sites[i].name for i in selected})
-    hazards = ExportHazards(graph) if copy_policy == "auto" else None
+        values, saved = outplace(lambda: Hazards(AtenOps(graph)), values,
+                                 lambda w: _run_out_of_place(graph, w))
+        outplaced = {s.name for s in saved}
+    hazards = Hazards(AtenOps(graph)) if copy_policy == "auto" else None
     aten = torch.ops.aten
     taps: list[fx.Node] = []
     names: list[str] = []
     copied: set[str] = set()
     made: dict[tuple[fx.Node, bool], fx.Node] = {}
-    for i in selected:
-        site, src = eg.sites[i], values[i]
+    for site in selected:
+        src = values[site]
         clone = copy_policy == "always" or (hazards is not None and hazards.at_risk(src))
         new = made.get((src, clone))
         if new is None:
@@ -306,23 +280,22 @@ def rewrite(eg: ExportGraph, selected: Sequence[int], copy_policy: str
             new.meta = dict(new.meta)  # the copy's meta dict is shared with the user's graph
             new.meta["custom"] = {**new.meta.get("custom", {}), _TAG: []}
             made[(src, clone)] = new
-        new.meta["custom"][_TAG].append(_row(site))
+        new.meta["custom"][_TAG].append(site.to_row())
         if clone:
             copied.add(site.name)
         taps.append(new)
         names.append(site.name)
-    old_out = held.args[0]
-    graph.erase_node(held)
-    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    old_out = out_node.args[0]  # read now: the rewrites above may have replaced what it returns
     outputs: list[Any] = list(old_out) if isinstance(old_out, (tuple, list)) else [old_out]
-    graph.output(tuple(outputs + taps)).meta = dict(out_node.meta)
+    out_node.args = (tuple(outputs + taps),)
     graph.lint()
     gm = fx.GraphModule(ep.graph_module, graph)
-    specs = [  # an output run out of place above is a new node: its spec names that one
-        dataclasses.replace(spec, arg=TensorArgument(name=o.name))
-        if isinstance(spec.arg, TensorArgument) and isinstance(o, fx.Node)
-        and o.name != spec.arg.name else spec
-        for spec, o in zip(ep.graph_signature.output_specs, outputs, strict=True)] + [
+    # An output that an op run out of place made is returned under the new node's name.
+    specs = [dataclasses.replace(spec, arg=TensorArgument(name=node.name))
+             if isinstance(spec.arg, TensorArgument) and isinstance(node, fx.Node)
+             and spec.arg.name != node.name else spec
+             for spec, node in zip(ep.graph_signature.output_specs, outputs, strict=True)] + [
         OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=t.name), None) for t in taps]
     signature = ExportGraphSignature(list(ep.graph_signature.input_specs), specs)
     with warnings.catch_warnings():  # torch's own TreeSpec pickling warns on deepcopy
@@ -355,63 +328,12 @@ def saved_taps(ep: Any) -> list[Site] | None:
     for t in tail:
         k = seen.get(t, 0)
         seen[t] = k + 1
-        name, kind, target, path, tname, inlined, listed = t.meta["custom"][_TAG][k]
-        ptype = python_type(tname) if tname else None
-        key = method_key(target.split(".")[1]) if target.startswith("aten.") else (
-            module_key(ptype))
-        sites.append(Site(name, "export", kind, target, path, ptype, key,
-                          inlined=inlined == "1", listed=listed == "1",
-                          type_name=tname or None))
+        sites.append(Site.from_row(t.meta["custom"][_TAG][k], "export"))
     return sites
 
 
-class TappedExport(TappedArtifact):
-    """A tapped torch.export program (``fxprobe.tap(exported_program)``).
-
-    ``exported()`` is the tapped ``ExportedProgram``: save it with ``torch.export.save``; its
-    ``module()`` returns ``(output, (values...))``.
-    """
-
-    def __init__(self, program: Any, sites: Sequence[Site], options: TapOptions,
-                 copied: frozenset[str] = frozenset(),
-                 outplaced: frozenset[str] = frozenset()) -> None:
-        self._program = program
-        module = program.module()
-        super().__init__(module, [s.name for s in sites], sites, options, copied,
-                         outplaced)
-
-    def exported(self) -> Any:
-        """The tapped ``ExportedProgram`` (``torch.export.save(tapped.exported(), "t.pt2")``)."""
-        return self._program
-
-    @property
-    def graph_module(self) -> fx.GraphModule:
-        """The tapped program's graph module (lifted parameters are placeholders)."""
-        gm: fx.GraphModule = self._program.graph_module
-        return gm
-
-
-def tap_export(ep: Any, ops: Any, options: TapOptions) -> TappedExport:
-    saved = saved_taps(ep)
-    if saved is not None:
-        if ops is not None:
-            raise ConfigError(
-                "this ExportedProgram was already tapped by fxprobe; pass ops=None to read its "
-                "taps, or tap the original program again")
-        return TappedExport(ep, saved, options)
-    if options.copy not in ("auto", "always", "never"):
-        raise ConfigError(f"copy={options.copy!r} is not accepted")
-    eg = _graph(ep)
-    chosen = select(eg.sites, as_selectors(ops), context="the exported program")
-    index = {id(s): i for i, s in enumerate(eg.sites)}
-    program, names, copied, outplaced = rewrite(eg, [index[id(s)] for s in chosen], options.copy)
-    by_name = {s.name: s for s in eg.sites}
-    tapped = TappedExport(program, [by_name[n] for n in names], options, copied, outplaced)
-    tapped.source = ep
-    return tapped
-
-
-def _graph(ep: Any) -> ExportGraph:
+def export_graph(ep: Any) -> ExportGraph:
+    """The sites of ``ep`` (refused when it has no output structure to extend)."""
     if ep.call_spec.out_spec is None:
         raise UnsupportedModelError("this ExportedProgram has no output structure (out_spec)")
     return ExportGraph(ep)
@@ -419,4 +341,4 @@ def _graph(ep: Any) -> ExportGraph:
 
 def export_sites(ep: Any) -> list[Site]:
     saved = saved_taps(ep)
-    return saved if saved is not None else _graph(ep).sites
+    return saved if saved is not None else export_graph(ep).sites

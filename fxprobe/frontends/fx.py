@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import inspect
 import linecache
 import math
 import os
@@ -28,6 +27,7 @@ from torch import fx, nn
 
 from ..capture.inplace import OUT_OF_PLACE
 from ..core.errors import ConfigError, TracedStateError, TraceError
+from ..core.irtypes import library_blocks
 from ..core.ops import AUGMENTED_OPERATORS, method_key, module_key, op_key
 from ..core.options import TracerKind
 from ..core.site import CALL_ARGS, Site, attach, sites_of
@@ -428,21 +428,6 @@ def _torchvision_ops() -> ModuleType | None:
     # A model holding a torchvision ops module or calling one of its functions has imported
     # torchvision.ops already; fxprobe never imports torchvision itself.
     return sys.modules.get("torchvision.ops")
-
-
-def library_blocks() -> tuple[type, ...]:
-    """The ``nn.Module`` classes that ``torchvision.ops`` exports (``Conv2dNormActivation``,
-    ``MLP``, ``SqueezeExcitation``, ``StochasticDepth``, ``Permute``...), subclasses included
-    (vit's ``MLPBlock``): torchvision's ``get_graph_node_names`` keeps them whole.
-
-    Call it before tracing: while fx traces, ``autowrap_modules`` has replaced these classes in
-    ``torchvision.ops`` by wrapper functions.
-    """
-    ops = _torchvision_ops()
-    if ops is None:
-        return ()
-    return tuple(obj for _, obj in inspect.getmembers(ops)
-                 if inspect.isclass(obj) and issubclass(obj, nn.Module))
 
 
 def failure_location(exc: BaseException, module: nn.Module | None = None) -> str:

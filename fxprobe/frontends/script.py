@@ -14,20 +14,23 @@ loop as one value). ``_script_build`` rewrites the graph and builds the tapped S
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import itertools
-import linecache
-import os
 import re
-import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
+from ..core.irtypes import (
+    is_block_type,
+    is_leaf_function,
+    is_leaf_type,
+    op_name,
+    python_type,
+    spelled,
+    type_name,
+)
 from ..core.ops import method_key, module_key
 from ..core.site import Site
 
@@ -35,10 +38,6 @@ from ..core.site import Site
 Graph = Any
 Node = Any
 Value = Any
-
-_MANGLE = re.compile(r"___torch_mangle_\d+\.")
-_CONTAINER_TYPES = ("torch.nn.modules.container.",)
-_counter = itertools.count()
 
 
 @contextmanager
@@ -50,88 +49,13 @@ def quiet_jit() -> Iterator[None]:
         yield
 
 
-def type_name(qualified: str) -> str:
-    """``__torch__.torchvision.models.resnet.___torch_mangle_3.BasicBlock`` -> the Python name."""
-    name = _MANGLE.sub("", qualified)
-    return name[len("__torch__."):] if name.startswith("__torch__.") else name
-
-
-def python_type(name: str) -> type[nn.Module] | None:
-    """The class of a ``torch.*`` module type name; None for anything else (never imports it)."""
-    if not name.startswith("torch."):
-        return None
-    module, _, cls = name.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), cls, None)
-    except ImportError:
-        return None
-    return found if isinstance(found, type) and issubclass(found, nn.Module) else None
-
-
-def is_leaf_type(name: str) -> bool:
-    """fx's default leaves: ``torch.nn`` modules but the containers (Sequential, ModuleList)."""
-    return name.startswith(("torch.nn.", "torch.ao.nn.")) and not name.startswith(
-        _CONTAINER_TYPES)
-
-
-def is_block_type(name: str) -> bool:
-    """A ``torchvision.ops`` module (``Conv2dNormActivation``, ``MLP``...), subclasses included
-    when torchvision is already imported: torchvision's get_graph_node_names keeps it whole,
-    so its call is listed in the place of the sites inside it (as in the fx frontend)."""
-    if name.startswith("torchvision.ops."):
-        return True
-    if not name.startswith("torchvision.") or "torchvision" not in sys.modules:
-        return False  # fxprobe never imports torchvision itself
-    module, _, cls = name.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), cls, None)
-    except ImportError:
-        return False
-    from .fx import library_blocks
-
-    blocks = library_blocks()
-    return isinstance(found, type) and bool(blocks) and issubclass(found, blocks)
-
-
-def is_leaf_function(name: str) -> bool:
-    """Functions recorded as one site: torch's (``F.relu``) and ``torchvision.ops``'."""
-    return name.startswith(("torch.", "torchvision.ops."))
-
-
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def op_name(kind: str) -> str:
-    """``aten::add_`` -> ``add``, ``aten::__getitem__`` -> ``getitem``."""
-    return method_key(kind.partition("::")[2])
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)|^(.+?)\((\d+)\): ', re.M)
 
 
 def site_op_name(node: Node) -> str:
     """The op part of a site name, as fx spells it from the source (see :func:`spelled`)."""
     return spelled(node.kind().partition("::")[2], node.sourceRange(), innermost_last=False)
-
-
-def spelled(op: str, frames: str, *, innermost_last: bool) -> str:
-    """``relu_`` for ``x.relu_()``, ``add`` for ``out += y``: both are one in-place op in IR.
-
-    fx names the first ``relu_`` and the second ``add``. The user's source line (the
-    innermost frame outside torch of ``frames``, when the file is at hand) tells them apart;
-    without it the underscore goes.
-    """
-    if not (op.endswith("_") and not op.startswith("_")):
-        return method_key(op)
-    lines = []
-    for m in _FRAME.finditer(frames):
-        path, number = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-        if not path.startswith(_TORCH_DIR):  # the user's line, not torch's own code
-            lines.append(linecache.getline(path, int(number)))
-    line = (lines[-1] if innermost_last else lines[0]) if lines else ""
-    return op if re.search(rf"\.{re.escape(op)}\s*\(", line) else method_key(op)
 
 
 class _Ctx(NamedTuple):
@@ -177,8 +101,9 @@ class ScriptGraph:
         self.modules: dict[str, Any] = dict(module.named_modules())
         self.graph: Graph = module.forward.graph.copy()
         self.paths: dict[int, str] = {}
-        self.sites: list[Site] = []
-        self.values: list[Value] = []
+        self.values: dict[Site, Value] = {}
+        """Every site, in the order the forward makes them, and the IR value that is its value
+        (IR values cannot carry metadata as fx nodes do: this is the one record of it)."""
         self._counts: dict[str, int] = {}
         self._call_counts: dict[str, int] = {}  # calls fx traces through: a name space apart
         self._moved: dict[int, tuple[int, Value]] = {}
@@ -194,6 +119,11 @@ class ScriptGraph:
             self._visit(node, root)
         self.graph.lint()
 
+    @property
+    def sites(self) -> list[Site]:
+        """The sites, in the order the forward makes their values."""
+        return list(self.values)
+
     def _count(self, name: str, counts: dict[str, int] | None = None) -> str:
         counts = self._counts if counts is None else counts
         count = counts.get(name, 0)
@@ -203,8 +133,7 @@ class ScriptGraph:
     def _add(self, site: Site, value: Value, ctx: _Ctx | None = None) -> None:
         if ctx is not None and ctx.block:  # inside a block torchvision keeps whole
             site = dataclasses.replace(site, listed=False)
-        self.sites.append(site)
-        self.values.append(value)
+        self.values[site] = value
 
     def _type_of(self, path: str) -> str:
         return type_name(self.modules[path]._c._type().qualified_name())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture.inplace import Hazards, Op, outplace
 from ..core.errors import UnsupportedModelError
-from ..core.ops import method_key, module_key
 from ..core.site import Site
-from .script import Graph, Node, ScriptGraph, Value, op_name, python_type, quiet_jit
+from .script import Graph, Node, ScriptGraph, Value, quiet_jit
 
 _counter = itertools.count()
 
@@ -57,71 +57,66 @@ def _written_positions(node: Node) -> list[int] | None:
 
 
 def _all_nodes(block: Any) -> Iterator[Node]:
+    """Every node in the order it runs: an ``If`` or ``Loop`` after its blocks (its outputs
+    exist once they ran), each block's return last (it reads what the block hands out)."""
     for n in block.nodes():
-        yield n
         for b in n.blocks():
             yield from _all_nodes(b)
+        yield n
+    yield block.returnNode()
 
 
-class ScriptHazards:
-    """Answers: does a node after a value's definition write into memory it may share?
+class ScriptOps:
+    """The in-place engine's adapter (:class:`~fxprobe.capture.inplace.Hazards`) of an inlined
+    TorchScript graph; values are ``Value.unique()`` ids.
 
     TorchScript's own alias analysis (``AliasDb``) says which values may share memory, views
     and containers included; the writers are the ops whose schema marks an input ``(a!)``, and
-    any call fxprobe could not inline.
+    any call fxprobe could not inline. An aten in-place op outside loops may run out of place.
     """
 
     def __init__(self, graph: Graph) -> None:
+        self.graph = graph
         self.db = graph.alias_db()
-        self.writers: list[tuple[Node, list[Value]]] = []
-        for n in _all_nodes(graph.block()):
+        self.values: dict[int, Value] = {}
+        """Every value the graph makes, by id."""
+        self._state: dict[int, bool] = {}
+
+    def ops(self) -> Iterator[Op]:
+        g = self.graph
+        inputs = list(g.inputs())
+        self.values.update((v.unique(), v) for v in inputs)
+        yield Op(g.param_node(), tuple(v.unique() for v in inputs))
+        for n in _all_nodes(g.block()):
             if _dead(n):
                 continue  # F.relu(x, inplace=False) inlined: relu_ sits in a branch never taken
-            pos = _written_positions(n)
+            outs = list(n.outputs())
+            self.values.update((v.unique(), v) for v in outs)
             inputs = list(n.inputs())
+            pos = _written_positions(n)
             written = inputs if pos is None else [inputs[i] for i in pos if i < len(inputs)]
-            if written:
-                self.writers.append((n, written))
+            kind = n.kind()
+            twin = (kind.startswith("aten::") and kind.endswith("_") and not kind.endswith("__")
+                    and not _in_loop(n))
+            yield Op(n, tuple(v.unique() for v in outs), tuple(v.unique() for v in inputs),
+                     writes=tuple(v.unique() for v in written), twin=twin)
 
-    def writers_of(self, value: Value) -> list[tuple[Node, list[Value]]]:
-        """The nodes after ``value``'s definition that may write into its memory."""
-        d = value.node()
-        is_input = d.kind() == "prim::Param"
-        state = _is_state(value)
-        return [(w, written) for w, written in self.writers
-                if (is_input or w.isAfter(d)) and any(
-                    (state or not _is_state(x)) and self.db.may_contain_alias(value, x)
-                    for x in written)]
+    def may_share(self, value: Hashable, written: Hashable) -> bool:
+        v, x = self.values[value], self.values[written]  # type: ignore[index]
+        if self.is_state(x) and not self.is_state(v):
+            return False  # a module's state update cannot overwrite a computed tensor
+        return bool(self.db.may_contain_alias(v, x))
 
-    def at_risk(self, value: Value) -> bool:
-        return bool(self.writers_of(value))
+    def owned(self, value: Hashable) -> bool:
+        v = self.values[value]  # type: ignore[index]
+        return v.node().kind() != "prim::Param" and not self.is_state(v)
 
-    def outplaceable(self, value: Value) -> Node | None:
-        """The one in-place op that overwrites ``value``, if running it out of place changes
-        nothing else: it writes ``value`` itself, outside any loop, and nothing reads
-        ``value`` after it or holds a view of it; else None."""
-        found = self.writers_of(value)
-        if len(found) != 1:
-            return None
-        w, written = found[0]
-        kind = w.kind()
-        if (not kind.startswith("aten::") or not kind.endswith("_") or kind.endswith("__")
-                or len(written) != 1 or written[0].unique() != value.unique()
-                or value.node().kind() == "prim::Param" or _is_state(value) or _in_loop(w)):
-            return None
-        for use in value.uses():
-            u = use.user
-            if _same_node(u, w) or _dead(u):  # _dead: the other branch of an inlined F.relu
-                continue
-            if u.kind() == "prim::Return" or not u.isBefore(w) or any(
-                    self.db.may_contain_alias(o, value) for o in u.outputs()):
-                return None  # read after the write, or a view that would see it
-        return w
-
-
-def _same_node(a: Node, b: Node) -> bool:
-    return bool(a.outputsSize() and b.outputsSize()
-                and a.outputsAt(0).unique() == b.outputsAt(0).unique())
+    def is_state(self, v: Value) -> bool:
+        key = v.unique()
+        found = self._state.get(key)
+        if found is None:
+            found = self._state[key] = _is_state(v)
+        return found
 
 
 def _in_loop(node: Node) -> bool:
@@ -240,41 +235,33 @@ class Rewritten:
     """Sites kept safe by running the one in-place op that would overwrite them out of place."""
 
 
-def rewrite(sg: ScriptGraph, selected: Sequence[int], *, copy: str) -> Rewritten:
-    """Make ``sg.graph`` (in place) return the values of the sites at ``selected`` indices."""
+def rewrite(sg: ScriptGraph, selected: Sequence[Site], *, copy: str) -> Rewritten:
+    """Make ``sg.graph`` (in place) return the values of the ``selected`` sites."""
     g = sg.graph
-    values = {i: sg.values[i] for i in selected}
-    uniq = {i: v.unique() for i, v in values.items()}  # a replaced Value cannot be asked
+    by_id: dict[int, Value] = {sg.values[s].unique(): sg.values[s] for s in selected}
+    ids = {s: sg.values[s].unique() for s in selected}  # a replaced Value cannot be asked
     outplaced: set[str] = set()
     if copy == "auto":
-        # Where one in-place op is all that overwrites a value, and nothing else sees it, run
-        # it out of place (aten::relu_ -> aten::relu) instead of copying the value. Repeat:
-        # `out += x; relu_(out)` frees `out` only once relu_ runs out of place.
-        for _ in range(len(selected) + 1):
-            h = ScriptHazards(g)
-            todo: dict[int, tuple[Node, list[int]]] = {}
-            for i, v in values.items():
-                w = h.outplaceable(v)
-                if w is not None:
-                    todo.setdefault(w.outputsAt(0).unique(), (w, []))[1].append(i)
-            if not todo:
-                break
-            for old, (w, users) in todo.items():
-                new = _outplace(g, w)
-                if new is None:
-                    continue
-                outplaced.update(sg.sites[i].name for i in users)
-                for i, u in list(uniq.items()):
-                    if u == old:
-                        values[i], uniq[i] = new, new.unique()
-    hazards = ScriptHazards(g) if copy == "auto" else None
-    risky = {i: hazards.at_risk(values[i]) for i in selected} if hazards else {}
+
+        def run(w: Node) -> dict[Hashable, Hashable] | None:
+            old = w.outputsAt(0).unique()
+            new = _outplace(g, w)
+            if new is None:
+                return None
+            by_id[new.unique()] = new
+            return {old: new.unique()}
+
+        moved, saved = outplace(lambda: Hazards(ScriptOps(g)), ids, run)
+        ids = {s: int(u) for s, u in moved.items()}  # type: ignore[call-overload]
+        outplaced = {s.name for s in saved}
+    hazards = Hazards(ScriptOps(g)) if copy == "auto" else None
+    risky = {s: hazards.at_risk(ids[s]) for s in selected} if hazards else {}
     done: dict[tuple[int, str], Value] = {}
     outs, names, copied = [], [], set()
-    for i in selected:
-        site, v = sg.sites[i], values[i]
+    for site in selected:
+        v = by_id[ids[site]]
         how = "raw"
-        if _is_tensor(v) and (copy == "always" or risky.get(i, False)):
+        if _is_tensor(v) and (copy == "always" or risky.get(site, False)):
             how = "clone"
         key = (v.unique(), how)
         new = done.get(key)
@@ -363,9 +350,7 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
                             "fxprobe_reduce": str},
     })
     by_name = {s.name: s for s in sites}
-    rows = [[s.name, s.kind, str(s.target), s.module_path, s.type_name or "",
-             str(int(s.inlined)), str(int(s.listed))]
-            for s in (by_name[name] for name in rewritten.names)]
+    rows = [by_name[name].to_row() for name in rewritten.names]
     # A fresh Python wrapper of the same C++ module (shared state): a frozen module's own
     # wrapper lacks the concrete type that scripting a module around it needs.
     inner = torch.jit._recursive.wrap_cpp_module(module._c)
@@ -375,16 +360,7 @@ def build_module(module: torch.jit.ScriptModule, rewritten: Rewritten,
 
 def saved_sites(module: torch.jit.ScriptModule) -> list[Site]:
     """The sites a tapped ScriptModule (made by fxprobe, maybe saved and loaded) records."""
-    sites = []
-    for name, kind, target, path, tname, inlined, listed in module.fxprobe_sites:
-        ptype = python_type(tname) if tname else None
-        key = op_name(target) if "::" in target else (
-            method_key(target.rpartition(".")[2]) if kind == "call_function"
-            else module_key(ptype))
-        sites.append(Site(name, "script", kind, target, path, ptype, key,
-                          inlined=inlined == "1", listed=listed == "1",
-                          type_name=tname or None))
-    return sites
+    return [Site.from_row(row, "script") for row in module.fxprobe_sites]
 
 
 def is_tapped(module: Any) -> bool:

@@ -124,22 +124,22 @@ def script_picture(module: Any) -> ArtifactPicture:
         tapped(*args, **kwargs)
         return dict(tapped.taps)
 
-    return picture(f"{module.original_name} (TorchScript)", sg.sites, sg.values,
+    return picture(f"{module.original_name} (TorchScript)", sg.sites, list(sg.values.values()),
                    lambda v: v.node().inputs(), lambda v: v.unique(), run)
 
 
 def export_picture(program: Any) -> ArtifactPicture:
     from ..core.options import make_options
-    from ..frontends.export import ExportGraph, tap_export
+    from ..runtime.artifact import export_graph, tap_export
 
-    eg = ExportGraph(program)
+    eg = export_graph(program)
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         tapped = tap_export(program, None, _options(make_options))
         tapped(*args, **kwargs)
         return dict(tapped.taps)
 
-    return picture("ExportedProgram (torch.export)", eg.sites, eg.nodes,
+    return picture("ExportedProgram (torch.export)", eg.sites, list(eg.nodes.values()),
                    lambda n: n.all_input_nodes, lambda n: n, run)
 
 

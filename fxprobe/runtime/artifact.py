@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import fx
 
 from ..capture.pipeline import Pipeline
 from ..core.errors import ConfigError, RemovedError, UnsupportedModelError
@@ -21,6 +22,8 @@ from ..core.options import TapOptions, make_options
 from ..core.record import Recording, Taps
 from ..core.select import as_selectors, select
 from ..core.site import Site
+from ..frontends.export import export_graph, export_sites, saved_taps
+from ..frontends.export import rewrite as rewrite_export
 
 _DEFAULTS: dict[str, Any] = {
     "capture": "output", "tracer": "auto", "leaf_modules": (), "autowrap_functions": (),
@@ -216,8 +219,7 @@ def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> 
     with quiet_jit():
         sg = ScriptGraph(model)
     chosen = select(sg.sites, as_selectors(ops), context=f"{model.original_name} (TorchScript)")
-    index = {id(s): i for i, s in enumerate(sg.sites)}
-    rewritten = rewrite(sg, [index[id(s)] for s in chosen], copy=options.copy)
+    rewritten = rewrite(sg, chosen, copy=options.copy)
     module = build_module(model, rewritten, sg.sites, "stats" if options.reduce else "")
     tapped = TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied,
                           rewritten.outplaced)
@@ -247,6 +249,52 @@ def script_sites(model: torch.jit.ScriptModule) -> list[Site]:
         return ScriptGraph(model).sites
 
 
+class TappedExport(TappedArtifact):
+    """A tapped torch.export program (``fxprobe.tap(exported_program)``).
+
+    ``exported()`` is the tapped ``ExportedProgram``: save it with ``torch.export.save``; its
+    ``module()`` returns ``(output, (values...))``.
+    """
+
+    def __init__(self, program: Any, sites: Sequence[Site], options: TapOptions,
+                 copied: frozenset[str] = frozenset(),
+                 outplaced: frozenset[str] = frozenset()) -> None:
+        self._program = program
+        module = program.module()
+        super().__init__(module, [s.name for s in sites], sites, options, copied,
+                         outplaced)
+
+    def exported(self) -> Any:
+        """The tapped ``ExportedProgram`` (``torch.export.save(tapped.exported(), "t.pt2")``)."""
+        return self._program
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The tapped program's graph module (lifted parameters are placeholders)."""
+        gm: fx.GraphModule = self._program.graph_module
+        return gm
+
+
+def tap_export(ep: Any, ops: Any, options: TapOptions) -> TappedExport:
+    saved = saved_taps(ep)
+    if saved is not None:
+        if ops is not None:
+            raise ConfigError(
+                "this ExportedProgram was already tapped by fxprobe; pass ops=None to read its "
+                "taps, or tap the original program again")
+        return TappedExport(ep, saved, options)
+    if options.copy not in ("auto", "always", "never"):
+        raise ConfigError(f"copy={options.copy!r} is not accepted")
+    eg = export_graph(ep)
+    sites = eg.sites
+    chosen = select(sites, as_selectors(ops), context="the exported program")
+    program, names, copied, outplaced = rewrite_export(eg, chosen, options.copy)
+    by_name = {s.name: s for s in sites}
+    tapped = TappedExport(program, [by_name[n] for n in names], options, copied, outplaced)
+    tapped.source = ep
+    return tapped
+
+
 def tap_artifact(model: Any, ops: Any, **kwargs: Any) -> TappedArtifact:
     """``fxprobe.tap`` for a ScriptModule or an ExportedProgram."""
     kind = artifact_kind(model)
@@ -254,8 +302,6 @@ def tap_artifact(model: Any, ops: Any, **kwargs: Any) -> TappedArtifact:
     if kind == "script":
         return tap_script(model, ops, options)
     if kind == "export":
-        from ..frontends.export import tap_export
-
         return tap_export(model, ops, options)
     raise UnsupportedModelError(f"{type(model).__name__} is neither a ScriptModule nor an "
                                 "ExportedProgram")
@@ -274,6 +320,4 @@ def artifact_sites(model: Any, **given: Any) -> list[Site]:
             "ScriptModule's mode with .train()/.eval() before listing)")
     if artifact_kind(model) == "script":
         return script_sites(model)
-    from ..frontends.export import export_sites
-
     return export_sites(model)

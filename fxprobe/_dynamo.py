@@ -146,9 +146,10 @@ class _Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
     __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix", "named",
-                 "ran")
+                 "ran", "repeat", "count")
 
-    def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph) -> None:
+    def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph, repeat: int = 0
+                 ) -> None:
         self.graph = compiled.graph
         self.fn = compiled.fn
         self.holder = compiled.holder
@@ -162,6 +163,12 @@ class _Instrumented:
         self.ran = (-1, -1)
         """(forward, place among the graphs it ran) of its first run in the last forward it
         ran in (for the pictures: graphs drawn in the order they ran)."""
+        self.repeat = repeat
+        """0; n for the version named for the (n+1)-th run of its code for the same module
+        instance in one forward (the module called again)."""
+        self.count = ""
+        """The key counting the runs of its code for its instance in a forward
+        (``Frame.hook_calls``; set by ``_Captured``)."""
 
 
 class _Captured:
@@ -193,7 +200,7 @@ class _Captured:
                     break
         self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
-        self.versions: dict[int, _Instrumented] = {}
+        self.versions: dict[int | tuple[int, int], _Instrumented] = {}
         self.stamp = -1
 
     def _locate(self) -> str:
@@ -230,12 +237,16 @@ class _Captured:
                 return owner[: len(owner) - len(rel)].rstrip(".")
         return ""
 
-    def version(self, args: Sequence[Any]) -> _Instrumented:
+    def version(self, args: Sequence[Any], repeat: int = 0) -> _Instrumented:
         key = id(args[self.anchor]) if self.anchor is not None else 0
-        found = self.versions.get(key)
+        found = self.versions.get((key, repeat) if repeat else key)
         if found is None:
-            found = self.versions[key] = self.region.instrument(
-                self.gm, self.captured_prefix, self.prefix_of(args))
+            found = self.region.instrument(
+                self.gm, self.captured_prefix, self.prefix_of(args), repeat)
+            # Graphs of one frame (recompilations) run the same code, under the same names.
+            found.count = (f"\0dynamo:{self.region.path}:"
+                           f"{self.frame if self.frame is not None else id(self)}:{found.prefix}")
+            self.versions[(key, repeat) if repeat else key] = found
         return found
 
     def __call__(self, *args: Any) -> Any:
@@ -244,6 +255,15 @@ class _Captured:
         version = self.versions.get(id(args[anchor]) if anchor is not None else 0)
         if version is None:
             version = self.version(args)
+        state = region.pipeline.rec.state
+        if state.active:
+            # The same code for the same module ran before in this forward (code around the
+            # graphs called the module again): the values of this run are sites of their own.
+            calls = state.frame.hook_calls
+            n = calls.get(version.count, 0)
+            calls[version.count] = n + 1
+            if n:
+                version = self.version(args, n)
         result = version.fn(version.holder, *args)
         if self.stamp != region.calls:  # the first run of this graph in this forward
             self.stamp = region.calls
@@ -316,6 +336,8 @@ class DynamoRegion:
                 key = f"dynamo:{self.path}:{i}"
                 if version.prefix != captured.captured_prefix:
                     key += f"@{_join_path(self.path, version.prefix)}"
+                if version.repeat:
+                    key += f"#{version.repeat}"
                 out.append((key, i, captured, version))
         return out
 
@@ -323,7 +345,7 @@ class DynamoRegion:
         """Every named graph so far (see :meth:`instrumented`), for the pictures."""
         return [CapturedGraph(key, self.path, number, captured.frame,
                               _join_path(self.path, version.prefix), version.named, version.ran)
-                for key, number, captured, version in self._versions()]
+                for key, number, captured, version in self._versions() if not version.repeat]
 
     @property
     def info(self) -> CaptureInfo:
@@ -337,14 +359,15 @@ class DynamoRegion:
         self.captured.append(captured)
         return captured
 
-    def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str
-                   ) -> _Instrumented:
-        """Name the graph's nodes for the module instance at ``prefix`` and insert its taps."""
+    def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str,
+                   repeat: int = 0) -> _Instrumented:
+        """Name the graph's nodes for the module instance at ``prefix`` (for its run
+        ``repeat`` in one forward, from 0) and insert its taps."""
         graph = copy_graph(gm.graph)
         named: NamedGraph = name_graph(
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
-            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
+            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
@@ -364,7 +387,7 @@ class DynamoRegion:
             graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
             pipeline=self.pipeline, escapes=True)
         return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
-                             prefix, named_graph)
+                             prefix, named_graph, repeat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled

@@ -607,3 +607,72 @@ def test_auto_keeps_dynamo_when_the_model_itself_raises() -> None:
         out = tapped(x)
     assert torch.equal(out, model(x)) and torch.equal(tapped.taps["0.lin"], model[0].lin(x))
     assert tapped.fallbacks == () and [s.how for s in tapped.sites] == ["dynamo"]
+
+
+class _Untraceable(nn.Module):
+    """Data-dependent control flow (fx cannot trace it); calls its layer twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > -1e9:  # taken for every input here: each call runs the same code
+            x = self.fc(x).relu()
+        return self.fc(x)
+
+
+class _CallsTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Untraceable()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(self.inner(x) + 1))
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx+dynamo", "dynamo"])
+def test_a_module_dynamo_runs_called_twice_keeps_both_calls(tracer: str) -> None:
+    torch.manual_seed(0)
+    model = _CallsTwice().eval()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer=tracer)
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["inner.fc", "head"], x)
+    assert torch.equal(out, expected)
+    # As hooks count calls: inner.fc and inner.fc_1 in the first call of inner, then _2, _3.
+    assert sorted(tapped.taps) == sorted(ref) == [
+        "head", "inner.fc", "inner.fc_1", "inner.fc_2", "inner.fc_3"]
+    for name, value in ref.items():
+        assert torch.equal(tapped.taps[name], value), name
+    with torch.no_grad():  # the next forward: the same names, its own values
+        tapped(2 * x)
+        _, ref = hook_values(model, ["inner.fc", "head"], 2 * x)
+    assert sorted(tapped.taps) == sorted(ref)
+    for name, value in ref.items():
+        assert torch.equal(tapped.taps[name], value), name
+    assert {s.name for s in tapped.sites} >= set(ref)
+
+    # fn= reaches the second call alone: zero its first layer's output.
+    def fn(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor | None:
+        return torch.zeros_like(value) if site.name == "inner.fc_2" else None
+
+    patched = fxprobe.tap(model, ops=nn.Linear, tracer=tracer, fn=fn)
+    calls: list[int] = []
+
+    def zero_third(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        calls.append(1)
+        return torch.zeros_like(out) if len(calls) == 3 else None
+
+    handle = model.inner.fc.register_forward_hook(zero_third)
+    with torch.no_grad():
+        try:
+            reference = model(x)
+        finally:
+            handle.remove()
+        got = patched(x)
+    assert torch.equal(got, reference) and not torch.equal(got, expected)
+    assert patched.taps.replaced == {"inner.fc_2"}

@@ -21,6 +21,7 @@ keyed by the identity of a parameter it receives, and a new instance gets its ow
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,11 @@ from torch import fx, nn
 
 from ._dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
 from ._errors import CaptureError
+from ._inplace import OUT_OF_PLACE
 from ._options import Capture, CopyPolicy
 from ._pipeline import Pipeline
 from ._rewrite import Compiled, compile_region, copy_graph, insert_taps
-from ._site import STATE, Site, attach
+from ._site import CALL_ARGS, SITES, STATE, Site, attach
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
@@ -48,7 +50,8 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
     As a selector (``ops=fxprobe.attention_probs``) it taps these probabilities beside every
     SDPA call that the dynamo frontend captured: computed on the side from the call's own
     arguments, only for the selected calls, while the model keeps its fused attention. Each
-    such site is named ``<module path>.attention_probs``.
+    such site is named ``<module path>.attention_probs``. A pattern that ``fn=`` replaces
+    drives the attention output (``pattern @ value``, see ``_attend``).
 
     Args:
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
@@ -79,6 +82,71 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
     probs = torch.softmax(scores, dim=-1)
     # SDPA's math path (a "safe" softmax) gives rows that attend to nothing zeros, not NaN.
     return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+
+
+def _probs_twice(*args: Any, **kwargs: Any
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+    """:func:`attention_probs` for the site (which ``fn=`` may replace or edit in place), and
+    the same tensor with its version, which tell :func:`_attend` whether it did."""
+    probs = attention_probs(*args, **kwargs)
+    return probs, (probs, probs._version)
+
+
+def _attend(out: torch.Tensor, pattern: torch.Tensor, made: tuple[torch.Tensor, int],
+            query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+            is_causal: bool = False, scale: float | None = None,
+            enable_gqa: bool = False) -> torch.Tensor:
+    """The attention output: SDPA's own ``out`` while the pattern is the one it computed, else
+    ``pattern @ value`` (after SDPA's dropout), so that an edited pattern drives the output."""
+    if pattern is made[0] and pattern._version == made[1]:
+        return out
+    if dropout_p > 0.0:
+        pattern = torch.nn.functional.dropout(pattern, dropout_p)
+    if enable_gqa and value.dim() >= 3 and value.size(-3) != pattern.size(-3):
+        value = value.repeat_interleave(pattern.size(-3) // value.size(-3), dim=-3)
+    return torch.matmul(pattern.to(value.dtype), value)
+
+
+# Returns its first argument or new memory, and writes nothing (for the in-place analysis).
+setattr(_attend, OUT_OF_PLACE, True)
+
+
+def _drive_output(graph: fx.Graph, sdpa: fx.Node) -> fx.Node:
+    """With ``fn=``: insert the pattern beside the SDPA call so that the code after the call
+    reads :func:`_attend`'s output, which follows an edited pattern; return the pattern's node.
+
+    ::
+
+        before:  q, k, v -> sdpa -> next
+        after:   q, k, v -> sdpa -----------------------> attend -> next
+                         -> _probs_twice -> getitem(0) -> (the site: fn, keep)
+                                         -> getitem(1) -> attend
+
+    The call's sites (its own, a module call ending there) move to ``attend``: their value is
+    the attention output that flows on.
+    """
+    with graph.inserting_after(sdpa):
+        pair = graph.call_function(_probs_twice, sdpa.args, dict(sdpa.kwargs))
+    with graph.inserting_after(pair):
+        pattern = graph.call_function(operator.getitem, (pair, 0))
+    with graph.inserting_after(pattern):
+        made = graph.call_function(operator.getitem, (pair, 1))
+    with graph.inserting_after(made):
+        out = graph.call_function(_attend, (sdpa, pattern, made, *sdpa.args),
+                                  dict(sdpa.kwargs))
+    sdpa.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in sdpa.meta:
+            out.meta[key] = sdpa.meta[key]
+    sites = sdpa.meta.pop(SITES, [])
+    if sites:
+        calls = sdpa.meta.pop(CALL_ARGS, {})
+        out.meta[SITES] = sites
+        # Their inputs stay the call's: the SDPA op's arguments, a module call's as named.
+        out.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(sdpa.args), sdpa))
+                               for s in sites}
+    return pattern
 
 
 @dataclass(frozen=True)
@@ -376,8 +444,11 @@ class DynamoRegion:
         for node, probs in named.sdpa.items():
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
-            with graph.inserting_after(node):
-                extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
+            if self.pipeline.fn is not None:  # an edited pattern must reach the output
+                extra = _drive_output(graph, node)
+            else:
+                with graph.inserting_after(node):
+                    extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
             attach(extra, probs)
         self.on_sites(new, selected)
         named_graph = copy_graph(graph)

@@ -676,3 +676,58 @@ def test_a_module_dynamo_runs_called_twice_keeps_both_calls(tracer: str) -> None
         got = patched(x)
     assert torch.equal(got, reference) and not torch.equal(got, expected)
     assert patched.taps.replaced == {"inner.fc_2"}
+
+
+def test_fn_on_attention_probs_beside_sdpa_drives_the_attention_output() -> None:
+    model = make_vit()
+    x = image()
+
+    def edit(p: torch.Tensor) -> torch.Tensor:
+        p = p.clone()
+        p[:, 0, 2] = 0.0
+        p[:, 0, 2, 4] = 1.0  # head 0: token 2 attends to token 4 alone
+        return p
+
+    def fn(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor | None:
+        return edit(value) if site.name == "blocks.0.attn.attention_probs" else None
+
+    sdpa = "blocks.0.attn.scaled_dot_product_attention"
+    tapped = fxprobe.tap(model, ops=["blocks.0.attn.attention_probs", sdpa, "blocks.0.attn"],
+                         tracer="dynamo", fn=fn, capture="both")
+    # By hand: layer 0's SDPA call replaced by edit(softmax(q k^T * scale)) @ v.
+    real_sdpa, seen = F.scaled_dot_product_attention, []
+
+    def by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        if seen:
+            return real_sdpa(q, k, v, **kw)
+        out = edit(torch.softmax(q @ k.transpose(-2, -1) * q.size(-1) ** -0.5, dim=-1)) @ v
+        seen.append((q, k, v, out))
+        return out
+
+    with torch.no_grad():
+        got = tapped(x)
+        plain = model(x)
+        try:
+            F.scaled_dot_product_attention = by_hand
+            expected, ref = hook_values(model, ["blocks.0.attn"], x)
+        finally:
+            F.scaled_dot_product_attention = real_sdpa
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, plain, atol=1e-3)
+    assert tapped.taps.replaced == {"blocks.0.attn.attention_probs"}
+    q, k, v, out = seen[0]
+    # The call's sites read what flows on: the output of the edited pattern; their inputs
+    # are still the call's.
+    torch.testing.assert_close(tapped.taps[sdpa].output, out)
+    assert all(torch.equal(a, b) for a, b in zip(tapped.taps[sdpa].inputs, (q, k, v),
+                                                   strict=True))
+    torch.testing.assert_close(tapped.taps["blocks.0.attn"].output, ref["blocks.0.attn"])
+
+    def in_place(site: fxprobe.Site, value: torch.Tensor) -> None:
+        if site.name == "blocks.0.attn.attention_probs":
+            value.copy_(edit(value))
+
+    edited_in_place = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo",
+                                  fn=in_place)
+    with torch.no_grad():
+        torch.testing.assert_close(edited_in_place(x), expected)

@@ -376,3 +376,47 @@ def test_generate_on_a_left_padded_batch_equals_the_models(family: str, attn: st
     assert tapped.config is model.config and tapped.generation_config is model.generation_config
     assert (tapped.can_generate(), tapped.main_input_name, tapped._supports_sdpa) == (
         model.can_generate(), model.main_input_name, model._supports_sdpa)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_an_edited_attention_pattern_under_sdpa_drives_the_output(family: str) -> None:
+    model = make(family, "sdpa")
+    kw = inputs(family)
+    site = f"{ATTENTION[family][0][0]}.attention_probs"  # layer 0
+
+    def edit(p: torch.Tensor) -> torch.Tensor:
+        p = p.clone()
+        p[:, 1, 4] = 0.0
+        p[:, 1, 4, 3] = 1.0  # head 1: query 4 attends to key 3 alone
+        return p
+
+    edited = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo",
+                         fn=lambda s, v: edit(v) if s.name == site else None)
+    # The reference: the same weights with eager attention, whose first softmax (layer 0's
+    # pattern) gets the same edit by hand.
+    eager = make(family, "eager")
+    real_softmax, calls = F.softmax, []
+
+    def softmax_patched(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real_softmax(*args, **kwargs)
+        calls.append(1)
+        return edit(out) if len(calls) == 1 else out
+
+    with torch.no_grad():
+        out = edited(**kw).logits
+        plain = model(**kw).logits
+        try:
+            torch.nn.functional.softmax = softmax_patched
+            expected = eager(**kw).logits
+        finally:
+            torch.nn.functional.softmax = real_softmax
+    assert len(calls) == 2 and edited.taps.replaced == {site}
+    # Not at the padded positions, which attend to no key: SDPA gives them zeros, eager
+    # attention an even spread.
+    valid = kw["attention_mask"].bool()
+    torch.testing.assert_close(out[valid], expected[valid])
+    assert not torch.allclose(out, plain, atol=1e-3)
+    # A pattern fn= leaves alone: SDPA's own output, bitwise.
+    kept = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo", fn=lambda s, v: None)
+    with torch.no_grad():
+        assert torch.equal(kept(**kw).logits, plain) and kept.taps.replaced == set()

@@ -112,7 +112,7 @@ def _attend(out: torch.Tensor, pattern: torch.Tensor, made: tuple[torch.Tensor, 
 setattr(_attend, OUT_OF_PLACE, True)
 
 
-def _drive_output(graph: fx.Graph, sdpa: fx.Node) -> fx.Node:
+def _drive_output(graph: fx.Graph, sdpa: fx.Node, site: str) -> fx.Node:
     """With ``fn=``: insert the pattern beside the SDPA call so that the code after the call
     reads :func:`_attend`'s output, which follows an edited pattern; return the pattern's node.
 
@@ -124,12 +124,14 @@ def _drive_output(graph: fx.Graph, sdpa: fx.Node) -> fx.Node:
                                          -> getitem(1) -> attend
 
     The call's sites (its own, a module call ending there) move to ``attend``: their value is
-    the attention output that flows on.
+    the attention output that flows on. The pattern's site (``site``) reads the call's
+    arguments, as beside SDPA without ``fn=``.
     """
     with graph.inserting_after(sdpa):
         pair = graph.call_function(_probs_twice, sdpa.args, dict(sdpa.kwargs))
     with graph.inserting_after(pair):
         pattern = graph.call_function(operator.getitem, (pair, 0))
+    pattern.meta[CALL_ARGS] = {site: (tuple(sdpa.args), pair)}
     with graph.inserting_after(pattern):
         made = graph.call_function(operator.getitem, (pair, 1))
     with graph.inserting_after(made):
@@ -445,7 +447,7 @@ class DynamoRegion:
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
             if self.pipeline.fn is not None:  # an edited pattern must reach the output
-                extra = _drive_output(graph, node)
+                extra = _drive_output(graph, node, probs.name)
             else:
                 with graph.inserting_after(node):
                     extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))

@@ -719,8 +719,9 @@ def test_fn_on_attention_probs_beside_sdpa_drives_the_attention_output() -> None
     # The call's sites read what flows on: the output of the edited pattern; their inputs
     # are still the call's.
     torch.testing.assert_close(tapped.taps[sdpa].output, out)
-    assert all(torch.equal(a, b) for a, b in zip(tapped.taps[sdpa].inputs, (q, k, v),
-                                                   strict=True))
+    for name in (sdpa, "blocks.0.attn.attention_probs"):
+        assert all(torch.equal(a, b) for a, b in zip(tapped.taps[name].inputs, (q, k, v),
+                                                       strict=True)), name
     torch.testing.assert_close(tapped.taps["blocks.0.attn"].output, ref["blocks.0.attn"])
 
     def in_place(site: fxprobe.Site, value: torch.Tensor) -> None:

@@ -607,3 +607,128 @@ def test_auto_keeps_dynamo_when_the_model_itself_raises() -> None:
         out = tapped(x)
     assert torch.equal(out, model(x)) and torch.equal(tapped.taps["0.lin"], model[0].lin(x))
     assert tapped.fallbacks == () and [s.how for s in tapped.sites] == ["dynamo"]
+
+
+class _Untraceable(nn.Module):
+    """Data-dependent control flow (fx cannot trace it); calls its layer twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > -1e9:  # taken for every input here: each call runs the same code
+            x = self.fc(x).relu()
+        return self.fc(x)
+
+
+class _CallsTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Untraceable()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(self.inner(x) + 1))
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx+dynamo", "dynamo"])
+def test_a_module_dynamo_runs_called_twice_keeps_both_calls(tracer: str) -> None:
+    torch.manual_seed(0)
+    model = _CallsTwice().eval()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer=tracer)
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["inner.fc", "head"], x)
+    assert torch.equal(out, expected)
+    # As hooks count calls: inner.fc and inner.fc_1 in the first call of inner, then _2, _3.
+    assert sorted(tapped.taps) == sorted(ref) == [
+        "head", "inner.fc", "inner.fc_1", "inner.fc_2", "inner.fc_3"]
+    for name, value in ref.items():
+        assert torch.equal(tapped.taps[name], value), name
+    with torch.no_grad():  # the next forward: the same names, its own values
+        tapped(2 * x)
+        _, ref = hook_values(model, ["inner.fc", "head"], 2 * x)
+    assert sorted(tapped.taps) == sorted(ref)
+    for name, value in ref.items():
+        assert torch.equal(tapped.taps[name], value), name
+    assert {s.name for s in tapped.sites} >= set(ref)
+
+    # fn= reaches the second call alone: zero its first layer's output.
+    def fn(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor | None:
+        return torch.zeros_like(value) if site.name == "inner.fc_2" else None
+
+    patched = fxprobe.tap(model, ops=nn.Linear, tracer=tracer, fn=fn)
+    calls: list[int] = []
+
+    def zero_third(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        calls.append(1)
+        return torch.zeros_like(out) if len(calls) == 3 else None
+
+    handle = model.inner.fc.register_forward_hook(zero_third)
+    with torch.no_grad():
+        try:
+            reference = model(x)
+        finally:
+            handle.remove()
+        got = patched(x)
+    assert torch.equal(got, reference) and not torch.equal(got, expected)
+    assert patched.taps.replaced == {"inner.fc_2"}
+
+
+def test_fn_on_attention_probs_beside_sdpa_drives_the_attention_output() -> None:
+    model = make_vit()
+    x = image()
+
+    def edit(p: torch.Tensor) -> torch.Tensor:
+        p = p.clone()
+        p[:, 0, 2] = 0.0
+        p[:, 0, 2, 4] = 1.0  # head 0: token 2 attends to token 4 alone
+        return p
+
+    def fn(site: fxprobe.Site, value: torch.Tensor) -> torch.Tensor | None:
+        return edit(value) if site.name == "blocks.0.attn.attention_probs" else None
+
+    sdpa = "blocks.0.attn.scaled_dot_product_attention"
+    tapped = fxprobe.tap(model, ops=["blocks.0.attn.attention_probs", sdpa, "blocks.0.attn"],
+                         tracer="dynamo", fn=fn, capture="both")
+    # By hand: layer 0's SDPA call replaced by edit(softmax(q k^T * scale)) @ v.
+    real_sdpa, seen = F.scaled_dot_product_attention, []
+
+    def by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        if seen:
+            return real_sdpa(q, k, v, **kw)
+        out = edit(torch.softmax(q @ k.transpose(-2, -1) * q.size(-1) ** -0.5, dim=-1)) @ v
+        seen.append((q, k, v, out))
+        return out
+
+    with torch.no_grad():
+        got = tapped(x)
+        plain = model(x)
+        try:
+            F.scaled_dot_product_attention = by_hand
+            expected, ref = hook_values(model, ["blocks.0.attn"], x)
+        finally:
+            F.scaled_dot_product_attention = real_sdpa
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, plain, atol=1e-3)
+    assert tapped.taps.replaced == {"blocks.0.attn.attention_probs"}
+    q, k, v, out = seen[0]
+    # The call's sites read what flows on: the output of the edited pattern; their inputs
+    # are still the call's.
+    torch.testing.assert_close(tapped.taps[sdpa].output, out)
+    for name in (sdpa, "blocks.0.attn.attention_probs"):
+        assert all(torch.equal(a, b) for a, b in zip(tapped.taps[name].inputs, (q, k, v),
+                                                       strict=True)), name
+    torch.testing.assert_close(tapped.taps["blocks.0.attn"].output, ref["blocks.0.attn"])
+
+    def in_place(site: fxprobe.Site, value: torch.Tensor) -> None:
+        if site.name == "blocks.0.attn.attention_probs":
+            value.copy_(edit(value))
+
+    edited_in_place = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo",
+                                  fn=in_place)
+    with torch.no_grad():
+        torch.testing.assert_close(edited_in_place(x), expected)

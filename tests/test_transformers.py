@@ -8,6 +8,7 @@ copies of the model.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import pytest
@@ -346,3 +347,76 @@ def test_module_calls_are_sites_under_dynamo_and_equal_hooks(tracer: str) -> Non
     # weights is not called under eager attention, and the first input of a block is the
     # hidden state whatever else it reads.
     assert len(tapped.taps["transformer.h.0.ln_1"].inputs) == 1  # not the weight and bias
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_on_a_left_padded_batch_equals_the_models(family: str, attn: str) -> None:
+    # transformers' generate() builds position_ids from the attention mask only for a forward
+    # whose signature accepts them: the tapped module must show the model's.
+    model = make(family, attn)
+    tapped = fxprobe.tap(model, ops=F.softmax if attn == "eager" else fxprobe.attention_probs)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, 100, (2, 6), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0  # the first row left-padded
+    for sample in (False, True):
+        kw = {"attention_mask": mask, "max_new_tokens": 4, "do_sample": sample,
+              "output_scores": True, "return_dict_in_generate": True}
+        with torch.no_grad():
+            torch.manual_seed(1)
+            expected = model.generate(ids, **kw)
+            torch.manual_seed(1)
+            got = tapped.generate(ids, **kw)
+        assert torch.equal(got.sequences, expected.sequences), sample
+        torch.testing.assert_close(got.scores, expected.scores)
+    assert len(tapped.taps) == 2  # the last step's attention probabilities, both layers
+    # What callers inspect is the model's.
+    assert inspect.signature(tapped.forward) == inspect.signature(model.forward)
+    assert tapped.config is model.config and tapped.generation_config is model.generation_config
+    assert (tapped.can_generate(), tapped.main_input_name, tapped._supports_sdpa) == (
+        model.can_generate(), model.main_input_name, model._supports_sdpa)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_an_edited_attention_pattern_under_sdpa_drives_the_output(family: str) -> None:
+    model = make(family, "sdpa")
+    kw = inputs(family)
+    site = f"{ATTENTION[family][0][0]}.attention_probs"  # layer 0
+
+    def edit(p: torch.Tensor) -> torch.Tensor:
+        p = p.clone()
+        p[:, 1, 4] = 0.0
+        p[:, 1, 4, 3] = 1.0  # head 1: query 4 attends to key 3 alone
+        return p
+
+    edited = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo",
+                         fn=lambda s, v: edit(v) if s.name == site else None)
+    # The reference: the same weights with eager attention, whose first softmax (layer 0's
+    # pattern) gets the same edit by hand.
+    eager = make(family, "eager")
+    real_softmax, calls = F.softmax, []
+
+    def softmax_patched(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real_softmax(*args, **kwargs)
+        calls.append(1)
+        return edit(out) if len(calls) == 1 else out
+
+    with torch.no_grad():
+        out = edited(**kw).logits
+        plain = model(**kw).logits
+        try:
+            torch.nn.functional.softmax = softmax_patched
+            expected = eager(**kw).logits
+        finally:
+            torch.nn.functional.softmax = real_softmax
+    assert len(calls) == 2 and edited.taps.replaced == {site}
+    # Not at the padded positions, which attend to no key: SDPA gives them zeros, eager
+    # attention an even spread.
+    valid = kw["attention_mask"].bool()
+    torch.testing.assert_close(out[valid], expected[valid])
+    assert not torch.allclose(out, plain, atol=1e-3)
+    # A pattern fn= leaves alone: SDPA's own output, bitwise.
+    kept = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo", fn=lambda s, v: None)
+    with torch.no_grad():
+        assert torch.equal(kept(**kw).logits, plain) and kept.taps.replaced == set()

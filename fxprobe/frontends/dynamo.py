@@ -21,6 +21,7 @@ keyed by the identity of a parameter it receives, and a new instance gets its ow
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +29,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..capture.inplace import OUT_OF_PLACE
 from ..capture.pipeline import Pipeline
 from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import CaptureError
 from ..core.options import Capture, CopyPolicy
-from ..core.site import STATE, Site, attach
+from ..core.site import CALL_ARGS, SITES, STATE, Site, attach
 from .dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
 
 
@@ -48,7 +50,8 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
     As a selector (``ops=fxprobe.attention_probs``) it taps these probabilities beside every
     SDPA call that the dynamo frontend captured: computed on the side from the call's own
     arguments, only for the selected calls, while the model keeps its fused attention. Each
-    such site is named ``<module path>.attention_probs``.
+    such site is named ``<module path>.attention_probs``. A pattern that ``fn=`` replaces
+    drives the attention output (``pattern @ value``, see ``_attend``).
 
     Args:
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
@@ -79,6 +82,73 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
     probs = torch.softmax(scores, dim=-1)
     # SDPA's math path (a "safe" softmax) gives rows that attend to nothing zeros, not NaN.
     return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+
+
+def _probs_twice(*args: Any, **kwargs: Any
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+    """:func:`attention_probs` for the site (which ``fn=`` may replace or edit in place), and
+    the same tensor with its version, which tell :func:`_attend` whether it did."""
+    probs = attention_probs(*args, **kwargs)
+    return probs, (probs, probs._version)
+
+
+def _attend(out: torch.Tensor, pattern: torch.Tensor, made: tuple[torch.Tensor, int],
+            query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+            is_causal: bool = False, scale: float | None = None,
+            enable_gqa: bool = False) -> torch.Tensor:
+    """The attention output: SDPA's own ``out`` while the pattern is the one it computed, else
+    ``pattern @ value`` (after SDPA's dropout), so that an edited pattern drives the output."""
+    if pattern is made[0] and pattern._version == made[1]:
+        return out
+    if dropout_p > 0.0:
+        pattern = torch.nn.functional.dropout(pattern, dropout_p)
+    if enable_gqa and value.dim() >= 3 and value.size(-3) != pattern.size(-3):
+        value = value.repeat_interleave(pattern.size(-3) // value.size(-3), dim=-3)
+    return torch.matmul(pattern.to(value.dtype), value)
+
+
+# Returns its first argument or new memory, and writes nothing (for the in-place analysis).
+setattr(_attend, OUT_OF_PLACE, True)
+
+
+def _drive_output(graph: fx.Graph, sdpa: fx.Node, site: str) -> fx.Node:
+    """With ``fn=``: insert the pattern beside the SDPA call so that the code after the call
+    reads :func:`_attend`'s output, which follows an edited pattern; return the pattern's node.
+
+    ::
+
+        before:  q, k, v -> sdpa -> next
+        after:   q, k, v -> sdpa -----------------------> attend -> next
+                         -> _probs_twice -> getitem(0) -> (the site: fn, keep)
+                                         -> getitem(1) -> attend
+
+    The call's sites (its own, a module call ending there) move to ``attend``: their value is
+    the attention output that flows on. The pattern's site (``site``) reads the call's
+    arguments, as beside SDPA without ``fn=``.
+    """
+    with graph.inserting_after(sdpa):
+        pair = graph.call_function(_probs_twice, sdpa.args, dict(sdpa.kwargs))
+    with graph.inserting_after(pair):
+        pattern = graph.call_function(operator.getitem, (pair, 0))
+    pattern.meta[CALL_ARGS] = {site: (tuple(sdpa.args), pair)}
+    with graph.inserting_after(pattern):
+        made = graph.call_function(operator.getitem, (pair, 1))
+    with graph.inserting_after(made):
+        out = graph.call_function(_attend, (sdpa, pattern, made, *sdpa.args),
+                                  dict(sdpa.kwargs))
+    sdpa.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in sdpa.meta:
+            out.meta[key] = sdpa.meta[key]
+    sites = sdpa.meta.pop(SITES, [])
+    if sites:
+        calls = sdpa.meta.pop(CALL_ARGS, {})
+        out.meta[SITES] = sites
+        # Their inputs stay the call's: the SDPA op's arguments, a module call's as named.
+        out.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(sdpa.args), sdpa))
+                               for s in sites}
+    return pattern
 
 
 @dataclass(frozen=True)
@@ -146,9 +216,10 @@ class _Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
     __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix", "named",
-                 "ran")
+                 "ran", "repeat", "count")
 
-    def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph) -> None:
+    def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph, repeat: int = 0
+                 ) -> None:
         self.graph = compiled.graph
         self.fn = compiled.fn
         self.holder = compiled.holder
@@ -162,6 +233,12 @@ class _Instrumented:
         self.ran = (-1, -1)
         """(forward, place among the graphs it ran) of its first run in the last forward it
         ran in (for the pictures: graphs drawn in the order they ran)."""
+        self.repeat = repeat
+        """0; n for the version named for the (n+1)-th run of its code for the same module
+        instance in one forward (the module called again)."""
+        self.count = ""
+        """The key counting the runs of its code for its instance in a forward
+        (``Frame.hook_calls``; set by ``_Captured``)."""
 
 
 class _Captured:
@@ -193,7 +270,7 @@ class _Captured:
                     break
         self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
-        self.versions: dict[int, _Instrumented] = {}
+        self.versions: dict[int | tuple[int, int], _Instrumented] = {}
         self.stamp = -1
 
     def _locate(self) -> str:
@@ -230,12 +307,16 @@ class _Captured:
                 return owner[: len(owner) - len(rel)].rstrip(".")
         return ""
 
-    def version(self, args: Sequence[Any]) -> _Instrumented:
+    def version(self, args: Sequence[Any], repeat: int = 0) -> _Instrumented:
         key = id(args[self.anchor]) if self.anchor is not None else 0
-        found = self.versions.get(key)
+        found = self.versions.get((key, repeat) if repeat else key)
         if found is None:
-            found = self.versions[key] = self.region.instrument(
-                self.gm, self.captured_prefix, self.prefix_of(args))
+            found = self.region.instrument(
+                self.gm, self.captured_prefix, self.prefix_of(args), repeat)
+            # Graphs of one frame (recompilations) run the same code, under the same names.
+            found.count = (f"\0dynamo:{self.region.path}:"
+                           f"{self.frame if self.frame is not None else id(self)}:{found.prefix}")
+            self.versions[(key, repeat) if repeat else key] = found
         return found
 
     def __call__(self, *args: Any) -> Any:
@@ -244,6 +325,15 @@ class _Captured:
         version = self.versions.get(id(args[anchor]) if anchor is not None else 0)
         if version is None:
             version = self.version(args)
+        state = region.pipeline.rec.state
+        if state.active:
+            # The same code for the same module ran before in this forward (code around the
+            # graphs called the module again): the values of this run are sites of their own.
+            calls = state.frame.hook_calls
+            n = calls.get(version.count, 0)
+            calls[version.count] = n + 1
+            if n:
+                version = self.version(args, n)
         result = version.fn(version.holder, *args)
         if self.stamp != region.calls:  # the first run of this graph in this forward
             self.stamp = region.calls
@@ -316,6 +406,8 @@ class DynamoRegion:
                 key = f"dynamo:{self.path}:{i}"
                 if version.prefix != captured.captured_prefix:
                     key += f"@{_join_path(self.path, version.prefix)}"
+                if version.repeat:
+                    key += f"#{version.repeat}"
                 out.append((key, i, captured, version))
         return out
 
@@ -323,7 +415,7 @@ class DynamoRegion:
         """Every named graph so far (see :meth:`instrumented`), for the pictures."""
         return [CapturedGraph(key, self.path, number, captured.frame,
                               _join_path(self.path, version.prefix), version.named, version.ran)
-                for key, number, captured, version in self._versions()]
+                for key, number, captured, version in self._versions() if not version.repeat]
 
     @property
     def info(self) -> CaptureInfo:
@@ -337,14 +429,15 @@ class DynamoRegion:
         self.captured.append(captured)
         return captured
 
-    def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str
-                   ) -> _Instrumented:
-        """Name the graph's nodes for the module instance at ``prefix`` and insert its taps."""
+    def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str,
+                   repeat: int = 0) -> _Instrumented:
+        """Name the graph's nodes for the module instance at ``prefix`` (for its run
+        ``repeat`` in one forward, from 0) and insert its taps."""
         graph = copy_graph(gm.graph)
         named: NamedGraph = name_graph(
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
-            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
+            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
@@ -353,8 +446,11 @@ class DynamoRegion:
         for node, probs in named.sdpa.items():
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
-            with graph.inserting_after(node):
-                extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
+            if self.pipeline.fn is not None:  # an edited pattern must reach the output
+                extra = _drive_output(graph, node, probs.name)
+            else:
+                with graph.inserting_after(node):
+                    extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
             attach(extra, probs)
         self.on_sites(new, selected)
         named_graph = copy_graph(graph)
@@ -364,7 +460,7 @@ class DynamoRegion:
             graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
             pipeline=self.pipeline, escapes=True)
         return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
-                             prefix, named_graph)
+                             prefix, named_graph, repeat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled

@@ -115,7 +115,7 @@ class NamedGraph:
 def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                module_ids: dict[int, str], captured_prefix: str, frame_prefix: str,
                is_leaf: Callable[[nn.Module, str], bool], namer: Namer,
-               probs_fn: Callable[..., Any]) -> NamedGraph:
+               probs_fn: Callable[..., Any], repeat: int = 0) -> NamedGraph:
     """Give every call node of a dynamo graph a :class:`Site` (``how="dynamo"``).
 
     Args:
@@ -131,6 +131,9 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         is_leaf: whether fx would keep a module (by absolute path) as one call.
         namer: the region's namer.
         probs_fn: the function that stands for attention probabilities.
+        repeat: 0, or n for the graph's (n+1)-th run for the same module instance in one
+            forward (a module called twice): names of their own, counted on from the first
+            run's (``inner.fc``, then ``inner.fc_1``), as repeats within a module are.
     """
     modules: dict[str, nn.Module | None] = {}
     seen_modules: set[str] = {_join(root_path, frame_prefix)}
@@ -223,7 +226,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     def next_name(base: str, loc: str) -> str:
         occurrence = seen.get((base, loc), 0)
         seen[(base, loc)] = occurrence + 1
-        return namer.name(base, loc, occurrence)
+        return namer.name(base, f"{loc}#{repeat}" if repeat else loc, occurrence)
 
     for node in calls:
         loc = _location(node)

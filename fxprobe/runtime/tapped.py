@@ -4,6 +4,7 @@ programs are built per mode (train/eval) on first use, installed, run and read h
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -87,6 +88,9 @@ class TappedModule(nn.Module):
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
         d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
+        # Callers read the model's signature to decide what to pass (transformers' generate()
+        # builds position_ids from the attention mask only where forward accepts them).
+        d["forward"] = _signed(self._forward_of_instance(), own_forward(root))
         self._program(strict=True)
         if options.sink is not None:
             options.sink.attach(self)
@@ -158,7 +162,7 @@ class TappedModule(nn.Module):
                     calls[name] = calls.get(name, 0) + 1
             return result[0]
 
-        return forward
+        return _signed(forward, own)
 
     def _root_dispatcher(self) -> Callable[..., Any]:
         rec = self._rec
@@ -169,7 +173,7 @@ class TappedModule(nn.Module):
                 return self._body(prog, args, kwargs)
             return self._run(args, kwargs, through_root=False)  # generate(): a new frame
 
-        return forward
+        return _signed(forward, own_forward(self._root))
 
     def _run_deferred(self, prog: Program, path: str, region: DynamoRegion,
                       own: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -229,6 +233,26 @@ class TappedModule(nn.Module):
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._run(args, kwargs, through_root=self._root_hooked)
+
+    def _forward_of_instance(self) -> Callable[..., Any]:
+        """The instance's ``forward`` (a function, to carry the model's signature)."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._run(args, kwargs, through_root=self._root_hooked)
+
+        return forward
+
+    def __getattr__(self, name: str) -> Any:
+        # What is not the tapped module's own is the model's (config, generation_config,
+        # main_input_name, transformers' _supports_* flags, methods): callers that inspect
+        # the model find the same on the tapped module.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            root = self.__dict__.get("_root")
+            if root is None:
+                raise
+        return getattr(root, name)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], through_root: bool) -> Any:
         if self._removed:
@@ -476,6 +500,17 @@ class TappedModule(nn.Module):
         dyn = sum(1 for s in prog.selected if s.how == "dynamo")
         text = f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks - dyn}, hook={hooks}"
         return text + (f", dynamo={dyn} found so far)" if prog.dynamo else ")")
+
+
+def _signed(forward: Callable[..., Any], like: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, showing ``like``'s signature to ``inspect.signature`` (it still takes any
+    arguments: the model's forward checks them)."""
+    try:
+        signature = inspect.signature(like)
+    except (TypeError, ValueError):  # a builtin or a callable without one: nothing to show
+        return forward
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    return forward
 
 
 def _some(paths: Sequence[str]) -> str:

@@ -1,0 +1,299 @@
+"""Harvesting activations for training (an SAE, a probe): write while the model runs, read back
+shuffled. Everything is measured in one run, medians of interleaved rounds.
+
+Run ``python -m benchmarks.harvest`` (``--quick`` for a smoke run); it writes
+``benchmarks/results/cpu/harvest.json`` and ``harvest.md``.
+
+- model: a GPT-2-small layout built from a config (12 blocks, width 768; random weights),
+  batch 8 x 128 tokens; the output of every block (the residual stream after it) is kept.
+- write: per forward, (a) ``fxprobe.tap(..., to="cpu")`` (values kept in memory, the
+  reference), (b) ``to=fxprobe.Disk(dir)`` (the writer thread; its final flush counted), (c)
+  the common baseline: forward hooks that ``torch.save`` each batch's values to a file.
+- read one epoch of token rows, shuffled, batches of 4096: (d) ``DataLoader(ds,
+  batch_size=4096, shuffle=True)`` over ``open_captures(dir).dataset(...)``, (e) the same
+  dataset read a batch at a time (``BatchSampler`` -> ``ds[rows]``), (f) the shards read with
+  ``safetensors`` directly (``load_file``, concatenate, ``randperm``, index), (g) the baseline:
+  ``torch.load`` every file, concatenate, shuffle in memory.
+- peak memory: each read treatment in a fresh process, peak RSS growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import fxprobe
+
+RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
+BLOCKS = re.compile(r"^transformer\.h\.\d+$")
+
+
+def gpt2(layers: int, width: int, heads: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=50257,
+                        n_positions=1024)
+    return GPT2Model(config).eval()
+
+
+def hidden(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def write_rounds(model: nn.Module, ids: torch.Tensor, base: Path, rounds: int, per: int
+                 ) -> dict[str, list[float]]:
+    """Seconds per forward of each treatment, ``per`` forwards a round, rounds interleaved."""
+    cpu = fxprobe.tap(model, ops=BLOCKS, to="cpu")
+    times: dict[str, list[float]] = {"to_cpu": [], "to_disk": [], "hooks_torch_save": []}
+    with torch.no_grad():
+        cpu(ids)  # capture (dynamo) outside the timing
+        model(ids)
+    for r in range(rounds):
+        order = list(times)
+        order = order[r % 3:] + order[:r % 3]
+        for kind in order:
+            d = base / f"w{r}-{kind}"
+            with torch.no_grad():
+                start = time.perf_counter()
+                if kind == "to_cpu":
+                    for _ in range(per):
+                        cpu(ids)
+                elif kind == "to_disk":
+                    with fxprobe.tap(model, ops=BLOCKS, to=fxprobe.Disk(d)) as tapped:
+                        if r == 0:
+                            tapped(ids)  # its own capture, outside the timing
+                            start = time.perf_counter()
+                            per_run = per - 1
+                        else:
+                            per_run = per
+                        for _ in range(per_run):
+                            tapped(ids)
+                    if r == 0:
+                        times[kind].append((time.perf_counter() - start) / max(per_run, 1))
+                        shutil.rmtree(d, ignore_errors=True)
+                        continue
+                else:
+                    d.mkdir(parents=True)
+                    seen: dict[str, torch.Tensor] = {}
+                    hooks = [blk.register_forward_hook(
+                        lambda m, i, o, k=k: seen.__setitem__(k, hidden(o).detach().clone()))
+                        for k, blk in enumerate(model.h)]
+                    try:
+                        for step in range(per):
+                            model(ids)
+                            torch.save(dict(seen), d / f"batch-{step:05d}.pt")
+                    finally:
+                        for h in hooks:
+                            h.remove()
+                times[kind].append((time.perf_counter() - start) / per)
+            shutil.rmtree(d, ignore_errors=True)
+    return times
+
+
+def harvest_once(model: nn.Module, ids: torch.Tensor, base: Path, forwards: int) -> None:
+    """The data the read treatments share: fxprobe shards and the baseline's files."""
+    with torch.no_grad(), fxprobe.tap(model, ops=BLOCKS,
+                                      to=fxprobe.Disk(base / "acts")) as tapped:
+        for _ in range(forwards):
+            tapped(ids)
+    src = fxprobe.open_captures(base / "acts")
+    (base / "pt").mkdir()
+    for i in range(len(src)):
+        f = src.forward(i)
+        torch.save({n: f[n].clone() for n in src.names}, base / "pt" / f"batch-{i:05d}.pt")
+
+
+def read_child(kind: str, base: str, name: str, batch: int) -> None:
+    """One epoch of shuffled token rows of site ``name``; prints seconds, rows, peak RSS."""
+    from safetensors.torch import load_file
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    torch.manual_seed(0)
+    start_rss = peak_rss_mib()
+    start = time.perf_counter()
+    rows = 0
+    check = 0.0
+    if kind in ("dataloader", "batch_sampler"):
+        ds = fxprobe.open_captures(base + "/acts").dataset(name, rows="tokens")
+        if kind == "dataloader":
+            loader = DataLoader(ds, batch_size=batch, shuffle=True)
+        else:
+            loader = DataLoader(ds, batch_size=None,
+                                sampler=BatchSampler(RandomSampler(ds), batch, False))
+        for b in loader:
+            rows += b.shape[0]
+            check += float(b[0, 0])
+    elif kind == "safetensors":
+        index = json.loads(Path(base, "acts", "index.json").read_text())
+        parts = []
+        for shard in index["shards"]:
+            tensors = load_file(Path(base, "acts", shard["file"]))
+            parts += [t for k, t in sorted(tensors.items(), key=lambda kv: _order(kv[0]))
+                      if k.split("/")[1:2] == [name]]
+        allrows = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts])
+        perm = torch.randperm(allrows.shape[0])
+        for i in range(0, allrows.shape[0], batch):
+            b = allrows[perm[i:i + batch]]
+            rows += b.shape[0]
+            check += float(b[0, 0])
+    else:  # torch.load every batch file, concatenate, shuffle in memory
+        files = sorted(Path(base, "pt").glob("batch-*.pt"))
+        allrows = torch.cat([torch.load(f)[name].reshape(-1, 768 if False else
+                                                         torch.load(f)[name].shape[-1])
+                             for f in files]) if False else torch.cat(
+            [v.reshape(-1, v.shape[-1]) for v in (torch.load(f)[name] for f in files)])
+        perm = torch.randperm(allrows.shape[0])
+        for i in range(0, allrows.shape[0], batch):
+            b = allrows[perm[i:i + batch]]
+            rows += b.shape[0]
+            check += float(b[0, 0])
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "rows": rows,
+                      "peak_growth_mib": peak_rss_mib() - start_rss}))
+
+
+def _order(key: str) -> tuple[int, str]:
+    head, _, rest = key.partition("/")
+    return (int(head), rest) if head.isdigit() else (-1, key)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def read(kind: str, base: Path, name: str, batch: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.harvest", "--read-child", kind, str(base), name,
+         str(batch)], capture_output=True, text=True, timeout=900, check=True,
+        cwd=Path(__file__).resolve().parent.parent)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the writes")
+    ap.add_argument("--per", type=int, default=3, help="forwards per round and treatment")
+    ap.add_argument("--forwards", type=int, default=24, help="forwards harvested for reading")
+    ap.add_argument("--read-rounds", type=int, default=3)
+    ap.add_argument("--read-batch", type=int, default=4096)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--read-child", nargs=4, metavar=("KIND", "DIR", "NAME", "BATCH"))
+    args = ap.parse_args(argv)
+    if args.read_child:
+        kind, d, name, b = args.read_child
+        read_child(kind, d, name, int(b))
+        return
+    if args.quick:
+        args.layers, args.width, args.heads, args.seq = 2, 128, 4, 32
+        args.rounds, args.per, args.forwards, args.read_rounds = 3, 2, 6, 2
+        args.read_batch = 256
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fxprobe-harvest-"))
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        model = gpt2(args.layers, args.width, args.heads)
+        ids = torch.randint(0, 50257, (args.batch, args.seq),
+                            generator=torch.Generator().manual_seed(0))
+        load = [os.getloadavg()[0]]
+        times = write_rounds(model, ids, base, args.rounds, args.per)
+        harvest_once(model, ids, base, args.forwards)
+        name = fxprobe.open_captures(base / "acts").names[-1]
+        kinds = ("dataloader", "batch_sampler", "safetensors", "torch_load")
+        reads: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+        for r in range(args.read_rounds):
+            for kind in kinds[r % 4:] + kinds[:r % 4]:
+                reads[kind].append(read(kind, base, name, args.read_batch))
+        load.append(os.getloadavg()[0])
+        disk_bytes = sum(f.stat().st_size for f in (base / "acts").glob("*.safetensors"))
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rmed = {k: statistics.median(x["seconds"] for x in v) for k, v in reads.items()}
+    record = {
+        "what": "harvest: write while the model runs, read back shuffled",
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                    "platform": platform.platform()},
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+        "model": f"GPT-2 layout from a config: {args.layers} blocks, width {args.width}, "
+                 f"batch {args.batch} x {args.seq} tokens; every block's output kept",
+        "write_s_per_forward": times,
+        "write_median_s": med,
+        "disk_vs_cpu": med["to_disk"] / med["to_cpu"],
+        "hooks_save_vs_cpu": med["hooks_torch_save"] / med["to_cpu"],
+        "read_site": name,
+        "read_rows": reads["dataloader"][0]["rows"],
+        "read_batch": args.read_batch,
+        "shard_bytes": disk_bytes,
+        "reads": reads,
+        "read_median_s": rmed,
+        "dataloader_vs_safetensors": rmed["safetensors"] / rmed["dataloader"],
+        "batch_sampler_vs_safetensors": rmed["safetensors"] / rmed["batch_sampler"],
+        "loadavg_before_after": load,
+        "quick": args.quick,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = "harvest-quick" if args.quick else "harvest"
+    (RESULTS / f"{out}.json").write_text(json.dumps(record, indent=1))
+    md = markdown(record)
+    (RESULTS / f"{out}.md").write_text(md)
+    print(md)
+
+
+def markdown(r: dict[str, Any]) -> str:
+    m, rm = r["write_median_s"], r["read_median_s"]
+    peak = {k: statistics.median(x["peak_growth_mib"] for x in v) for k, v in r["reads"].items()}
+    lines = [
+        f"### Harvest ({r['model']}; torch {r['machine']['torch']}, "
+        f"{r['machine']['cpus']} CPUs, commit {r['commit']})",
+        "",
+        "| write, per forward | seconds | x `to=\"cpu\"` |",
+        "|---|---|---|",
+        f"| `fxprobe.tap(..., to=\"cpu\")` (in memory) | {m['to_cpu']:.3f} | 1.00 |",
+        f"| `to=fxprobe.Disk(dir)` | {m['to_disk']:.3f} | {r['disk_vs_cpu']:.2f} |",
+        f"| forward hooks + `torch.save` per batch | {m['hooks_torch_save']:.3f} | "
+        f"{r['hooks_save_vs_cpu']:.2f} |",
+        "",
+        f"| read one shuffled epoch of `{r['read_site']}` ({r['read_rows']} token rows, "
+        f"batches of {r['read_batch']}) | seconds | x safetensors direct | peak RSS growth |",
+        "|---|---|---|---|",
+    ]
+    names = {"dataloader": "`DataLoader(ds, batch_size, shuffle=True)`",
+             "batch_sampler": "`DataLoader(ds, batch_size=None, sampler=BatchSampler(...))`",
+             "safetensors": "safetensors `load_file`, `randperm`, index",
+             "torch_load": "baseline: `torch.load` every file, shuffle in memory"}
+    for k, label in names.items():
+        lines.append(f"| {label} | {rm[k]:.3f} | {rm['safetensors'] / rm[k]:.2f} of its speed "
+                     f"| {peak[k]:.0f} MiB |")
+    lines += ["", f"Writes: medians of {len(r['write_s_per_forward']['to_cpu'])} interleaved "
+              f"rounds; reads: medians of {len(r['reads']['dataloader'])} rounds, each in a fresh "
+              f"process; load average before/after {r['loadavg_before_after'][0]:.1f}/"
+              f"{r['loadavg_before_after'][1]:.1f}; shards {r['shard_bytes'] / 2**20:.0f} MiB."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -149,7 +149,6 @@ KNOWN: set[str] = {
     "fxprobe.frontends.export:37 -> fxprobe.runtime.artifact",
     "fxprobe.frontends.export:38 -> fxprobe.frontends.script",
     "fxprobe.frontends.script:90 -> fxprobe.frontends.fx",
-    "fxprobe.sinks.loggers:217 -> fxprobe.runtime.tapped",
 }
 
 

@@ -37,15 +37,15 @@ from .core.errors import (
 from .core.record import Grads, InOut, Taps
 from .core.select import Selector, where
 from .core.site import Site
-from .frontends.dynamo import CaptureInfo, attention_probs
-from .frontends.fx import Fallback
-from .present.summary import Table, summary
-from .present.viz import render, to_dot
+from .core.view import CaptureInfo, Fallback
+from .frontends.dynamo import attention_probs
+from .present.summary import Table
 from .runtime.artifact import TappedArtifact, TappedExport, TappedScript
 from .runtime.extract import extractor
 from .runtime.features import Features, features
 from .runtime.program import SiteNames
 from .runtime.tapped import TappedModule
+from .runtime.views import render, summary, to_dot
 from .sinks.captures import Captures, open_captures
 from .sinks.disk import Disk
 from .sinks.loggers import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars

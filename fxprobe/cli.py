@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(fn: Callable[[], int], command: str) -> int:
-    from .present.viz import RenderError
+    from .core.errors import RenderError
 
     try:
         return fn()
@@ -242,7 +242,7 @@ def cmd_sites(args: argparse.Namespace) -> int:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    from .present.viz import render
+    from .runtime.views import render
 
     model, name = load_model(args.model)
     inputs = parse_inputs(args.input)
@@ -260,9 +260,9 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .api import tap
+    from .core.errors import RenderError
     from .examples import small_cnn, small_cnn_input
-    from .present.summary import summary
-    from .present.viz import RenderError, render
+    from .runtime.views import render, summary
 
     model, x = small_cnn(), small_cnn_input()
     print("fxprobe demo: a small CNN whose classifier head torch.fx cannot trace. It runs:\n\n"

@@ -147,24 +147,6 @@ def cycles(root: Path) -> list[list[str]]:
 # What the move into role folders left to untangle; this list only ever shrinks (issue 19).
 KNOWN: set[str] = {
     "fxprobe.core.options -> fxprobe.sinks.disk",
-    "fxprobe.present.artifact_viz -> fxprobe.frontends.fx",
-    "fxprobe.present.artifact_viz -> fxprobe.frontends.script",
-    "fxprobe.present.artifact_viz -> fxprobe.runtime.artifact",
-    "fxprobe.present.shapes -> fxprobe.capture.rewrite",
-    "fxprobe.present.shapes -> fxprobe.frontends.fx",
-    "fxprobe.present.shapes -> fxprobe.frontends.mirror",
-    "fxprobe.present.summary -> fxprobe.runtime.artifact",
-    "fxprobe.present.summary -> fxprobe.runtime.program",
-    "fxprobe.present.viz -> fxprobe.frontends.dynamo",
-    "fxprobe.present.viz -> fxprobe.frontends.fx",
-    "fxprobe.present.viz -> fxprobe.frontends.mirror",
-    "fxprobe.present.viz -> fxprobe.runtime.artifact",
-    "fxprobe.present.viz -> fxprobe.runtime.program",
-    "fxprobe.present.viz_dot -> fxprobe.frontends.fx",
-    "fxprobe.present.viz_items -> fxprobe.frontends.dynamo",
-    "fxprobe.present.viz_items -> fxprobe.frontends.dynamo_names",
-    "fxprobe.present.viz_items -> fxprobe.frontends.fx",
-    "fxprobe.sinks.loggers -> fxprobe.runtime.tapped",
 }
 
 
@@ -181,13 +163,7 @@ def test_no_import_breaks_the_layering() -> None:
     assert not fixed, "fixed; remove from KNOWN:\n" + "\n".join(fixed)
 
 
-KNOWN_CYCLES: set[str] = {
-    "fxprobe.runtime.artifact -> fxprobe.present.summary -> fxprobe.runtime.artifact",
-    "fxprobe.present.summary -> fxprobe.runtime.program -> fxprobe.present.summary",
-    "fxprobe.runtime.artifact -> fxprobe.present.viz -> fxprobe.present.artifact_viz"
-    " -> fxprobe.runtime.artifact",
-    "fxprobe.runtime.artifact -> fxprobe.present.viz -> fxprobe.runtime.artifact",
-}
+KNOWN_CYCLES: set[str] = set()
 
 
 def test_no_import_cycle() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import CaptureError
 from ..core.options import Capture, CopyPolicy
 from ..core.site import CALL_ARGS, SITES, STATE, Site, attach
+from ..core.view import CapturedGraph, CaptureInfo
 from .dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
 
 
@@ -149,48 +149,6 @@ def _drive_output(graph: fx.Graph, sdpa: fx.Node, site: str) -> fx.Node:
         out.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(sdpa.args), sdpa))
                                for s in sites}
     return pattern
-
-
-@dataclass(frozen=True)
-class CaptureInfo:
-    """What the dynamo frontend captured for one module (``tapped.captures``)."""
-
-    path: str
-    """Path of the module dynamo runs ('' for the whole model)."""
-    graphs: int
-    """Graphs captured so far: one per frame and graph break, plus one per recompilation."""
-    breaks: int
-    """Graph breaks in the last forward: the distinct graphs it ran, minus one (as
-    ``torch._dynamo.explain`` counts them)."""
-    sites: int
-    """Sites discovered so far in these graphs."""
-
-    def __str__(self) -> str:
-        where = self.path or "<model>"
-        return (f"{where}: {self.graphs} graph(s) captured by dynamo, {self.breaks} graph "
-                f"break(s) in the last forward, {self.sites} site(s)")
-
-
-@dataclass(frozen=True)
-class CapturedGraph:
-    """One graph torch dynamo captured, named for one module instance: what pictures draw."""
-
-    key: str
-    """Its key in ``tapped.graphs`` (``"dynamo:<path>:<n>"``, ``"@<instance>"`` when reused)."""
-    path: str
-    """Path of the module dynamo runs ('' for the whole model)."""
-    number: int
-    """Its place in the order dynamo captured the region's graphs, from 0."""
-    frame: int | None
-    """Dynamo's id of the frame (code object) it was captured from: a recompilation (a new
-    sequence length) captures the same frame again under the same id; None if unknown."""
-    instance: str
-    """Path of the module instance its names are for (``h.1`` running ``h.0``'s graph)."""
-    graph: fx.Graph
-    """The captured graph with its sites (``node.meta``), before the taps went in."""
-    ran: tuple[int, int]
-    """When it last ran: (forward, place among the graphs that forward ran), (-1, -1) if never;
-    the graphs of the last forward sorted by it are in the order they ran."""
 
 
 def _frame_id() -> int | None:

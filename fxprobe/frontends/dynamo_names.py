@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, Site, attach
+from ..core.view import is_state
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -272,12 +273,3 @@ def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ..
                 continue
             found[a] = None
     return tuple(found)
-
-
-def is_state(node: fx.Node) -> bool:
-    """Whether a placeholder of a dynamo graph is a parameter or buffer of a module (dynamo
-    passes the module's state in as graph inputs), not a value the code computed or was given."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name
-    return isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name)

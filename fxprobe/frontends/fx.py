@@ -17,8 +17,8 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -31,6 +31,7 @@ from ..core.irtypes import library_blocks
 from ..core.ops import AUGMENTED_OPERATORS, method_key, module_key, op_key
 from ..core.options import TracerKind
 from ..core.site import CALL_ARGS, Site, attach, sites_of
+from ..core.view import Fallback, Plan, Region
 from .mirror import guard_state, has_patched_forward, user_hooks
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -38,37 +39,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                    for f in ("fx.py", "mirror.py"))
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """A module fxprobe could not trace and runs as written, reaching inside it by hooks."""
-
-    path: str
-    """Qualified path of the module ('' for the top-level model)."""
-    module_type: type[nn.Module]
-    """Its class."""
-    error: str
-    """The tracing error, one line."""
-    location: str
-    """``file:line: code`` of the source line where tracing failed, if known."""
-
-    @property
-    def where(self) -> str:
-        """The module's path, or "the top-level module"."""
-        return self.path or "the top-level module"
-
-    @property
-    def what(self) -> str:
-        """``module 'gate' (Gate)``, or ``the top-level forward of Net``."""
-        if self.path:
-            return f"module {self.path!r} ({self.module_type.__name__})"
-        return f"the top-level forward of {self.module_type.__name__}"
-
-    def __str__(self) -> str:
-        where = self.path or f"<top-level {self.module_type.__name__}>"
-        loc = f" at {self.location}" if self.location else ""
-        return f"{where}: {self.error}{loc}"
 
 
 @dataclass(frozen=True)
@@ -109,38 +79,6 @@ class Deferred:
         """Whether ``path`` is a module strictly inside this one."""
         own = self.fallback.path
         return path != own and (not own or path.startswith(own + "."))
-
-
-@dataclass
-class Region:
-    """A module traced into one fx graph whose nodes carry their sites (before any tap)."""
-
-    path: str
-    """Qualified path of the traced module ('' for the model)."""
-    module: nn.Module
-    """fxprobe's copy of that module."""
-    graph: fx.Graph
-    """The traced graph; ``sites_of(node)`` gives each node's sites."""
-
-    def sites(self) -> Iterator[tuple[fx.Node, Site]]:
-        """Every (node, site) of the graph, in execution order."""
-        for node in self.graph.nodes:
-            for site in sites_of(node):
-                yield node, site
-
-
-@dataclass
-class Plan:
-    """How one mode (train or eval) of a model is reached: regions, fallbacks, sites in order."""
-
-    root_region: Region | None
-    regions: dict[str, Region]
-    fallbacks: list[Fallback]
-    sites: list[Site]
-    dynamo: list[DynamoTarget] = field(default_factory=list)
-    """Modules captured by torch dynamo; their sites are known after their first forward."""
-    deferred: list[Deferred] = field(default_factory=list)
-    """``tracer="auto"``: fallbacks to try with torch dynamo at their first call."""
 
 
 class SiteTracer(fx.Tracer):

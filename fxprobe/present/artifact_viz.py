@@ -2,32 +2,22 @@
 
 A ScriptModule's inlined IR or an ExportedProgram's ATen graph has far more nodes than sites
 (constants, list plumbing, ops inside ``torch.nn`` modules). The drawing keeps one node per
-site, with an edge from each site to the nearest sites its value is computed from, and hands
-``_viz`` an ordinary :class:`~fxprobe.frontends.fx.Plan` (one region, no fallbacks) and a stand-in
-module tree whose classes carry the artifact's type names, for the cluster labels.
+site, with an edge from each site to the nearest sites its value is computed from, as an
+ordinary :class:`~fxprobe.core.view.Plan` (one region, no fallbacks) and a stand-in module tree
+whose classes carry the artifact's type names, for the cluster labels. Reading the artifact's
+graph (and tapping it to run an example input) is the runtime's part
+(``fxprobe.runtime.pictures``), which hands this the sites and their data flow.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from torch import fx, nn
 
 from ..core.site import Site, attach
-from ..frontends.fx import Plan, Region
-
-
-@dataclass
-class ArtifactPicture:
-    """A plan to draw, a stand-in root for module names, and how to run an example input."""
-
-    title: str
-    plan: Plan
-    root: nn.Module
-    run: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
-    """Run an example input through a tapped copy; the value of every site, by name."""
+from ..core.view import Plan, Region
 
 
 def _stand_in(sites: Sequence[Site]) -> nn.Module:
@@ -56,10 +46,11 @@ def _prefixes(path: str) -> Iterable[str]:
     return (".".join(parts[:i]) for i in range(1, len(parts) + 1))
 
 
-def picture(title: str, sites: Sequence[Site], keys: Sequence[Any],
-            inputs_of: Callable[[Any], Iterable[Any]], key_of: Callable[[Any], Any],
-            run: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]) -> ArtifactPicture:
-    """Build the picture from each site's value (``keys[i]``) and the graph's data flow.
+def picture(sites: Sequence[Site], keys: Sequence[Any],
+            inputs_of: Callable[[Any], Iterable[Any]],
+            key_of: Callable[[Any], Any]) -> tuple[Plan, nn.Module]:
+    """The plan to draw, and a stand-in root for module names, from each site's value
+    (``keys[i]``) and the graph's data flow.
 
     Args:
         inputs_of: the values a value is computed from (through its producing node).
@@ -102,48 +93,9 @@ def picture(title: str, sites: Sequence[Site], keys: Sequence[Any],
     graph.output(tuple(n for n in graph.nodes if n.op != "placeholder" and not n.users))
     root = _stand_in(sites)
     region = Region("", root, graph)
-    plan = Plan(region, {"": region}, [], list(sites))
-    return ArtifactPicture(title, plan, root, run)
+    return Plan(region, {"": region}, [], list(sites)), root
 
 
 def _site_value(*args: Any) -> Any:
     """Stands for the computation of a site in the drawn graph (never called)."""
     raise NotImplementedError
-
-
-def script_picture(module: Any) -> ArtifactPicture:
-    from ..core.options import make_options
-    from ..frontends.script import ScriptGraph, quiet_jit
-    from ..runtime.artifact import tap_script
-
-    with quiet_jit():
-        sg = ScriptGraph(module)
-
-    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        tapped = tap_script(module, None, _options(make_options))
-        tapped(*args, **kwargs)
-        return dict(tapped.taps)
-
-    return picture(f"{module.original_name} (TorchScript)", sg.sites, list(sg.values.values()),
-                   lambda v: v.node().inputs(), lambda v: v.unique(), run)
-
-
-def export_picture(program: Any) -> ArtifactPicture:
-    from ..core.options import make_options
-    from ..runtime.artifact import export_graph, tap_export
-
-    eg = export_graph(program)
-
-    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        tapped = tap_export(program, None, _options(make_options))
-        tapped(*args, **kwargs)
-        return dict(tapped.taps)
-
-    return picture("ExportedProgram (torch.export)", eg.sites, list(eg.nodes.values()),
-                   lambda n: n.all_input_nodes, lambda n: n, run)
-
-
-def _options(make: Callable[..., Any]) -> Any:
-    return make(capture="output", detach=True, copy="auto", tracer="auto", leaf_modules=(),
-                autowrap_functions=(), reduce=None, sample_size=1024, seed=0, keep="last",
-                to=None, fn=None, grad=False, grad_fn=None)

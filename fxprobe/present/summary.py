@@ -1,9 +1,9 @@
 """Tables of sites: what a tapped module captured, or what a model offers to tap.
 
-``summary()`` turns a :class:`~fxprobe.TappedModule` (its selected sites and the values of the
-last forward) or a :class:`~fxprobe.SiteNames` listing into a :class:`Table` that prints in the
-terminal, as GitHub Markdown or as HTML. Cells are plain text, formatted once, so the same
-table reads the same in every format.
+``summary()`` turns the :class:`~fxprobe.core.view.View` of a tapped module or artifact (its
+selected sites and the values of the last forward) or of a listing of sites into a
+:class:`Table` that prints in the terminal, as GitHub Markdown or as HTML. Cells are plain
+text, formatted once, so the same table reads the same in every format.
 """
 
 from __future__ import annotations
@@ -15,37 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from ..core.errors import ConfigError, UnsupportedModelError
+from ..core.errors import ConfigError
 from ..core.record import InOut
 from ..core.site import Site
-from ..runtime.program import SiteNames, check_model, list_sites
+from ..core.view import ValueInfo, View
 
 FORMATS = {"text": "simple", "github": "github", "markdown": "github", "html": ""}
 """Accepted ``fmt`` values and the tabulate format each one uses."""
 
 _NOT_RUN = "(not run)"
 _SHOWN_ITEMS = 4  # elements of a tuple/list/dict value spelled out before "..."
-
-
-@dataclass(frozen=True)
-class ValueInfo:
-    """Shape, dtype and size of a captured value, as text (tensors nested anywhere count)."""
-
-    shape: str
-    """``[2, 8, 16, 16]`` for a tensor, ``([2, 6, 12], [1, 2, 12])`` for a tuple of them, the
-    value itself for a small Python scalar, else empty."""
-    dtype: str
-    """``float32``; several dtypes joined by commas; the type name of a non-tensor value."""
-    nbytes: int | None
-    """Sum of ``numel * element_size`` over the tensors in the value (inputs and output for
-    ``capture="both"``); None if it holds none."""
-
-    @property
-    def label(self) -> str:
-        """One line for a graph node: ``float32 [2, 8, 16, 16]``."""
-        return f"{self.dtype} {self.shape}".strip()
 
 
 def describe_value(value: Any) -> ValueInfo:
@@ -298,49 +278,18 @@ def _fallback_notes(fallbacks: Iterable[Any]) -> list[str]:
     return notes
 
 
-def summary(obj: Any, fmt: str = "text") -> Table:
-    """A table of sites: of a tapped module, of ``fxprobe.sites(...)``, or of a model.
+def summary(view: View, fmt: str = "text") -> Table:
+    """The table of what ``view`` shows: a tapped object's selected sites with what its last
+    forward captured (and what torch dynamo captured, under it), or a listing of sites.
 
-    Args:
-        obj: a :class:`~fxprobe.TappedModule` (its selected sites, with the shape, dtype and
-            size of what the last forward captured, and statistics when the captured values
-            are ``fxprobe.Stats`` records); a :class:`~fxprobe.SiteNames` from
-            ``fxprobe.sites`` or a sequence of :class:`~fxprobe.Site` (name, op, module path,
-            fx or hook); or an ``nn.Module``, listed as ``fxprobe.sites(model)`` would.
-        fmt: ``"text"`` for the terminal, ``"github"`` (or ``"markdown"``), or ``"html"``.
-
-    Returns:
-        A :class:`Table`; ``print`` it, or ``table.render("html")``.
+    ``fxprobe.summary`` (``fxprobe.runtime.views``) hands this the view of what it is given.
 
     Raises:
-        ConfigError: ``fmt`` is not one of the formats above.
-        UnsupportedModelError: ``obj`` is none of the above.
-
-    Example:
-        >>> print(fxprobe.summary(fxprobe.sites(model), fmt="github"))
+        ConfigError: ``fmt`` is not one of :data:`FORMATS`.
     """
     check_format(fmt)
-    view = getattr(obj, "_fxprobe_view", None)
-    if view is not None:  # a TappedModule
-        v = view()
-        table = tapped_table(v.selected, v.taps or {}, v.plan.fallbacks, fmt)
-        captured = tuple(str(info) for info in v.captures)  # graphs and breaks (dynamo)
-        return dataclasses.replace(table, notes=table.notes + captured) if captured else table
-    if isinstance(obj, SiteNames):
-        return sites_table(obj.records, obj.fallbacks, fmt)
-    from ..runtime.artifact import TappedArtifact, artifact_kind, artifact_sites
-
-    if isinstance(obj, TappedArtifact):  # a tapped ScriptModule or ExportedProgram
-        return tapped_table(list(obj.sites), dict(obj.taps), (), fmt)
-    if artifact_kind(obj) is not None:
-        return sites_table([s for s in artifact_sites(obj) if s.listed], (), fmt)
-    if isinstance(obj, nn.Module):
-        listing = list_sites(check_model(obj, "fxprobe.summary"), train=False, tracer="auto",
-                             leaf_modules=(), autowrap_functions=())
-        return sites_table(listing.records, listing.fallbacks, fmt)
-    if isinstance(obj, Sequence) and all(isinstance(s, Site) for s in obj):
-        return sites_table(list(obj), (), fmt)
-    raise UnsupportedModelError(
-        f"fxprobe.summary() takes a TappedModule, the result of fxprobe.sites(), a list of "
-        f"Site or an nn.Module; got {type(obj).__name__}"
-    )
+    if not view.tapped:
+        return sites_table(view.sites, view.fallbacks, fmt)
+    table = tapped_table(view.selected, view.taps or {}, view.fallbacks, fmt)
+    captured = tuple(str(info) for info in view.captures)  # graphs and breaks (dynamo)
+    return dataclasses.replace(table, notes=table.notes + captured) if captured else table

@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.site import node_site
-from ..frontends.fx import Fallback
-from .summary import ValueInfo
+from ..core.view import Fallback, ValueInfo
 from .viz_items import (
     Item,
     Scene,
@@ -175,7 +174,7 @@ def _caption(scene: Scene, depth: int | None, folded: int = 0) -> str:
             f"{len(p.fallbacks)} module(s) run as written")
     for path, n in scene.dynamo.items():
         line += f", {path or 'the model'} runs under torch dynamo ({_dynamo_note(scene, path, n)})"
-    if scene.run is not None:  # a deployed artifact: every site is a value of its graph
+    if scene.artifact:  # a deployed artifact: every site is a value of its graph
         line = f"{scene.title}: {len(nodes)} sites, {len(tapped)} tapped"
     if depth is not None:
         line += f", modules nested deeper than {depth} drawn as one node"

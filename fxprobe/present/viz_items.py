@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import fx, nn
 
 from ..core.site import Site, node_site
-from ..frontends.dynamo import CapturedGraph
-from ..frontends.dynamo_names import is_state
-from ..frontends.fx import Plan
-from .summary import ValueInfo
+from ..core.view import CapturedGraph, Plan, ValueInfo, is_state
 
 
 @dataclass(eq=False)
@@ -55,8 +51,8 @@ class Scene:
     capture: str = "output"
     ran: bool = False
     """True when an example input ran: a site without a value did not run."""
-    run: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
-    """For a deployed artifact: run an example input, return every site's value."""
+    artifact: bool = False
+    """A deployed artifact: every site is a value of its one graph."""
     dynamo: dict[str, int] = field(default_factory=dict)
     """Modules torch dynamo runs: their tapped sites, by path."""
     graphs: dict[str, list[CapturedGraph]] = field(default_factory=dict)

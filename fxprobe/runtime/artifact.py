@@ -22,6 +22,7 @@ from ..core.options import TapOptions, make_options
 from ..core.record import Recording, Taps
 from ..core.select import as_selectors, select
 from ..core.site import Site
+from ..core.view import View, Viewable
 from ..frontends.export import export_graph, export_sites, saved_taps
 from ..frontends.export import rewrite as rewrite_export
 
@@ -74,7 +75,7 @@ def artifact_options(kind: str, **kwargs: Any) -> TapOptions:
     return options
 
 
-class TappedArtifact:
+class TappedArtifact(Viewable):
     """A tapped deployed artifact: call it like the model; ``taps`` holds the last forward."""
 
     def __init__(self, run: Callable[..., Any], names: Sequence[str], sites: Sequence[Site],
@@ -139,17 +140,22 @@ class TappedArtifact:
         """The selected sites, in the order of the taps tuple the artifact returns."""
         return self._sites
 
+    def view(self) -> View:
+        """What the tables read: the selected sites and what the last forward captured (the
+        pictures draw the artifact it was made from: ``fxprobe.runtime.pictures``)."""
+        return View("", self.sites, self.sites, tapped=True, taps=self.taps)
+
     def summary(self, fmt: str = "text") -> Any:
         """A :class:`fxprobe.Table` of the selected sites and what the last forward captured."""
         from ..present.summary import summary
 
-        return summary(self, fmt)
+        return summary(self.view(), fmt)
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the artifact's sites, the tapped ones marked, to ``path`` (see ``to_dot``)."""
-        from ..present.viz import render
+        from .pictures import render_artifact
 
-        return render(self, path, **kw)  # type: ignore[arg-type]
+        return render_artifact(self, path, kw, tap_artifact)
 
     def remove(self) -> None:
         """Stop: later calls raise RemovedError; the last values stay readable."""

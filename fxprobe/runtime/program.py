@@ -23,6 +23,7 @@ from ..core.errors import SelectorError, UnsupportedModelError
 from ..core.options import TapOptions, TracerKind
 from ..core.select import Selector, select
 from ..core.site import Site
+from ..core.view import View, Viewable
 from ..frontends.dynamo import CapturedGraph, CaptureInfo, DynamoRegion
 from ..frontends.fx import Deferred, Fallback, Plan, is_leaf, plan
 from ..frontends.mirror import HookWatch, mirror
@@ -192,7 +193,7 @@ def check_model(model: Any, what: str = "fxprobe.tap") -> nn.Module:
     its site names are the uncompiled model's, and the tapped module runs eagerly (compile the
     tapped module to compile the taps too).
     """
-    if hasattr(model, "_fxprobe_view"):  # a TappedModule
+    if isinstance(model, nn.Module) and isinstance(model, Viewable):  # a TappedModule
         raise UnsupportedModelError(
             f"{what} was given a TappedModule; tap the original model instead (one tap() can "
             "select any number of sites: pass every selector in one ops=[...] list)"
@@ -364,25 +365,7 @@ def graphs_of(prog: Program) -> tuple[CapturedGraph, ...]:
                  if prog.state.get(path) != "fallback" for g in region.drawn())
 
 
-@dataclass(frozen=True)
-class View:
-    """What the drawing and the tables read of a tapped module (no private state)."""
-
-    title: str
-    plan: Plan
-    root: nn.Module
-    selected: tuple[Site, ...]
-    capture: str
-    taps: Mapping[str, Any] | None
-    """The last forward's values, or None before any forward."""
-    captures: tuple[CaptureInfo, ...] = ()
-    """What torch dynamo captured (graphs, breaks), for modules it runs."""
-    graphs: tuple[CapturedGraph, ...] = ()
-    """The graphs torch dynamo captured in the modules it runs, with their sites, in the order
-    captured (every version: recompilations and reuses for other instances included)."""
-
-
-class SiteNames(tuple[str, ...]):
+class SiteNames(tuple[str, ...], Viewable):
     """Site names in execution order, as torchvision's ``get_graph_node_names`` lists them;
     ``.records`` holds the :class:`Site` of each.
 
@@ -406,6 +389,10 @@ class SiteNames(tuple[str, ...]):
         self.fallbacks = tuple(fallbacks)
         return self
 
+    def view(self) -> View:
+        """What the tables read: the listed sites and the modules that run as written."""
+        return View("", self.records, fallbacks=self.fallbacks)
+
     def table(self, fmt: str = "text") -> Table:
         """A table of name, op, module path and how each site is reached.
 
@@ -416,7 +403,7 @@ class SiteNames(tuple[str, ...]):
         """
         from ..present.summary import summary
 
-        return summary(self, fmt)
+        return summary(self.view(), fmt)
 
 
 def list_sites(model: nn.Module, *, train: bool, tracer: TracerKind,

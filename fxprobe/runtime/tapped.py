@@ -7,6 +7,7 @@ import copy
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
 from ..core.select import Selector
 from ..core.site import Site
+from ..core.view import Viewable
 from ..frontends.dynamo import CaptureInfo, DynamoRegion, dynamo_failed
 from ..frontends.fx import Fallback, one_line
 from ..frontends.hooks import HookSet
@@ -31,13 +33,14 @@ from ..frontends.mirror import (
     user_hooks,
 )
 from .program import Program, View, build_program, captures_of, check_found, graphs_of
+from .shapes import propagate
 
 if TYPE_CHECKING:
 
     from ..present.summary import Table
 
 
-class TappedModule(nn.Module):
+class TappedModule(nn.Module, Viewable):
     """The model, rewritten so that the selected sites are captured at every forward.
 
     It shares parameters and buffers with the model (training it trains the model; converting
@@ -434,14 +437,18 @@ class TappedModule(nn.Module):
         return frozenset([n for c in prog.compiled.values() for n in c.outplaced]
                          + [n for v in self._dynamo_graphs(prog).values() for n in v.outplaced])
 
-    def _fxprobe_view(self) -> View:
+    def view(self) -> View:
+        """What the tables and pictures read: the plan as it stands, the selected sites, the
+        last forward's values, what torch dynamo captured (``fxprobe.core.view.View``)."""
         prog = self._program()
-        frame = self._rec.frame
+        p = prog.current_plan()
         mode = "train" if self.training else "eval"
-        return View(f"{self._model_name} ({mode} mode)", prog.current_plan(), self._root,
-                    prog.selected,
-                    self._options.capture, self.taps if frame.parts else None,
-                    captures_of(prog), graphs_of(prog))
+        return View(f"{self._model_name} ({mode} mode)", tuple(p.sites), prog.selected,
+                    tuple(p.fallbacks), tapped=True,
+                    taps=self.taps if self._rec.frame.parts else None,
+                    capture=self._options.capture, plan=p, root=self._root,
+                    captures=captures_of(prog), graphs=graphs_of(prog),
+                    shapes=partial(propagate, p, self._root))
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.
@@ -451,9 +458,9 @@ class TappedModule(nn.Module):
         Example:
             >>> tapped.render("model.svg", example_input=x, depth=2)
         """
-        from ..present.viz import render
+        from .pictures import render_module
 
-        return render(self, path, **kw)
+        return render_module(self, path, kw)
 
     def summary(self, fmt: str = "text") -> Table:
         """A :class:`fxprobe.Table` of the selected sites and what the last forward captured.
@@ -463,7 +470,7 @@ class TappedModule(nn.Module):
         """
         from ..present.summary import summary
 
-        return summary(self, fmt)
+        return summary(self.view(), fmt)
 
     def remove(self) -> None:
         """Remove every hook and override fxprobe installed; the last values stay readable."""

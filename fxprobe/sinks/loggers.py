@@ -17,6 +17,7 @@ from typing import Any
 
 from ..capture.stats.math import FIELDS, Stats, StatsLogger
 from ..core.errors import ConfigError
+from ..core.view import Viewable
 
 
 def _fields(fields: Iterable[str]) -> tuple[str, ...]:
@@ -227,9 +228,8 @@ def _lightning_callback_base(package: str | None) -> type:
 
 
 def _find_tapped(pl_module: Any) -> Any:
-    from ..runtime.tapped import TappedModule
-
-    found = [(path, m) for path, m in pl_module.named_modules() if isinstance(m, TappedModule)]
+    # A TappedModule is the one module that hands the readers a View (no import of the runtime).
+    found = [(path, m) for path, m in pl_module.named_modules() if isinstance(m, Viewable)]
     if len(found) != 1:
         where = ", ".join(repr(p) for p, _ in found) or "none"
         raise ConfigError(

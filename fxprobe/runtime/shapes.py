@@ -1,5 +1,8 @@
 """Shape propagation: the dtype and shape at every site of a plan, for one example input.
 
+The runtime computes these records (:class:`~fxprobe.core.view.ValueInfo`, by site name) for the
+pictures, which read them from a :class:`~fxprobe.core.view.View` (its ``shapes``).
+
 The example runs through a private copy of the model whose traced regions report each named
 value as it is made and whose hook sites report their outputs. Nothing of the user's runs or
 changes: the copy drops the hooks registered on the model's modules (global module hooks,
@@ -18,9 +21,9 @@ from torch import fx, nn
 from ..capture.rewrite import copy_graph
 from ..core.errors import ConfigError
 from ..core.site import sites_of
-from ..frontends.fx import Plan, Region
+from ..core.view import Plan, Region, ValueInfo
 from ..frontends.mirror import drop_overrides, mirror
-from .summary import ValueInfo, describe_value
+from ..present.summary import describe_value
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",

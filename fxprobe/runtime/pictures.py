@@ -1,0 +1,139 @@
+"""The views the pictures draw of what is drawn as it is: a deployed artifact, read from its graph
+(and tapped to run an example input), and a tapped module or artifact, whose selection, tracer
+and mode are its own (the keywords of ``fxprobe.to_dot`` that would plan it again are refused).
+
+``runtime.artifact`` and ``runtime.tapped`` call this from their ``render``, so it imports
+neither: how to tap an artifact comes in as an argument (``runtime.artifact.tap_artifact``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..core.errors import ConfigError
+from ..core.select import as_selectors, select
+from ..core.view import ValueInfo, View
+from ..frontends.export import ExportGraph
+from ..frontends.script import ScriptGraph, quiet_jit
+from ..present.artifact_viz import picture
+from ..present.summary import describe_value
+from ..present.viz import check_drawing, check_path, to_dot, write
+
+TapArtifact = Callable[..., Any]
+"""``runtime.artifact.tap_artifact(model, ops, **options)``: a tapped copy of an artifact."""
+
+_RUN_OPTIONS: dict[str, Any] = {
+    "capture": "output", "detach": True, "copy": "auto", "tracer": "auto", "leaf_modules": (),
+    "autowrap_functions": (), "reduce": None, "sample_size": 1024, "seed": 0, "keep": "last",
+    "to": None, "fn": None, "grad": False, "grad_fn": None,
+}
+"""The options of the tapped copy that runs an example input: every site's value, as is."""
+
+
+class _Viewed(Protocol):
+    def view(self) -> View: ...
+
+
+class _TappedArtifact(Protocol):
+    source: Any
+
+    def view(self) -> View: ...
+
+
+def artifact_view(source: Any, tap: TapArtifact, *, ops: Any = None,
+                  tapped: View | None = None) -> View:
+    """A ScriptModule or ExportedProgram as a picture: one graph of its sites.
+
+    Args:
+        source: the artifact (never changed).
+        tap: how to tap it, to run an example input (see :data:`TapArtifact`).
+        ops: the sites to mark as tapped (any ``ops=`` of ``fxprobe.tap``); None marks none.
+        tapped: the view of a tapped copy of ``source``: its sites are marked, its values shown.
+    """
+    if isinstance(source, torch.jit.ScriptModule):
+        with quiet_jit():
+            sg = ScriptGraph(source)
+        title = f"{source.original_name} (TorchScript)"
+        plan, root = picture(sg.sites, list(sg.values.values()), lambda v: v.node().inputs(),
+                             lambda v: v.unique())
+    else:
+        eg = ExportGraph(source)
+        title = "ExportedProgram (torch.export)"
+        plan, root = picture(eg.sites, list(eg.nodes.values()), lambda n: n.all_input_nodes,
+                             lambda n: n)
+
+    def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, ValueInfo]:
+        run = tap(source, None, **_RUN_OPTIONS)
+        run(*args, **kwargs)
+        return {name: describe_value(value) for name, value in dict(run.taps).items()}
+
+    if tapped is not None:
+        selected, taps = tapped.selected, tapped.taps
+    else:
+        selected = tuple(select(plan.sites, as_selectors(ops), context=title)) \
+            if ops is not None else ()
+        taps = None
+    return View(title, tuple(plan.sites), selected, tapped=tapped is not None, taps=taps,
+                plan=plan, root=root, artifact=True, shapes=shapes)
+
+
+def tapped_artifact_view(tapped: _TappedArtifact, tap: TapArtifact) -> View:
+    """The picture of a tapped artifact: the artifact it was made from, its sites marked."""
+    if tapped.source is None:
+        raise ConfigError(
+            "this tapped artifact was loaded from a file and no longer holds the program it "
+            "was made from; draw the original (fxprobe.to_dot(program, ops=...))")
+    return artifact_view(tapped.source, tap, tapped=tapped.view())
+
+
+def refuse_for_module(ops: Any, tracer: Any, train: Any) -> None:
+    """A TappedModule is drawn with its own selection, tracer and mode."""
+    given = [n for n, v in (("ops", ops), ("train", train)) if v is not None]
+    given += ["tracer"] if tracer != "auto" else []
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} cannot be given with a TappedModule, which is drawn with "
+            "its own selection, tracer and mode; pass the model instead, or "
+            "change the tapped module (fxprobe.tap(model, ops=...), tapped.train())"
+        )
+
+
+def refuse_for_artifact(ops: Any, tracer: Any, train: Any, *, tapped: bool) -> None:
+    """An artifact is drawn from its graph as it is, in its mode (a tapped one with its own
+    selection)."""
+    given = ["train"] if train else []
+    given += ["tracer"] if tracer != "auto" else []
+    given += ["ops"] if ops is not None and tapped else []
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} cannot be given for a TorchScript module or an exported "
+            "program, which is drawn from its graph as it is (and a tapped one with its own "
+            "selection)")
+
+
+def render_module(tapped: _Viewed, path: str | Path, kwargs: dict[str, Any]) -> Path:
+    """``tapped.render(path, **kwargs)`` of a TappedModule (see ``fxprobe.render``)."""
+    return _render(tapped.view, path, kwargs, refuse_for_module)
+
+
+def render_artifact(tapped: _TappedArtifact, path: str | Path, kwargs: dict[str, Any],
+                    tap: TapArtifact) -> Path:
+    """``tapped.render(path, **kwargs)`` of a TappedArtifact (see ``fxprobe.render``)."""
+    def refuse(ops: Any, tracer: Any, train: Any) -> None:
+        refuse_for_artifact(ops, tracer, train, tapped=True)
+
+    return _render(lambda: tapped_artifact_view(tapped, tap), path, kwargs, refuse)
+
+
+def _render(view: Callable[[], View], path: str | Path, kwargs: dict[str, Any],
+            refuse: Callable[[Any, Any, Any], None]) -> Path:
+    # In the order fxprobe.render checks: the path, the drawing options, then what is drawn.
+    path = check_path(path)
+    kwargs = dict(kwargs)
+    check_drawing(kwargs.get("depth"), kwargs.get("rankdir", "TB"))
+    refuse(kwargs.pop("ops", None), kwargs.pop("tracer", "auto"), kwargs.pop("train", None))
+    return write(to_dot(view(), **kwargs), path)

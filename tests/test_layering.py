@@ -145,7 +145,6 @@ def cycles(root: Path) -> list[list[str]]:
 
 # What the move into role folders left to untangle; this list only ever shrinks (issue 19).
 KNOWN: set[str] = {
-    "fxprobe.core.options:11 -> fxprobe.sinks.disk",
     "fxprobe.frontends.export:37 -> fxprobe.runtime.artifact",
     "fxprobe.frontends.export:38 -> fxprobe.frontends.script",
     "fxprobe.frontends.script:90 -> fxprobe.frontends.fx",

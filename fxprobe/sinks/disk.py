@@ -41,6 +41,7 @@ import torch
 
 from ..capture.stats.math import FIELDS, Stats
 from ..core.errors import ConfigError, DiskError
+from ..core.options import Sink
 from ..core.record import InOut
 from .captures import DTYPES, FORMAT, INDEX, SHARD_RE, STATS_KEY, VERSION, read_index
 
@@ -314,7 +315,7 @@ def _default_rank() -> int | None:
     return None
 
 
-class Disk:
+class Disk(Sink):
     """Where ``fxprobe.tap(..., to=fxprobe.Disk(path))`` streams every forward's captures.
 
     A background thread writes each forward's values (as ``tapped.taps`` shows them: tensors,
@@ -464,6 +465,10 @@ class Disk:
         """Let the writer copy ``module``'s parameters, buffers and inputs before handing them
         over (called by ``fxprobe.tap``; optional for other producers)."""
         self._module = weakref.ref(module)
+
+    def check_options(self, keep: int | None) -> None:
+        """Refuse what makes no sense with ``to=fxprobe.Disk(...)`` (see :class:`Sink`)."""
+        check_disk_options(self, keep)
 
     def _protected(self) -> tuple[set[int], frozenset[str]]:
         module = self._module() if self._module is not None else None

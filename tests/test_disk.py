@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import zoo
-from reference import same
+from reference import hook_values, same
 from safetensors.torch import load_file
 from torch import nn
 
@@ -133,6 +133,87 @@ def test_parameters_and_inputs_are_copied_before_they_change(tmp_path: Path) -> 
     assert torch.equal(got["x"], torch.ones(2, 3))
     assert torch.equal(got["w"], torch.ones(3))
     assert torch.equal(got["mul"], torch.ones(2, 3))
+
+
+class Aliases(nn.Module):
+    """Sites whose values share storage with the input or a parameter, none of them copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, 3))
+        self.id = nn.Identity()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = x.view(-1)
+        c = x.contiguous()  # x itself
+        i = self.id(x)  # x itself
+        wt = self.w.t()  # a view of a parameter
+        return self.lin(c) + v.sum() + i + wt.sum()
+
+
+def held_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold the writer thread before it writes anything, until the returned event is set."""
+    gate = threading.Event()
+    real = _disk._Shard.add
+
+    def held(self: Any, job: Any, layout: str) -> None:
+        gate.wait(10)
+        real(self, job, layout)
+
+    monkeypatch.setattr(_disk._Shard, "add", held)
+    return gate
+
+
+@pytest.mark.parametrize("tracer", ["fx", "hooks"])
+def test_values_sharing_storage_with_inputs_or_parameters_are_copied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tracer: str) -> None:
+    model = Aliases()
+    buf = torch.arange(12.0).reshape(4, 3)
+    x = buf[1:3]  # the batch is a view of the caller's buffer
+    with torch.no_grad():  # the values, computed by hand
+        expected = {"view": x.reshape(-1).clone(), "contiguous": x.clone(), "id": x.clone(),
+                    "t": torch.ones(3, 3), "lin": (x.clone(),)}
+    _, ref = hook_values(model, ["id"], x)
+    assert torch.equal(ref["id"], expected["id"])
+    gate = held_writer(monkeypatch)
+    names = ["view", "contiguous", "id", "t"] if tracer == "fx" else ["id"]
+    with torch.no_grad():
+        tapped = fxprobe.tap(model, names, tracer=tracer, to=fxprobe.Disk(tmp_path / "out"))
+        first = fxprobe.tap(model, "lin", capture="input", tracer=tracer,
+                            to=fxprobe.Disk(tmp_path / "in"))
+        tapped(x)
+        first(x)
+        buf.fill_(7.0)  # the caller reuses its input buffer for the next batch
+        model.w.mul_(5.0)  # an optimizer step
+    gate.set()
+    tapped.remove()
+    first.remove()
+    got = fxprobe.open_captures(tmp_path / "out").forward(0)
+    assert list(got) == names
+    for name in names:
+        assert torch.equal(got[name], expected[name]), name
+    assert same(fxprobe.open_captures(tmp_path / "in").forward(0)["lin"], expected["lin"])
+
+
+def test_inputs_in_keyword_arguments_and_containers_are_copied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class TwoInputs(nn.Module):
+        def forward(self, x: torch.Tensor, rest: dict[str, torch.Tensor]) -> torch.Tensor:
+            return x.view(-1) + rest["y"].flatten()
+
+    x, y = torch.ones(2, 3), torch.full((2, 3), 2.0)
+    gate = held_writer(monkeypatch)
+    with torch.no_grad():
+        tapped = fxprobe.tap(TwoInputs(), ["view", "flatten"], to=fxprobe.Disk(tmp_path))
+        tapped(x, rest={"y": y, "unused": torch.eye(3).to_sparse()})  # a storage-less tensor
+        x.fill_(7.0)
+        y.fill_(7.0)
+    gate.set()
+    tapped.remove()
+    got = fxprobe.open_captures(tmp_path).forward(0)
+    assert torch.equal(got["view"], torch.ones(6))
+    assert torch.equal(got["flatten"], torch.full((6,), 2.0))
 
 
 def test_the_forward_waits_only_when_the_queue_is_full(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -211,6 +212,61 @@ def reduce_stats(rank: int, tmp: Path) -> None:
             raise AssertionError("different sites were combined")
 
 
+def _torch_stats(t: torch.Tensor) -> dict[str, float]:
+    t = t.double()
+    fin = t[torch.isfinite(t)]
+    return {"mean": fin.mean().item(), "std": fin.std().item(), "min": fin.min().item(),
+            "max": fin.max().item(), "absmax": fin.abs().max().item(),
+            "zero_frac": (t == 0).double().mean().item(), "nan_count": int(t.isnan().sum()),
+            "inf_count": int(t.isinf().sum())}
+
+
+class Ragged(nn.Module):
+    """``relu`` is empty where the batch is; ``mul`` is empty on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(self.lin(x))
+        return y, y[:, :0] * 2
+
+
+def reduce_stats_of_empty_values(rank: int, tmp: Path) -> None:
+    # Rank 0's batch is empty; rank 1's has a NaN (one row of relu) and exact zeros (relu).
+    x = torch.empty(0, 8) if rank == 0 else batch(1, 0)
+    if rank == 1:
+        x[2, 3] = float("nan")
+    model = Ragged()
+    with torch.no_grad():
+        ref = torch.relu(model.lin(batch(1, 0)))  # the non-empty data: rank 1's
+    ref[2] = float("nan")
+    want = _torch_stats(ref)
+    assert want["zero_frac"] > 0 and want["nan_count"] == 4
+    for kw in ({"reduce": "stats"}, {}):  # Stats, and tensors summarised by reduce_stats
+        tapped = fxprobe.tap(model, ops=["relu", "mul"], **kw)
+        with torch.no_grad():
+            tapped(x)
+        got = fxprobe.dist.reduce_stats(tapped)
+        s = got["relu"]
+        assert s.shape == (5, 4) and s.numel == 20, (kw, s)
+        for field, value in want.items():
+            assert math.isclose(getattr(s, field), value, rel_tol=2e-6, abs_tol=1e-6), (
+                kw, field, getattr(s, field), value)
+        # Empty everywhere: the empty row of docs/distributed.md, the statistics of an empty
+        # tensor (NaN but the two counts), shaped as the ranks' values concatenated.
+        e = got["mul"]
+        assert e.shape == (5, 0) and e.numel == 0, (kw, e)
+        assert e.nan_count == 0 and e.inf_count == 0, (kw, e)
+        for field in ("mean", "std", "min", "max", "absmax", "zero_frac"):
+            assert math.isnan(getattr(e, field)), (kw, field, e)
+        everyone: list[Any] = [None] * WORLD
+        tdist.all_gather_object(everyone, repr(got))  # repr: NaN != NaN
+        assert everyone[0] == everyone[1], "ranks disagree"
+
+
 def gather(rank: int, tmp: Path) -> None:
     tapped = fxprobe.tap(net(), ops=["head", "blocks.0.relu"], capture="both")
     with torch.no_grad():
@@ -282,7 +338,7 @@ def disk(rank: int, tmp: Path) -> None:
 
 SCENARIOS: dict[str, Callable[[int, Path], None]] = {
     f.__name__: f for f in (ddp_of_tapped, tap_of_ddp, fsdp2, reduce_stats, gather,
-                            stats_logger, disk)
+                            stats_logger, disk, reduce_stats_of_empty_values)
 }
 
 

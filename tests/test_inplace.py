@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
+from reference import hook_values
 
 import fxprobe
 
@@ -47,6 +48,89 @@ def test_copies_only_where_a_later_op_writes() -> None:
     assert tapped.copied == {"mul", "relu_", "view"}
     always = fxprobe.tap(model, copy="always")
     assert always.outplaced == frozenset()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _real_outputs(model: torch.nn.Module, paths: list[str]
+                  ) -> tuple[dict[str, torch.Tensor], list[torch.utils.hooks.RemovableHandle]]:
+    """The modules' outputs themselves (not copies), by forward hooks: tensors the model, or
+    its caller, may write later."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [model.get_submodule(p).register_forward_hook(
+        lambda m, a, out, p=p: seen.__setitem__(p, out)) for p in paths]
+    return seen, handles
+
+
+def _assert_kept_apart(taps: dict[str, torch.Tensor], written: list[torch.Tensor]) -> None:
+    """No kept value shares storage with another, nor with a tensor that may be written."""
+    kept = {name: _storage(v) for name, v in taps.items()}
+    assert len(set(kept.values())) == len(kept), kept
+    shared = {name for name, ptr in kept.items() if ptr in {_storage(t) for t in written}}
+    assert not shared
+
+
+def test_copy_always_keeps_overwritten_values_as_produced_in_their_own_storage() -> None:
+    """copy="always": every kept value is a copy taken where it was produced, also of the
+    values a later op overwrites (bn under the in-place ReLU, y through its view z): equal to
+    what cloning forward hooks and the code written out by hand see, and untouched when the
+    model's own tensors, its input and its output are written afterwards."""
+    model, (x,), _ = zoo.make("inplace")
+    _, ref = hook_values(model, ["lin", "bn", "act"], x)
+    want = _hand_computed(model, x)
+    real, handles = _real_outputs(model, ["lin", "bn", "act"])
+    try:
+        tapped = fxprobe.tap(model, copy="always")
+        with torch.no_grad():
+            out = tapped(x)
+    finally:
+        for h in handles:
+            h.remove()
+    taps = dict(tapped.taps)
+    assert set(taps) == {"x", *want} and tapped.outplaced == frozenset()
+    assert (ref["bn"] < 0).any()  # the in-place ReLU did overwrite it
+    _assert_kept_apart(taps, [x, out, *real.values()])
+    given = x.clone()
+    for t in (x, out, *real.values()):
+        t.add_(100.0)
+    assert torch.equal(taps["x"], given)
+    for name in ("lin", "bn", "act"):
+        assert torch.equal(taps[name], ref[name]), name
+    for name, value in want.items():
+        assert torch.equal(taps[name], value), name
+
+
+@pytest.mark.parametrize("tracer", ["fx", "hooks", "dynamo"])
+def test_copy_always_copies_values_nothing_overwrites(tracer: str) -> None:
+    """copy="always" on a model with no in-place op (where "auto" copies nothing): the kept
+    values share storage with none of the model's tensors, its input or its output, so
+    writing those afterwards leaves them as cloning forward hooks saw them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(),
+                                torch.nn.Linear(5, 3)).eval()
+    x = torch.randn(2, 4)
+    paths = ["0", "1", "2"]
+    _, ref = hook_values(model, paths, x)
+    real, handles = _real_outputs(model, paths)
+    try:
+        tapped = fxprobe.tap(model, copy="always", tracer=tracer)
+        with torch.no_grad():
+            out = tapped(x)
+    finally:
+        for h in handles:
+            h.remove()
+    taps = dict(tapped.taps)
+    assert set(taps) >= set(paths)
+    _assert_kept_apart(taps, [x, out, *real.values()])
+    expected = x.clone()
+    for t in (x, out, *real.values()):
+        t.mul_(0)
+    for name in paths:
+        assert torch.equal(taps[name], ref[name]), name
+    if "input" in taps:
+        assert torch.equal(taps["input"], expected)
 
 
 def test_resnet_batchnorm_before_inplace_relu() -> None:

@@ -100,6 +100,46 @@ def test_site_names_are_unique_and_every_value_is_kept() -> None:
     assert torch.equal(tapped.taps["x_1_1"], third)
 
 
+class _Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class _ArgNamedLikeModule(nn.Module):
+    """An input named ``body`` beside a module ``body`` that fx traces through: both sites
+    would be named ``body``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Body()
+
+    def forward(self, body: torch.Tensor) -> torch.Tensor:
+        return self.body(body) + 1
+
+
+def test_a_name_taken_by_a_node_is_suffixed_for_a_module_call() -> None:
+    torch.manual_seed(0)
+    model = _ArgNamedLikeModule()
+    listing = fxprobe.sites(model)
+    # torchvision's get_graph_node_names: the input and the nodes inside the module; the
+    # traced-through module call is no node there, so it is the one that gives way.
+    assert list(listing) == ["body", "body.fc", "body.relu", "add"]
+    assert [s.name for s in listing.modules] == ["body_1"]
+    tapped = fxprobe.tap(model, ops=["body*"])
+    names = [s.name for s in tapped.sites]
+    assert sorted(names) == ["body", "body.fc", "body.relu", "body_1"]  # each name once
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        tapped(x)
+        _, ref = hook_values(model, ["body"], x)
+    assert torch.equal(tapped.taps["body"], x)
+    assert torch.equal(tapped.taps["body_1"], ref["body"])
+
+
 def test_a_module_fx_traces_through_is_a_site_by_its_path() -> None:
     model, (x,), _ = zoo.make("resnet")
     listing = fxprobe.sites(model)

@@ -47,6 +47,17 @@ def test_type_glob_regex_and_where() -> None:
     assert _names(model, fxprobe.where(lambda s: s.kind == "placeholder")) == ["x"]
 
 
+def test_regex_matches_anywhere_in_the_name() -> None:
+    """An unanchored regex selects every site whose name contains a match (``re.search``), not
+    only names that start with one."""
+    model, _, _ = zoo.make("resnet")
+    assert set(_names(model, re.compile(r"bn1"))) == {
+        "bn1", "layer1.0.bn1", "layer1.1.bn1", "layer2.0.bn1", "layer2.1.bn1"}
+    assert set(_names(model, re.compile(r"\.0\.(bn2|down)"))) == {
+        "layer1.0.bn2", "layer2.0.bn2", "layer2.0.downsample", "layer2.0.downsample.0",
+        "layer2.0.downsample.1"}
+
+
 def test_combinators_and_lists() -> None:
     model, _, _ = zoo.make("resnet")
     in_layer1 = fxprobe.where(lambda s: s.name.startswith("layer1."))

@@ -93,6 +93,40 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
                 assert close(e.value, want), (site, f, e.step, e.value, want)
 
 
+def test_tensorboard_sink_on_a_writer_with_fields_and_prefix(tmp_path: Path) -> None:
+    """A SummaryWriter passed in (not a log directory): only the chosen fields, under the
+    prefix, readable after flush() while the writer stays open."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    model = _model()
+    tapped = fxprobe.tap(model, ops=["1", "2"])
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    sink = TensorBoardSink(writer, fields=["max", "zero_frac"], prefix="act/")
+    slog = StatsLogger(tapped, every=1, sink=sink)
+    torch.manual_seed(3)
+    inputs = [torch.randn(4, 6) for _ in range(3)]
+    try:
+        for x in inputs:
+            tapped(x)
+            slog.step()
+        sink.flush()
+        acc = EventAccumulator(str(tmp_path))
+        acc.Reload()
+    finally:
+        writer.close()
+    assert sorted(acc.Tags()["scalars"]) == [
+        "act/1/max", "act/1/zero_frac", "act/2/max", "act/2/zero_frac"]
+    for site in ("1", "2"):
+        for f in ("max", "zero_frac"):
+            events = acc.Scalars(f"act/{site}/{f}")
+            assert [e.step for e in events] == [0, 1, 2]
+            for e in events:
+                want = np_stats(_by_hand(model, inputs[e.step])[site])[f]
+                assert close(e.value, want), (site, f, e.step, e.value, want)
+
+
 def test_sink_is_not_called_and_nothing_syncs_between_logging_steps() -> None:
     model = _model()
     tapped = fxprobe.tap(model, ops=["1", "2"])

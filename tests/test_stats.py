@@ -121,6 +121,51 @@ def test_cpu_fast_path_is_taken_only_where_host_reads_are_free() -> None:
     assert fast[5] == torch.tensor(zeros / t.numel())  # the exact count, as float32
 
 
+LARGE = {  # above the sizes batched and computed in float64 (2**16): the large-tensor paths
+    "float64": torch.randn(300_001, generator=_gen(16), dtype=torch.float64) * 3 - 1,
+    "float64_offset": torch.randn(100_003, generator=_gen(17), dtype=torch.float64) + 1e4,
+    # Small enough that n - 1 against n (7e-6 relative) shows in float32.
+    "float32": torch.randn(70_001, generator=_gen(18)) * 2 + 0.5,
+}
+
+
+@pytest.mark.parametrize("path", ["device", "torch", "numba"])
+@pytest.mark.parametrize("name", list(LARGE))
+def test_std_of_large_tensors_on_every_cpu_path(name: str, path: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """std with Bessel's correction (numpy's ``ddof=1``) for large tensors, to the precision
+    of their dtype, by each path a CPU takes for them: the tensor ops a GPU runs too, torch
+    with host reads (numba off or busy), the numba kernel. One at a time and in a batch."""
+    from fxprobe.capture.stats import numba as _stats_numba
+
+    t = LARGE[name]
+    ran = []
+    if path == "numba":
+        pytest.importorskip("numba", reason="numba is not installed: the kernel cannot run")
+        monkeypatch.setattr(_stats_numba, "ENABLED", True)
+        summary = _stats_numba.summary
+
+        def spy(a: np.ndarray) -> Any:
+            found = summary(a)
+            ran.append(found is not None)
+            return found
+
+        monkeypatch.setattr(_stats_numba, "summary", spy)
+    else:
+        monkeypatch.setattr(_stats_numba, "ENABLED", False)
+    with forbid_sync() if path == "device" else contextlib.nullcontext():
+        one = stats_vector(t)
+        batch = stats_vectors([t, t.flip(0)])
+    assert ran == ([True] * 3 if path == "numba" else [])
+    want = t.double().numpy().std(ddof=1)
+    rtol = 1e-12 if t.dtype == torch.float64 else 1e-6
+    np.testing.assert_allclose(float(one[1]), want, rtol=rtol)
+    np.testing.assert_allclose(float(batch[0, 1]), want, rtol=rtol)
+    np.testing.assert_allclose(float(batch[1, 1]), want, rtol=rtol)
+    _assert_close(one, t)
+    _assert_close(batch[0], t)
+
+
 def _assert_close(v: torch.Tensor, t: torch.Tensor) -> None:
     rtol = 1e-10 if v.dtype == torch.float64 else 2e-5
     got, want = v.double().cpu().numpy(), np.array(reference(t))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -55,10 +56,18 @@ CASES = {
 
 
 @pytest.fixture
-def kernel() -> None:
-    pytest.importorskip("numba")
-    if not _stats_numba.available():
-        pytest.skip("numba kernel switched off or broken here")
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernel, switched on. Where numba is installed (it is in the dev extras and is the
+    default CPU path) a kernel that fails must fail these tests, not skip them: before the
+    test (it failed earlier) and after it (it failed during the test, which the fallback to
+    the torch path would otherwise hide)."""
+    pytest.importorskip("numba", reason="numba is not installed: the kernel cannot run")
+    monkeypatch.setattr(_stats_numba, "ENABLED", True)  # also under FXPROBE_NUMBA=0
+    broken = _stats_numba._broken  # a test that breaks the kernel on purpose replaces it
+    assert not broken, f"numba imports but the kernel failed: {broken}"
+    assert _stats_numba.available()
+    yield
+    assert not broken, f"numba imports but the kernel failed: {broken}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -67,9 +76,15 @@ def test_kernel_matches_numpy_float64(name: str, kernel: None,
     t = CASES[name]()
     calls = []
     summary = _stats_numba.summary
-    monkeypatch.setattr(_stats_numba, "summary", lambda a: calls.append(a.size) or summary(a))
+
+    def spy(a: np.ndarray) -> _stats_numba.Summary | None:
+        found = summary(a)
+        calls.append((a.size, found is not None))
+        return found
+
+    monkeypatch.setattr(_stats_numba, "summary", spy)
     v = stats_vector(t)
-    assert calls == [t.numel()]  # the kernel ran
+    assert calls == [(t.numel(), True)]  # the kernel ran and gave the result
     want = reference(t)
     got = v.double().numpy()
     rtol = 1e-12 if t.dtype == torch.float64 else 2e-6

@@ -35,7 +35,7 @@ from .mirror import guard_state, has_patched_forward, user_hooks
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # fxprobe's tracing machinery: its frames are never where a model's tracing failed.
 _OWN_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                   for f in ("_trace.py", "_mirror.py"))
+                   for f in ("fx.py", "mirror.py"))
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 

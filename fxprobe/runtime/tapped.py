@@ -86,7 +86,7 @@ class TappedModule(nn.Module):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
-        d["_sink"] = options.sink  # fxprobe.Disk: write(values) after each forward
+        d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
         self._program(strict=True)
         if options.sink is not None:
             options.sink.attach(self)
@@ -262,7 +262,7 @@ class TappedModule(nn.Module):
                 self._pipeline.finish(state.frame)
             state.active = False
         if self._sink is not None:
-            self._sink.write(self._rec.values(state.frame))
+            self._sink.write(self._rec.values(state.frame), (args, kwargs))
         if prog.unchecked:
             check_found(prog, self._model_name)
         return out

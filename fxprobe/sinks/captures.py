@@ -16,7 +16,7 @@ import math
 import mmap
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from ..capture.stats.math import Stats
 from ..core.errors import DiskError, UnknownSiteError
 from ..core.record import InOut
+from .dataset import CaptureDataset, Rows
 
 INDEX = "index.json"
 FORMAT = "fxprobe-captures"
@@ -176,7 +177,15 @@ class Captures:
             raise IndexError(f"forward {i!r} out of range: {str(self.path)!r} holds {n} "
                              "forward(s)")
         i %= n
-        return CapturedForward(i, self._shard(i).forward(i), self.names)
+        shard = self._shards[bisect.bisect_right(self._firsts, i) - 1]
+        local = i - shard["first"] + shard.get("local_first", shard["first"])
+        return CapturedForward(i, self._shard(i).forward(local), self.names)
+
+    def rank_of(self, i: int) -> int | None:
+        """The rank that wrote forward ``i`` (None where no rank was recorded)."""
+        self.forward(i)  # checks i
+        rank = self._shards[bisect.bisect_right(self._firsts, i % len(self)) - 1].get("rank")
+        return None if rank is None else int(rank)
 
     def forwards(self) -> Iterator[CapturedForward]:
         """Every forward in order, one at a time (what is not held can be unmapped)."""
@@ -208,6 +217,38 @@ class Captures:
     def __contains__(self, name: object) -> bool:
         return name in self.names
 
+    def dataset(self, names: str | Sequence[str], rows: Rows = "tokens",
+                mask: str | None = None) -> CaptureDataset:
+        """The captured values as a map-style ``torch.utils.data.Dataset`` of rows.
+
+        Args:
+            names: a site name (rows are tensors) or several (rows are dicts by name); every
+                forward that holds one of them must hold all, with the same leading dims.
+            rows: ``"tokens"``: one row per ``[batch, pos]`` position of values shaped
+                ``[batch, pos, ...]``; ``"samples"``: one row per batch element (dim 0).
+            mask: a captured site holding a ``[batch, pos]`` mask (for example the
+                ``attention_mask`` input of a transformer, tapped with the rest): only
+                positions where it is non-zero become rows (``rows="tokens"`` only).
+
+        Returns:
+            A :class:`~fxprobe.sinks.dataset.CaptureDataset`: memory-mapped, picklable into
+            ``DataLoader`` workers (each opens its own maps), over the committed shards only.
+
+        Example:
+            >>> ds = fxprobe.open_captures("acts/").dataset("blocks.3.resid_post")
+            >>> loader = DataLoader(ds, batch_size=4096, shuffle=True, num_workers=2)
+        """
+        for n in ([names] if isinstance(names, str) else list(names)) + \
+                ([mask] if mask is not None else []):
+            if isinstance(n, str) and n not in self.names:
+                CapturedForward(-1, {}, self.names)[n]  # raises with close matches
+        return CaptureDataset(self, names, rows, mask)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_open"] = collections.OrderedDict()  # memory maps do not cross processes
+        return state
+
     def __repr__(self) -> str:
         return (f"Captures({str(self.path)!r}, {len(self)} forwards, {len(self.names)} sites, "
                 f"{len(self._shards)} shards)")
@@ -222,14 +263,16 @@ def open_captures(path: str | os.PathLike[str], rank: int | None = None) -> Capt
 
     Args:
         path: the directory given to ``fxprobe.Disk``.
-        rank: which rank's captures, when several ranks wrote under ``path``.
+        rank: one rank's captures, when several ranks wrote under ``path``; by default all
+            of them, one after the other (rank 0's forwards first; ``caps.rank_of(i)`` says
+            which rank wrote forward ``i``).
 
     Returns:
         A :class:`Captures`: ``caps.names``, ``len(caps)`` (forwards), ``caps.forward(i)[name]``
         and ``caps[name]`` (every forward's value concatenated along dim 0).
 
     Raises:
-        DiskError: no captures there, or several ranks' and no ``rank=``.
+        DiskError: no captures there, or no captures of ``rank``.
 
     Example:
         >>> caps = fxprobe.open_captures("acts/")
@@ -246,7 +289,7 @@ def open_captures(path: str | os.PathLike[str], rank: int | None = None) -> Capt
                             f"{ranks or 'none'}")
     elif not (p / INDEX).exists():
         if ranks:
-            raise DiskError(f"{str(p)!r} holds the captures of ranks {ranks}; pass rank=")
+            return Captures(p, _all_ranks(p, ranks))
         raise DiskError(
             f"{str(p)!r} holds no captures ({INDEX} missing): nothing was committed there yet "
             "(a Disk commits on flush(), close() and each full shard)"
@@ -254,3 +297,25 @@ def open_captures(path: str | os.PathLike[str], rank: int | None = None) -> Capt
         )
     return Captures(p, read_index(p / INDEX))
 
+
+
+def _all_ranks(path: Path, ranks: list[int]) -> dict[str, Any]:
+    """One index over every rank's committed shards under ``path``.
+
+    Each rank commits its own ``index.json`` (no lock is shared between processes, which a
+    network filesystem might not honour); this reads them all and lays their forwards end to
+    end, recording each shard's rank and the forward numbering within it.
+    """
+    merged: dict[str, Any] = {"format": FORMAT, "version": VERSION, "sites": [],
+                              "forwards": 0, "shards": []}
+    for rank in ranks:
+        index = read_index(path / f"rank{rank:05d}" / INDEX)
+        for site in index["sites"]:
+            if site not in merged["sites"]:
+                merged["sites"].append(site)
+        for shard in index["shards"]:
+            merged["shards"].append(dict(
+                shard, file=f"rank{rank:05d}/{shard['file']}", rank=rank,
+                first=merged["forwards"] + shard["first"], local_first=shard["first"]))
+        merged["forwards"] += index["forwards"]
+    return merged

@@ -17,8 +17,8 @@ header (JSON padded with spaces, as the format allows), then ``fsync``, an atomi
 new ``index.json`` (temporary file + ``os.replace``). A crash therefore loses at most the shard
 being written; a reader never sees a half-written shard.
 
-The writer depends only on three calls, ``write(values)``, ``flush()`` and ``close()``; the
-tapped module makes them after each forward and on ``remove()``.
+The writer depends only on three calls, ``write(values, inputs)``, ``flush()`` and
+``close()``; the tapped module makes them after each forward and on ``remove()``.
 """
 
 from __future__ import annotations
@@ -470,17 +470,28 @@ class Disk(Sink):
         """Refuse what makes no sense with ``to=fxprobe.Disk(...)`` (see :class:`Sink`)."""
         check_disk_options(self, keep)
 
-    def _protected(self) -> tuple[set[int], frozenset[str]]:
+    def _protected(self, args: Any) -> tuple[set[int], frozenset[str]]:
+        # Storages the caller or an optimizer step may write after the forward: a value in
+        # one of them (x.view(-1), x.contiguous(), nn.Identity()(x), weight.t()) is copied.
+        tensors: list[torch.Tensor] = []
+        _tensors_in(args, tensors)
         module = self._module() if self._module is not None else None
+        if module is not None:
+            tensors += [*module.parameters(), *module.buffers()]
+        ptrs = {_storage(t) for t in tensors if t.numel()} - {0}
         if module is None:
-            return set(), frozenset()
-        tensors = [*module.parameters(), *module.buffers()]
-        ptrs = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+            return ptrs, frozenset()
         inputs = frozenset(s.name for s in module.sites if s.kind == "placeholder")
         return ptrs, inputs
 
-    def write(self, values: Mapping[str, Any]) -> None:
+    def write(self, values: Mapping[str, Any], inputs: Any = ()) -> None:
         """Queue one forward's ``{site name: value}``; wait only while the queue is full.
+
+        Args:
+            values: the forward's captured values.
+            inputs: the forward's arguments (tensors, in tuples, lists and dicts at any depth):
+                a value sharing storage with one of them is copied before this returns, since
+                the caller may reuse it for the next batch before the value is written.
 
         Raises:
             DiskError: the writer failed earlier (disk full ...), or this Disk is closed.
@@ -490,8 +501,8 @@ class Disk(Sink):
         if self._closed:
             raise DiskError(f"this fxprobe.Disk ({str(self.path)!r}) is closed; create a new "
                             "one (mode='append' to add to the same captures)")
-        protected, inputs = self._protected()
-        job = _Encoder(protected, inputs, self.copy).job(-1, values)
+        protected, input_sites = self._protected(inputs)
+        job = _Encoder(protected, input_sites, self.copy).job(-1, values)
         if self._appending:
             # The first forward of a run appending to earlier captures must be of the same
             # model (same sites, structures, dtypes, shapes after dim 0): refused here, before
@@ -675,6 +686,27 @@ class Disk(Sink):
                    forwards=entry["first"] + entry["count"])
         _write_json(self.path / INDEX, new, self.fsync)
         self._index = new
+
+
+def _tensors_in(value: Any, out: list[torch.Tensor]) -> None:
+    """Append every tensor in ``value`` (nested tuples, lists and mappings) to ``out``."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors_in(v, out)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _tensors_in(v, out)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 for tensors without one (sparse, nested, wrapper
+    subclasses), which hold no memory that a captured strided value could share."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _mismatch(path: Path, known: dict[str, str], new: dict[str, str]) -> str:

@@ -73,7 +73,8 @@ def _row(s: Stats) -> list[float]:
     n = s.numel - s.nan_count - s.inf_count
     m2 = s.std * s.std * (n - 1) if n >= 2 else 0.0
     dim0 = float(s.shape[0]) if s.shape else 1.0
-    return [float(n), s.mean, m2, s.min, s.max, s.absmax, round(s.zero_frac * s.numel),
+    zeros = round(s.zero_frac * s.numel) if s.numel else 0  # an empty value's is NaN
+    return [float(n), s.mean, m2, s.min, s.max, s.absmax, zeros,
             float(s.nan_count), float(s.inf_count), float(s.numel), dim0]
 
 

@@ -29,8 +29,9 @@ class Sink:
     def attach(self, module: Any) -> None:
         """Called by ``fxprobe.tap`` with the tapped module that writes here."""
 
-    def write(self, values: Mapping[str, Any]) -> None:
-        """Take one forward's ``{site name: value}``."""
+    def write(self, values: Mapping[str, Any], inputs: Any = ()) -> None:
+        """Take one forward's ``{site name: value}``; ``inputs`` are the forward's arguments
+        (values that share their storage must be copied before this returns)."""
         raise NotImplementedError
 
     def flush(self) -> None:

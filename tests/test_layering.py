@@ -147,7 +147,7 @@ def cycles(root: Path) -> list[list[str]]:
 KNOWN: set[str] = {
     "fxprobe.frontends.export:37 -> fxprobe.runtime.artifact",
     "fxprobe.frontends.export:38 -> fxprobe.frontends.script",
-    "fxprobe.frontends.script:90 -> fxprobe.frontends.fx",
+    "fxprobe.frontends.script:91 -> fxprobe.frontends.fx",
     "fxprobe.present.artifact_viz:116 -> fxprobe.frontends.script",
     "fxprobe.present.artifact_viz:117 -> fxprobe.runtime.artifact",
     "fxprobe.present.artifact_viz:133 -> fxprobe.frontends.export",

@@ -180,3 +180,17 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
     return TapOptions(capture, bool(detach), copy, tracer, tuple(leaf_modules),
                       tuple(autowrap_functions), reduce, sample_size, seed, keep_n, device, fn,
                       bool(grad), grad_fn, sink)
+
+
+TAP_DEFAULTS: dict[str, Any] = {
+    "capture": "output", "detach": True, "copy": "auto", "tracer": "auto", "leaf_modules": (),
+    "autowrap_functions": (), "reduce": None, "sample_size": 1024, "seed": 0, "keep": "last",
+    "to": None, "fn": None, "grad": False, "grad_fn": None,
+}
+"""``fxprobe.tap``'s defaults for every argument of :func:`make_options`."""
+
+
+def default_options(**given: Any) -> TapOptions:
+    """:func:`make_options` with ``fxprobe.tap``'s defaults for every argument not ``given``
+    (what a probe that only looks needs: ``fxprobe.sites``, the pictures of artifacts)."""
+    return make_options(**{**TAP_DEFAULTS, **given})

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..core.names import join as _join
 from ..core.ops import method_key, module_key
 from ..core.site import Site
 
@@ -96,10 +97,6 @@ def is_block_type(name: str) -> bool:
 def is_leaf_function(name: str) -> bool:
     """Functions recorded as one site: torch's (``F.relu``) and ``torchvision.ops``'."""
     return name.startswith(("torch.", "torchvision.ops."))
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def op_name(kind: str) -> str:

@@ -112,7 +112,7 @@ def _site_value(*args: Any) -> Any:
 
 
 def script_picture(module: Any) -> ArtifactPicture:
-    from ..core.options import make_options
+    from ..core.options import default_options
     from ..frontends.script import ScriptGraph, quiet_jit
     from ..runtime.artifact import tap_script
 
@@ -120,7 +120,7 @@ def script_picture(module: Any) -> ArtifactPicture:
         sg = ScriptGraph(module)
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        tapped = tap_script(module, None, _options(make_options))
+        tapped = tap_script(module, None, default_options())
         tapped(*args, **kwargs)
         return dict(tapped.taps)
 
@@ -129,21 +129,15 @@ def script_picture(module: Any) -> ArtifactPicture:
 
 
 def export_picture(program: Any) -> ArtifactPicture:
-    from ..core.options import make_options
+    from ..core.options import default_options
     from ..frontends.export import ExportGraph, tap_export
 
     eg = ExportGraph(program)
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        tapped = tap_export(program, None, _options(make_options))
+        tapped = tap_export(program, None, default_options())
         tapped(*args, **kwargs)
         return dict(tapped.taps)
 
     return picture("ExportedProgram (torch.export)", eg.sites, eg.nodes,
                    lambda n: n.all_input_nodes, lambda n: n, run)
-
-
-def _options(make: Callable[..., Any]) -> Any:
-    return make(capture="output", detach=True, copy="auto", tracer="auto", leaf_modules=(),
-                autowrap_functions=(), reduce=None, sample_size=1024, seed=0, keep="last",
-                to=None, fn=None, grad=False, grad_fn=None)

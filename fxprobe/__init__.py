@@ -11,14 +11,10 @@ Example:
 
 from . import dist
 from .api import sites, tap
-from .capture.stats.math import (
-    Stats,
-    StatsBatch,
-    StatsLogger,
-    sample_vector,
-    stats_table,
-    stats_vector,
-)
+from .capture.stats.batch import StatsBatch
+from .capture.stats.math import Stats, stats_vector
+from .capture.stats.sampling import sample_vector
+from .capture.stats.table import stats_table
 from .core.errors import (
     CaptureError,
     ConfigError,
@@ -49,6 +45,7 @@ from .runtime.views import render, summary, to_dot
 from .sinks.captures import Captures, open_captures
 from .sinks.disk import Disk
 from .sinks.loggers import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
+from .sinks.statslog import StatsLogger
 
 __all__ = [
     "CallbackSink",

@@ -19,6 +19,7 @@ from .core.options import (
     check_choice,
     check_flag,
     check_sequence,
+    default_options,
     make_options,
 )
 from .core.select import Selector, as_selectors
@@ -189,10 +190,8 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
     if tracer in ("fx", "hooks") or (tracer == "auto" and example_input is None
                                       and example_kwargs is None):
         return listed
-    options = make_options(
-        capture="output", detach=True, copy="auto", tracer=tracer, leaf_modules=leaf_modules,
-        autowrap_functions=autowrap_functions, reduce=None, sample_size=1, seed=0, keep="last",
-        to=None, fn=None, grad=False, grad_fn=None)
+    options = default_options(tracer=tracer, leaf_modules=leaf_modules,
+                              autowrap_functions=autowrap_functions)
     nothing = Selector(lambda s: False, "nothing")  # discovery only
     try:
         probe = TappedModule(model, [nothing], options)

@@ -19,6 +19,10 @@ from torch import nn
 
 import fxprobe
 from fxprobe import cli as _cli
+from fxprobe.cli import app as _app
+from fxprobe.cli import arguments as _arguments
+from fxprobe.cli import commands as _commands
+from fxprobe.core.errors import UsageError
 
 MODELS = textwrap.dedent("""\
     import torch.nn as nn
@@ -189,23 +193,23 @@ def test_token_ids_as_the_hint_says(models: Path, capsys: pytest.CaptureFixture[
 
 
 def test_model_specs_that_work(models: Path) -> None:
-    model, name = _cli.load_model("models.py:instance")  # a module-level model
+    model, name = _arguments.load_model("models.py:instance")  # a module-level model
     assert isinstance(model, nn.Linear) and name == "instance"
-    model, _ = _cli.load_model("fxprobe.examples:small_cnn")
+    model, _ = _arguments.load_model("fxprobe.examples:small_cnn")
     assert type(model).__name__ == "SmallCNN"
-    model, _ = _cli.load_model(f"{models / 'models.py'}:good")  # an absolute path
+    model, _ = _arguments.load_model(f"{models / 'models.py'}:good")  # an absolute path
     assert isinstance(model, nn.Sequential)
 
 
 def test_parse_inputs() -> None:
-    a, b, c = _cli.parse_inputs(["1x3x8x8", "2x5:int64,4:bool"])
+    a, b, c = _arguments.parse_inputs(["1x3x8x8", "2x5:int64,4:bool"])
     assert a.shape == (1, 3, 8, 8) and a.dtype == torch.float32 and a.std() > 0
     assert b.shape == (2, 5) and b.dtype == torch.int64 and not b.any()
     assert c.dtype == torch.bool
-    assert torch.equal(_cli.parse_inputs(["1x3x8x8"])[0], a)  # seeded
+    assert torch.equal(_arguments.parse_inputs(["1x3x8x8"])[0], a)  # seeded
     for bad in ("", "0x3", "1x-3", "1x3:float7", "3,,"):
-        with pytest.raises(_cli.UsageError, match="--input"):
-            _cli.parse_inputs([bad])
+        with pytest.raises(UsageError, match="--input"):
+            _arguments.parse_inputs([bad])
 
 
 def test_selectors_match_what_they_say() -> None:
@@ -213,7 +217,7 @@ def test_selectors_match_what_they_say() -> None:
     records = fxprobe.sites(model).records
 
     def chosen(text: str) -> list[str]:
-        sel = _cli.parse_selector(text)
+        sel = _arguments.parse_selector(text)
         return [s.name for s in records if sel(s)]
 
     convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
@@ -229,12 +233,12 @@ def test_selectors_match_what_they_say() -> None:
     assert chosen("how:hook") == []
     assert chosen("name:fc") == ["fc"]
     enc = fxprobe.sites(zoo.make("encoder")[0]).records
-    sel = _cli.parse_selector("method:transpose")
+    sel = _arguments.parse_selector("method:transpose")
     assert [s.name for s in enc if sel(s)] == ["attn.transpose", "attn.transpose_1"]
     gated = fxprobe.sites(zoo.make("data_dependent")[0]).records
-    sel = _cli.parse_selector("how:hook")
+    sel = _arguments.parse_selector("how:hook")
     assert [s.name for s in gated if sel(s)] == ["gate.pos"]
-    sel = _cli.parse_selector("module:zoo.Gate")  # a dotted path to the user's class
+    sel = _arguments.parse_selector("module:zoo.Gate")  # a dotted path to the user's class
     assert [s.name for s in gated if sel(s)] == ["gate"]
 
 
@@ -269,7 +273,7 @@ def test_bench_runs_the_checkout_benchmarks_or_says_why(
 
     monkeypatch.setitem(sys.modules, "benchmarks", None)  # not importable
     monkeypatch.delitem(sys.modules, "benchmarks.__main__")
-    code = _cli._run(lambda: _cli.bench(["--quick"], checkout=tmp_path), "bench")
+    code = _app._run(lambda: _commands.bench(["--quick"], checkout=tmp_path), "bench")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "benchmarks live in fxprobe's source repository" in err

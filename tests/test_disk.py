@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fxprobe
-from fxprobe.sinks import disk as _disk
+from fxprobe.sinks import index as _index
+from fxprobe.sinks import shards as _shards
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,7 +110,7 @@ def test_parameters_and_inputs_are_copied_before_they_change(tmp_path: Path) -> 
             return x * self.w
 
     gate = threading.Event()
-    real = _disk._Shard.add
+    real = _shards.Shard.add
 
     def held(self: Any, job: Any, layout: str) -> None:
         gate.wait(10)
@@ -120,7 +121,7 @@ def test_parameters_and_inputs_are_copied_before_they_change(tmp_path: Path) -> 
     disk = fxprobe.Disk(tmp_path)
     tapped = fxprobe.tap(model, to=disk)
     try:
-        _disk._Shard.add = held  # type: ignore[method-assign]
+        _shards.Shard.add = held  # type: ignore[method-assign]
         with torch.no_grad():
             tapped(x)
             x.mul_(5)  # the caller reuses its input buffer
@@ -128,7 +129,7 @@ def test_parameters_and_inputs_are_copied_before_they_change(tmp_path: Path) -> 
         gate.set()
         tapped.remove()
     finally:
-        _disk._Shard.add = real  # type: ignore[method-assign]
+        _shards.Shard.add = real  # type: ignore[method-assign]
     got = fxprobe.open_captures(tmp_path).forward(0)
     assert torch.equal(got["x"], torch.ones(2, 3))
     assert torch.equal(got["w"], torch.ones(3))
@@ -155,13 +156,13 @@ class Aliases(nn.Module):
 def held_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Hold the writer thread before it writes anything, until the returned event is set."""
     gate = threading.Event()
-    real = _disk._Shard.add
+    real = _shards.Shard.add
 
     def held(self: Any, job: Any, layout: str) -> None:
         gate.wait(10)
         real(self, job, layout)
 
-    monkeypatch.setattr(_disk._Shard, "add", held)
+    monkeypatch.setattr(_shards.Shard, "add", held)
     return gate
 
 
@@ -218,7 +219,7 @@ def test_inputs_in_keyword_arguments_and_containers_are_copied(
 
 def test_the_forward_waits_only_when_the_queue_is_full(tmp_path: Path) -> None:
     gate = threading.Event()
-    real = _disk._Shard.add
+    real = _shards.Shard.add
 
     def held(self: Any, job: Any, layout: str) -> None:
         gate.wait(10)
@@ -234,7 +235,7 @@ def test_the_forward_waits_only_when_the_queue_is_full(tmp_path: Path) -> None:
                 tapped(x)
                 done.append(1)
 
-    _disk._Shard.add = held  # type: ignore[method-assign]
+    _shards.Shard.add = held  # type: ignore[method-assign]
     try:
         t = threading.Thread(target=produce)
         t.start()
@@ -250,7 +251,7 @@ def test_the_forward_waits_only_when_the_queue_is_full(tmp_path: Path) -> None:
         t.join(10)
     finally:
         gate.set()
-        _disk._Shard.add = real  # type: ignore[method-assign]
+        _shards.Shard.add = real  # type: ignore[method-assign]
     tapped.remove()
     assert len(done) == 6 and len(fxprobe.open_captures(tmp_path)) == 6
 
@@ -303,7 +304,7 @@ def test_full_disk_keeps_what_was_written(tmp_path: Path, monkeypatch: pytest.Mo
                                            ) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
     xs = inputs(40, (8, 64))
-    real = _disk._Shard._append
+    real = _shards.Shard._append
     budget = [60_000]  # bytes of tensor data the "disk" takes
 
     def append(self: Any, key: str, code: str, shape: list[int], data: Any) -> None:
@@ -313,7 +314,7 @@ def test_full_disk_keeps_what_was_written(tmp_path: Path, monkeypatch: pytest.Mo
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, key, code, shape, data)
 
-    monkeypatch.setattr(_disk._Shard, "_append", append)
+    monkeypatch.setattr(_shards.Shard, "_append", append)
     ref = fxprobe.tap(model, keep="all")
     tapped = fxprobe.tap(model, to=fxprobe.Disk(tmp_path, shard_size=10_000))
     handed = 0
@@ -335,7 +336,7 @@ def test_full_disk_keeps_what_was_written(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_a_failing_index_write_keeps_the_committed_forwards(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _disk._write_json
+    real = _index.write_json
     calls = [0]
 
     def write_json(path: Path, data: Any, fsync: bool) -> None:
@@ -344,7 +345,7 @@ def test_a_failing_index_write_keeps_the_committed_forwards(
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, data, fsync)
 
-    monkeypatch.setattr(_disk, "_write_json", write_json)
+    monkeypatch.setattr(_index, "write_json", write_json)
     model = nn.Linear(8, 8)
     xs = inputs(5, (4, 8))
     ref = fxprobe.tap(model, keep="all")

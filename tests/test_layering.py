@@ -20,7 +20,6 @@ from); ``auto`` (the ``tracer="auto"`` lifecycle) is the one place that combines
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
@@ -144,34 +143,14 @@ def cycles(root: Path) -> list[list[str]]:
     return [c for c in found if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]
 
 
-# What the move into role folders left to untangle; this list only ever shrinks (issue 19).
-KNOWN: set[str] = {
-    "fxprobe.core.options -> fxprobe.sinks.disk",
-}
-
-
-def _key(violation: str) -> str:
-    """``'a.b:12 -> c.d (why)'`` -> ``'a.b -> c.d'``: KNOWN does not move with line numbers."""
-    return re.sub(r":\d+ ->", " ->", violation.split(" (")[0])
-
-
 def test_no_import_breaks_the_layering() -> None:
-    found = {_key(v) for v in violations(PACKAGE)}
-    new = sorted(v for v in violations(PACKAGE) if _key(v) not in KNOWN)
-    assert not new, "imports that break the layering:\n" + "\n".join(new)
-    fixed = sorted(KNOWN - found)
-    assert not fixed, "fixed; remove from KNOWN:\n" + "\n".join(fixed)
-
-
-KNOWN_CYCLES: set[str] = set()
+    found = violations(PACKAGE)
+    assert not found, "imports that break the layering:\n" + "\n".join(found)
 
 
 def test_no_import_cycle() -> None:
-    found = {" -> ".join(c) for c in cycles(PACKAGE)}
-    new = sorted(found - KNOWN_CYCLES)
-    assert not new, "import cycles:\n" + "\n".join(new)
-    fixed = sorted(KNOWN_CYCLES - found)
-    assert not fixed, "fixed; remove from KNOWN_CYCLES:\n" + "\n".join(fixed)
+    found = cycles(PACKAGE)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
 def _plant(tmp_path: Path, files: dict[str, str]) -> Path:

@@ -19,9 +19,10 @@ from nosync import forbid_sync
 from torch import nn
 
 import fxprobe
-from fxprobe.capture.stats.math import FIELDS, StatsLogger
+from fxprobe.capture.stats.math import FIELDS
 from fxprobe.core.errors import ConfigError
 from fxprobe.sinks.loggers import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
+from fxprobe.sinks.statslog import StatsLogger
 
 
 def np_stats(t: torch.Tensor) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Tests of fxprobe.capture.stats.math against numpy (float64) computed on the whole tensor.
+"""Tests of fxprobe.capture.stats against numpy (float64) computed on the whole tensor.
 
 ``FXPROBE_TEST_DEVICE=cuda`` runs the statistics tests on a GPU (the Triton kernel where Triton
 is installed, the torch fallback otherwise); the default is the CPU.
@@ -17,18 +17,12 @@ import pytest
 import torch
 from nosync import SyncError, forbid_sync, record_ops
 
-from fxprobe.capture.stats.math import (
-    FIELDS,
-    Stats,
-    StatsBatch,
-    StatsLogger,
-    collect,
-    sample_vector,
-    stats_table,
-    stats_vector,
-    stats_vectors,
-)
+from fxprobe.capture.stats.batch import StatsBatch, collect
+from fxprobe.capture.stats.math import FIELDS, Stats, stats_vector, stats_vectors
+from fxprobe.capture.stats.sampling import sample_vector
+from fxprobe.capture.stats.table import stats_table
 from fxprobe.core.errors import ConfigError
+from fxprobe.sinks.statslog import StatsLogger
 
 NAN, INF = float("nan"), float("inf")
 DEVICE = torch.device(os.environ.get("FXPROBE_TEST_DEVICE", "cpu"))
@@ -317,7 +311,7 @@ def test_sample_vector_reproducible_without_sync(seeding: Any) -> None:
 
 
 def test_hashed_positions_are_uniform() -> None:
-    from fxprobe.capture.stats.math import hashed_positions
+    from fxprobe.capture.stats.sampling import hashed_positions
 
     counts = torch.bincount(hashed_positions(100, 100_000, 7, torch.device("cpu")), minlength=100)
     # 1000 expected per bin; a binomial's std is ~31, so 6 sigma is far from these bounds.

@@ -218,7 +218,7 @@ def _reducer(options: TapOptions) -> Callable[[Any, bool], Any] | None:
     """``reduce="sample"`` or a user's reduction: new memory, which no later op overwrites, so
     the copy flag does not matter."""
     if options.reduce == "sample":
-        from .stats.math import sample_vector
+        from .stats.sampling import sample_vector
 
         k, seed = options.sample_size, options.seed
         return lambda value, copy: map_tensors(lambda t: sample_vector(t, k, seed), value)
@@ -280,7 +280,7 @@ class _PendingStats:
 
 def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
     """Fetch every site's statistics in one transfer and put :class:`Stats` in their place."""
-    from .stats.math import StatsBatch
+    from .stats.batch import StatsBatch
 
     flat = {name: tree_flatten(v) for name, v in values.items()}
     keys: list[str] = []

@@ -2,19 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 
-from ..sinks.disk import Disk, check_disk_options
 from .errors import ConfigError
 
 Capture = Literal["output", "input", "both"]
 CopyPolicy = Literal["auto", "always", "never"]
 TracerKind = Literal["auto", "fx", "hooks", "dynamo", "fx+dynamo"]
 Reduce = Literal["stats", "sample"]
+
+
+class Sink:
+    """What ``to=`` takes besides a device: an object that receives each forward's values
+    (``fxprobe.Disk`` subclasses it). Defined here, below the sinks, so that validating
+    ``to=`` needs no sink; the tapped module calls :meth:`attach` once, :meth:`write` after
+    each forward and :meth:`close` on ``remove()``."""
+
+    def check_options(self, keep: int | None) -> None:
+        """Refuse ``fxprobe.tap`` options this sink cannot serve (``keep`` as validated); raise
+        :class:`~fxprobe.ConfigError` with what to pass instead."""
+
+    def attach(self, module: Any) -> None:
+        """Called by ``fxprobe.tap`` with the tapped module that writes here."""
+
+    def write(self, values: Mapping[str, Any], inputs: Any = ()) -> None:
+        """Take one forward's ``{site name: value}``; ``inputs`` are the forward's arguments
+        (values that share their storage must be copied before this returns)."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Wait until what was written is stored."""
+
+    def close(self) -> None:
+        """Flush and release what the sink holds."""
 
 
 def check_choice(name: str, value: Any, allowed: Any) -> None:
@@ -74,7 +98,7 @@ class TapOptions:
     """Keep the gradient of the loss with respect to each tapped value."""
     grad_fn: Callable[[Any, torch.Tensor], Any] | None = None
     """``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it."""
-    sink: Any = None
+    sink: Sink | None = None
     """``to=fxprobe.Disk(...)``: receives each forward's values (``write``/``flush``/``close``)."""
 
     @property
@@ -128,8 +152,8 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
         )
     device = None
     sink = None
-    if isinstance(to, Disk):  # not a device: a sink that receives each forward's values
-        check_disk_options(to, keep_n)
+    if isinstance(to, Sink):  # not a device: a sink that receives each forward's values
+        to.check_options(keep_n)
         sink, to = to, None
     if to is not None:
         try:
@@ -156,3 +180,17 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
     return TapOptions(capture, bool(detach), copy, tracer, tuple(leaf_modules),
                       tuple(autowrap_functions), reduce, sample_size, seed, keep_n, device, fn,
                       bool(grad), grad_fn, sink)
+
+
+TAP_DEFAULTS: dict[str, Any] = {
+    "capture": "output", "detach": True, "copy": "auto", "tracer": "auto", "leaf_modules": (),
+    "autowrap_functions": (), "reduce": None, "sample_size": 1024, "seed": 0, "keep": "last",
+    "to": None, "fn": None, "grad": False, "grad_fn": None,
+}
+"""``fxprobe.tap``'s defaults for every argument of :func:`make_options`."""
+
+
+def default_options(**given: Any) -> TapOptions:
+    """:func:`make_options` with ``fxprobe.tap``'s defaults for every argument not ``given``
+    (what a probe that only looks needs: ``fxprobe.sites``, the pictures of artifacts)."""
+    return make_options(**{**TAP_DEFAULTS, **given})

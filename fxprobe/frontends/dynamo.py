@@ -32,10 +32,11 @@ from ..capture.inplace import OUT_OF_PLACE
 from ..capture.pipeline import Pipeline
 from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import CaptureError
+from ..core.names import join
 from ..core.options import Capture, CopyPolicy
 from ..core.site import CALL_ARGS, SITES, STATE, Site, attach
 from ..core.view import CapturedGraph, CaptureInfo
-from .dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
+from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
@@ -164,10 +165,6 @@ def _frame_id() -> int | None:
 def dynamo_failed(e: BaseException) -> bool:
     """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
     return isinstance(e, (torch._dynamo.exc.TorchDynamoException, CaptureError))
-
-
-def _join_path(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 class _Instrumented:
@@ -319,7 +316,7 @@ class DynamoRegion:
         self.is_leaf = is_leaf
         self.choose = choose
         self.on_sites = on_sites
-        self.namer = Namer()
+        self.namer = StableNamer()
         # Every name of each parameter (tied weights have several).
         self.param_names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -363,7 +360,7 @@ class DynamoRegion:
             for version in captured.versions.values():
                 key = f"dynamo:{self.path}:{i}"
                 if version.prefix != captured.captured_prefix:
-                    key += f"@{_join_path(self.path, version.prefix)}"
+                    key += f"@{join(self.path, version.prefix)}"
                 if version.repeat:
                     key += f"#{version.repeat}"
                 out.append((key, i, captured, version))
@@ -372,7 +369,7 @@ class DynamoRegion:
     def drawn(self) -> list[CapturedGraph]:
         """Every named graph so far (see :meth:`instrumented`), for the pictures."""
         return [CapturedGraph(key, self.path, number, captured.frame,
-                              _join_path(self.path, version.prefix), version.named, version.ran)
+                              join(self.path, version.prefix), version.named, version.ran)
                 for key, number, captured, version in self._versions() if not version.repeat]
 
     @property

@@ -7,8 +7,8 @@ the module. A call of a module that fx would not trace into (``nn.Linear``, ``nn
 is one site named by its path, whose value is the call's output.
 
 A name must not depend on which graph a node landed in (graph breaks, recompilations), so
-:class:`Namer` keys each node by what it is (module path, op, source line, occurrence) and hands
-out the same name whenever that key comes back.
+:class:`StableNamer` keys each node by what it is (module path, op, source line, occurrence)
+and hands out the same name whenever that key comes back.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, Site, attach
 from ..core.view import is_state
@@ -75,7 +76,7 @@ def _location(node: fx.Node) -> str:
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 
-class Namer:
+class StableNamer:
     """Hands out site names that stay the same across graphs, breaks and recompilations."""
 
     def __init__(self) -> None:
@@ -91,12 +92,6 @@ class Namer:
             name = f"{base}_{count}" if count else base
             self._names[key] = name
         return name
-
-
-def _join(prefix: str, name: str) -> str:
-    if not prefix:
-        return name
-    return f"{prefix}.{name}" if name else prefix
 
 
 @dataclass
@@ -115,7 +110,7 @@ class NamedGraph:
 
 def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                module_ids: dict[int, str], captured_prefix: str, frame_prefix: str,
-               is_leaf: Callable[[nn.Module, str], bool], namer: Namer,
+               is_leaf: Callable[[nn.Module, str], bool], namer: StableNamer,
                probs_fn: Callable[..., Any], repeat: int = 0) -> NamedGraph:
     """Give every call node of a dynamo graph a :class:`Site` (``how="dynamo"``).
 

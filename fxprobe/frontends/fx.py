@@ -28,6 +28,8 @@ from torch import fx, nn
 from ..capture.inplace import OUT_OF_PLACE
 from ..core.errors import ConfigError, TracedStateError, TraceError
 from ..core.irtypes import library_blocks
+from ..core.names import join as _join
+from ..core.names import one_line
 from ..core.ops import AUGMENTED_OPERATORS, method_key, module_key, op_key
 from ..core.options import TracerKind
 from ..core.site import CALL_ARGS, Site, attach, sites_of
@@ -386,16 +388,6 @@ def failure_location(exc: BaseException, module: nn.Module | None = None) -> str
         return ""
     line = linecache.getline(code_obj.co_filename, code_obj.co_firstlineno).strip()
     return f"{code_obj.co_filename}:{code_obj.co_firstlineno}: {line or 'def forward(...)'}"
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}"
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 class _Planner:

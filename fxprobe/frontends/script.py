@@ -31,6 +31,7 @@ from ..core.irtypes import (
     spelled,
     type_name,
 )
+from ..core.names import join as _join
 from ..core.ops import method_key, module_key
 from ..core.site import Site
 
@@ -49,8 +50,6 @@ def quiet_jit() -> Iterator[None]:
         yield
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def site_op_name(node: Node) -> str:

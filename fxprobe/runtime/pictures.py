@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from ..core.errors import ConfigError
+from ..core.options import TAP_DEFAULTS
 from ..core.select import as_selectors, select
 from ..core.view import ValueInfo, View
 from ..frontends.export import ExportGraph
@@ -26,12 +27,6 @@ from ..present.viz import check_drawing, check_path, to_dot, write
 TapArtifact = Callable[..., Any]
 """``runtime.artifact.tap_artifact(model, ops, **options)``: a tapped copy of an artifact."""
 
-_RUN_OPTIONS: dict[str, Any] = {
-    "capture": "output", "detach": True, "copy": "auto", "tracer": "auto", "leaf_modules": (),
-    "autowrap_functions": (), "reduce": None, "sample_size": 1024, "seed": 0, "keep": "last",
-    "to": None, "fn": None, "grad": False, "grad_fn": None,
-}
-"""The options of the tapped copy that runs an example input: every site's value, as is."""
 
 
 class _Viewed(Protocol):
@@ -67,7 +62,7 @@ def artifact_view(source: Any, tap: TapArtifact, *, ops: Any = None,
                              lambda n: n)
 
     def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, ValueInfo]:
-        run = tap(source, None, **_RUN_OPTIONS)
+        run = tap(source, None, **TAP_DEFAULTS)  # every site's value, as is
         run(*args, **kwargs)
         return {name: describe_value(value) for name, value in dict(run.taps).items()}
 

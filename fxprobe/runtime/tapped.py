@@ -15,13 +15,14 @@ from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
 from ..core.errors import CaptureError, ConfigError, RemovedError
+from ..core.names import one_line
 from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
 from ..core.select import Selector
 from ..core.site import Site
 from ..core.view import Viewable
 from ..frontends.dynamo import CaptureInfo, DynamoRegion, dynamo_failed
-from ..frontends.fx import Fallback, one_line
+from ..frontends.fx import Fallback
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
     adopt,

@@ -1,5 +1,5 @@
 """``fxprobe.Disk``: captures streamed to safetensors shards by a background thread (read
-back by :func:`fxprobe.open_captures`, in ``_captures.py``).
+back by :func:`fxprobe.open_captures`, in :mod:`.captures`).
 
 A capture directory (one per rank, ``acts/rank00001/``, when torch.distributed runs with more
 than one rank)::
@@ -11,14 +11,14 @@ than one rank)::
       shard-000002.safetensors.partial    being written; never listed, never read
       .lock                               held (flock) while a Disk writes here
 
-Every shard is a standard safetensors file (``safetensors.torch.load_file`` opens it). It is
-written as one stream: data first, from an offset that leaves room for the header, then the
-header (JSON padded with spaces, as the format allows), then ``fsync``, an atomic rename and a
-new ``index.json`` (temporary file + ``os.replace``). A crash therefore loses at most the shard
-being written; a reader never sees a half-written shard.
+Every shard is a standard safetensors file (``safetensors.torch.load_file`` opens it), written
+as one stream and renamed when complete (:mod:`.shards`); a new ``index.json`` follows each
+rename (:mod:`.index`). A crash therefore loses at most the shard being written; a reader never
+sees a half-written shard.
 
-The writer depends only on three calls, ``write(values, inputs)``, ``flush()`` and
-``close()``; the tapped module makes them after each forward and on ``remove()``.
+This module is the writer: :class:`Disk`, its bounded queue and its thread. It depends only on
+three calls, ``write(values, inputs)``, ``flush()`` and ``close()``; the tapped module makes
+them after each forward and on ``remove()``.
 """
 
 from __future__ import annotations
@@ -33,19 +33,14 @@ import re
 import threading
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import torch
-
-from ..capture.stats.math import FIELDS, Stats
 from ..core.errors import ConfigError, DiskError
-from ..core.record import InOut
-from .captures import DTYPES, FORMAT, INDEX, SHARD_RE, STATS_KEY, VERSION, read_index
-
-Mode = Literal["new", "append", "overwrite"]
-_ALIGN = 64  # every tensor starts on a 64-byte boundary of the file (mmap-friendly)
+from ..core.options import Sink
+from .captures import INDEX
+from .index import CaptureDir, Mode
+from .shards import Encoder, Job, Shard, protected_storages
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -64,220 +59,6 @@ def parse_size(what: str, value: int | str) -> int:
     return value
 
 
-# -- encoding one forward's values ----------------------------------------------------------
-
-@dataclass
-class _Job:
-    """One forward's values, ready for the writer thread."""
-
-    forward: int
-    layout: dict[str, Any]
-    """Site name -> JSON structure whose leaves point at tensors ("t": leaf) or stats rows."""
-    tensors: list[tuple[str, torch.Tensor]]
-    """(key inside the forward, CPU tensor or pinned copy still being filled)."""
-    event: Any
-    """A CUDA event to wait for before reading the tensors, or None."""
-    nbytes: int
-    signature: dict[str, str]
-    """Site name -> structure with dtypes and trailing shapes: what must match to append."""
-    written: bool = False
-    """In the shard being written (committed with it, or lost with it)."""
-
-
-class _Encoder:
-    """Turns ``{site: value}`` into a :class:`_Job` on the forward's thread."""
-
-    def __init__(self, protected: set[int], inputs: frozenset[str], copy: bool) -> None:
-        self.protected = protected
-        self.inputs = inputs
-        self.copy = copy
-        self.tensors: list[tuple[str, torch.Tensor]] = []
-        self.stats: list[list[float]] = []
-        self.cuda = False
-        self.nbytes = 0
-
-    def job(self, forward: int, values: Mapping[str, Any]) -> _Job:
-        layout: dict[str, Any] = {}
-        signature: dict[str, str] = {}
-        for name, value in values.items():
-            if not isinstance(name, str) or "/" in name:
-                raise ConfigError(f"site name {name!r} cannot be written to disk (a '/' in it)")
-            self.leaf = 0
-            self.force_copy = self.copy or name in self.inputs
-            struct, sig = self.encode(name, value)
-            layout[name] = struct
-            signature[name] = json.dumps(sig, separators=(",", ":"))
-        if self.stats:
-            rows = torch.tensor(self.stats, dtype=torch.float64)
-            self.tensors.append((STATS_KEY, rows))
-            self.nbytes += rows.nbytes
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return _Job(forward, layout, self.tensors, event, self.nbytes, signature)
-
-    def encode(self, name: str, v: Any) -> tuple[Any, Any]:
-        if isinstance(v, torch.Tensor):
-            return self.tensor(name, v)
-        if isinstance(v, Stats):
-            self.stats.append([getattr(v, f) for f in FIELDS])
-            struct = {"s": len(self.stats) - 1, "shape": list(v.shape), "dtype": v.dtype}
-            return struct, {"s": v.dtype, "tail": list(v.shape[1:])}
-        if isinstance(v, InOut):
-            (a, sa), (b, sb) = self.encode(name, v.inputs), self.encode(name, v.output)
-            return {"inout": [a, b]}, {"inout": [sa, sb]}
-        if isinstance(v, (tuple, list)) and type(v) in (tuple, list):
-            kind = type(v).__name__
-            parts = [self.encode(name, x) for x in v]
-            return {kind: [p[0] for p in parts]}, {kind: [p[1] for p in parts]}
-        if type(v) is dict and all(isinstance(k, str) for k in v):
-            items = [(k, self.encode(name, x)) for k, x in v.items()]
-            return ({"dict": [[k, e[0]] for k, e in items]},
-                    {"dict": [[k, e[1]] for k, e in items]})
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return {"v": v}, {"v": type(v).__name__}
-        raise ConfigError(
-            f"site {name!r} captured a {type(v).__name__}, which fxprobe.Disk cannot write; "
-            "it writes tensors, fxprobe.Stats, and tuples/lists/dicts of them (a reduce= "
-            "function must return those)"
-        )
-
-    def tensor(self, name: str, t: torch.Tensor) -> tuple[Any, Any]:
-        if t.dtype not in DTYPES:
-            raise ConfigError(
-                f"site {name!r} captured a {t.dtype} tensor, which safetensors cannot hold; "
-                f"pass reduce= a function that converts it (e.g. torch.view_as_real)"
-            )
-        if t.layout != torch.strided:
-            raise ConfigError(
-                f"site {name!r} captured a {t.layout} tensor, which fxprobe.Disk cannot write; "
-                "pass reduce= a function that converts it (e.g. lambda t: t.to_dense())"
-            )
-        t = t.detach()
-        if t.device.type != "cpu":
-            dst = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                              pin_memory=t.device.type == "cuda")
-            t = dst.copy_(t, non_blocking=True)
-            self.cuda = self.cuda or torch.cuda.is_available()
-        elif self.force_copy or (t.numel() and t.untyped_storage().data_ptr() in self.protected):
-            # A parameter, buffer or input: the optimizer or the caller may overwrite it while
-            # the writer thread still reads it.
-            t = t.clone()
-        j = self.leaf
-        self.leaf += 1
-        self.tensors.append((f"{name}/{j}", t))
-        self.nbytes += t.numel() * t.element_size()
-        return {"t": j}, {"t": DTYPES[t.dtype], "tail": list(t.shape[1:])}
-
-
-# -- one shard being written ----------------------------------------------------------------
-
-def _entry(key: str, code: str, shape: list[int], begin: int, end: int) -> str:
-    return json.dumps({key: {"dtype": code, "shape": shape, "data_offsets": [begin, end]}},
-                      separators=(",", ":"))[1:-1]
-
-
-class _Shard:
-    """A ``.partial`` file receiving whole forwards; ``commit()`` makes it a safetensors file."""
-
-    def __init__(self, path: Path, number: int, first: int, header: int, fsync: bool) -> None:
-        self.number = number
-        self.final = path / f"shard-{number:06d}.safetensors"
-        self.partial = self.final.with_name(self.final.name + ".partial")
-        # 8 bytes of length + header must end on an aligned offset.
-        self.header = header + (-(8 + header)) % _ALIGN
-        self.fsync = fsync
-        self.file = open(self.partial, "wb")  # noqa: SIM115 (closed by commit/abort)
-        self.file.seek(8 + self.header)
-        self.pos = 0  # bytes of data written
-        self.entries: list[str] = []
-        self.entries_len = 0
-        self.pads = 0
-        self.first = first
-        self.layouts: list[str] = []
-        self.layout_ids: dict[str, int] = {}
-        self.layout_of: list[int] = []
-        self.meta_len = 64
-
-    def fits(self, job: _Job, layout_json: str) -> bool:
-        extra = sum(len(k) + 128 + 12 * t.dim() for k, t in job.tensors)
-        extra += 8 + (len(json.dumps(layout_json)) if layout_json not in self.layout_ids else 0)
-        return self.entries_len + self.meta_len + extra + 2048 <= self.header
-
-    def add(self, job: _Job, layout_json: str) -> None:
-        """Write one forward; on failure the file is cut back to the forwards before it."""
-        start_pos, start_entries, start_pads = self.pos, len(self.entries), self.pads
-        try:
-            for key, t in job.tensors:
-                self._write_tensor(f"{job.forward}/{key}", t)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                self.file.truncate(8 + self.header + start_pos)
-            self.pos, self.pads = start_pos, start_pads
-            del self.entries[start_entries:]
-            self.entries_len = sum(len(e) + 1 for e in self.entries)
-            raise
-        if layout_json not in self.layout_ids:
-            self.layout_ids[layout_json] = len(self.layouts)
-            self.layouts.append(layout_json)
-            self.meta_len += len(json.dumps(layout_json)) + 1
-        self.layout_of.append(self.layout_ids[layout_json])
-        self.meta_len += len(str(self.layout_ids[layout_json])) + 1
-
-    def _write_tensor(self, key: str, t: torch.Tensor) -> None:
-        gap = (-self.pos) % _ALIGN
-        if gap:  # safetensors allows no holes: fill with a named pad
-            self._append(f"__pad__/{self.pads}", "U8", [gap], bytes(gap))
-            self.pads += 1
-        t = t.contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        self._append(key, DTYPES[t.dtype], list(t.shape), data)
-
-    def _append(self, key: str, code: str, shape: list[int], data: Any) -> None:
-        n = len(data) if isinstance(data, bytes) else data.nbytes
-        if n:
-            self.file.write(data)
-        e = _entry(key, code, shape, self.pos, self.pos + n)
-        self.entries.append(e)
-        self.entries_len += len(e) + 1
-        self.pos += n
-
-    @property
-    def forwards(self) -> int:
-        return len(self.layout_of)
-
-    def commit(self) -> dict[str, Any]:
-        """Write the header, fsync, rename to the final name; return the index entry."""
-        meta = json.dumps({"first": self.first, "count": self.forwards,
-                           "layouts": self.layouts, "layout_of": self.layout_of},
-                          separators=(",", ":"))
-        md = json.dumps({"__metadata__": {"format": f"{FORMAT}/{VERSION}", "fxprobe": meta}},
-                        separators=(",", ":"))
-        header = ("{" + ",".join([md[1:-1], *self.entries]) + "}").encode()
-        if len(header) > self.header:
-            raise DiskError(f"internal: shard header of {len(header)} bytes exceeds the "
-                            f"{self.header} reserved; please report this")
-        header += b" " * (self.header - len(header))
-        f = self.file
-        f.flush()
-        f.seek(0)
-        f.write(len(header).to_bytes(8, "little") + header)
-        f.flush()
-        if self.fsync:
-            os.fsync(f.fileno())
-        f.close()
-        os.replace(self.partial, self.final)
-        return {"file": self.final.name, "first": self.first, "count": self.forwards,
-                "bytes": 8 + self.header + self.pos}
-
-    def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
-        with contextlib.suppress(OSError):
-            self.partial.unlink()
-
-
 # -- the public writer ----------------------------------------------------------------------
 
 _OPEN: weakref.WeakSet[Disk] = weakref.WeakSet()
@@ -290,22 +71,6 @@ def _close_all() -> None:
             disk.close()
 
 
-def _write_json(path: Path, data: Any, fsync: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync and hasattr(os, "O_DIRECTORY"):
-        fd = os.open(path.parent, os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _default_rank() -> int | None:
     import torch.distributed as dist
 
@@ -314,7 +79,7 @@ def _default_rank() -> int | None:
     return None
 
 
-class Disk:
+class Disk(Sink):
     """Where ``fxprobe.tap(..., to=fxprobe.Disk(path))`` streams every forward's captures.
 
     A background thread writes each forward's values (as ``tapped.taps`` shows them: tensors,
@@ -373,17 +138,17 @@ class Disk:
         self.rank = rank if rank is not None else _default_rank()
         root = Path(path)
         self.path = root / f"rank{self.rank:05d}" if self.rank is not None else root
-        self._lock_fd: int | None = None
-        self._open_dir(mode)
+        self._dir = CaptureDir(self.path, mode, self.fsync)
+        self._next_forward = self._dir.committed
         self._cond = threading.Condition()
-        self._jobs: collections.deque[_Job | str] = collections.deque()
+        self._jobs: collections.deque[Job | str] = collections.deque()
         self._queued_bytes = 0
         self._busy = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lost = 0
         self._closed = False
-        self._shard: _Shard | None = None
+        self._shard: Shard | None = None
         self._module: Any = None
         global _ATEXIT
         if not _ATEXIT:
@@ -391,93 +156,23 @@ class Disk:
             _ATEXIT = True
         _OPEN.add(self)
 
-    # -- opening the directory --------------------------------------------------------------
-    def _open_dir(self, mode: Mode) -> None:
-        p = self.path
-        try:
-            p.mkdir(parents=True, exist_ok=True)
-            fd = os.open(p / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise DiskError(
-                f"cannot write captures to {str(p)!r}: {e.strerror or e} ({type(e).__name__}); "
-                "pass fxprobe.Disk a directory you can create and write to"
-            ) from e
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # not POSIX: no lock
-            pass
-        except OSError as e:
-            os.close(fd)
-            raise DiskError(
-                f"{str(p)!r} is being written by another fxprobe.Disk (its .lock is held); "
-                "close that one first, or write to another directory"
-            ) from e
-        self._lock_fd = fd
-        try:
-            self._load_index(mode)
-        except BaseException:
-            self._unlock()
-            raise
-
-    def _load_index(self, mode: Mode) -> None:
-        p = self.path
-        index_path = p / INDEX
-        shards = sorted(f for f in os.listdir(p) if SHARD_RE.match(f))
-        has = index_path.exists()
-        if mode == "new" and (has or shards):
-            raise DiskError(
-                f"{str(p)!r} already holds captures ({INDEX} and {len(shards)} shard(s)); "
-                "pass fxprobe.Disk(..., mode='append') to add to them, mode='overwrite' to "
-                "replace them, or another directory"
-            )
-        for f in os.listdir(p):  # leftovers of a crashed writer: never committed
-            if f.endswith((".partial", ".tmp")) or (mode == "overwrite" and SHARD_RE.match(f)):
-                (p / f).unlink()
-        if mode == "overwrite" and has:
-            index_path.unlink()
-            has = False
-        if has:
-            self._index = read_index(index_path)
-            # Shards a crash left behind after the rename but before the index: not committed.
-            listed = {s["file"] for s in self._index["shards"]}
-            for f in shards:
-                if f not in listed:
-                    (p / f).unlink()
-        else:
-            self._index = {"format": FORMAT, "version": VERSION, "sites": [],
-                           "signature": {}, "forwards": 0, "shards": []}
-        self._appending = bool(self._index["forwards"])
-        self._next_forward = self._index["forwards"]
-        numbers = [int(m.group(1)) for s in self._index["shards"]
-                   if (m := SHARD_RE.match(s["file"]))]
-        self._next_shard = max(numbers, default=-1) + 1
-
-    def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
-
     # -- the forward's side -----------------------------------------------------------------
     def attach(self, module: Any) -> None:
         """Let the writer copy ``module``'s parameters, buffers and inputs before handing them
         over (called by ``fxprobe.tap``; optional for other producers)."""
         self._module = weakref.ref(module)
 
-    def _protected(self, args: Any) -> tuple[set[int], frozenset[str]]:
-        # Storages the caller or an optimizer step may write after the forward: a value in
-        # one of them (x.view(-1), x.contiguous(), nn.Identity()(x), weight.t()) is copied.
-        tensors: list[torch.Tensor] = []
-        _tensors_in(args, tensors)
-        module = self._module() if self._module is not None else None
-        if module is not None:
-            tensors += [*module.parameters(), *module.buffers()]
-        ptrs = {_storage(t) for t in tensors if t.numel()} - {0}
-        if module is None:
-            return ptrs, frozenset()
-        inputs = frozenset(s.name for s in module.sites if s.kind == "placeholder")
-        return ptrs, inputs
+    def check_options(self, keep: int | None) -> None:
+        """Refuse what makes no sense with ``to=fxprobe.Disk(...)`` (see :class:`Sink`)."""
+        if self._closed:
+            raise ConfigError(f"to={self!r} is closed; pass a new fxprobe.Disk (mode='append' "
+                              "to add to the same captures)")
+        if keep is None:
+            raise ConfigError(
+                "keep='all' holds every forward in memory, which to=fxprobe.Disk(...) exists "
+                "to avoid; drop keep= (tapped.taps still shows the last forward) and read the "
+                "forwards back with fxprobe.open_captures(path)"
+            )
 
     def write(self, values: Mapping[str, Any], inputs: Any = ()) -> None:
         """Queue one forward's ``{site name: value}``; wait only while the queue is full.
@@ -496,17 +191,10 @@ class Disk:
         if self._closed:
             raise DiskError(f"this fxprobe.Disk ({str(self.path)!r}) is closed; create a new "
                             "one (mode='append' to add to the same captures)")
-        protected, input_sites = self._protected(inputs)
-        job = _Encoder(protected, input_sites, self.copy).job(-1, values)
-        if self._appending:
-            # The first forward of a run appending to earlier captures must be of the same
-            # model (same sites, structures, dtypes, shapes after dim 0): refused here, before
-            # anything is queued (and so is every later forward).
-            known = self._index["signature"]
-            if set(job.signature) != set(known) or any(
-                    known[n] != s for n, s in job.signature.items()):
-                raise DiskError(_mismatch(self.path, known, job.signature))
-            self._appending = False
+        module = self._module() if self._module is not None else None
+        protected, input_sites = protected_storages(inputs, module)
+        job = Encoder(protected, input_sites, self.copy).job(-1, values)
+        self._dir.check_same_model(job.signature)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -554,7 +242,7 @@ class Disk:
                 self._cond.notify_all()
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join()
-            self._unlock()
+            self._dir.unlock()
             _OPEN.discard(self)
 
     def __enter__(self) -> Disk:
@@ -576,7 +264,7 @@ class Disk:
         e = self._error
         if e is None:
             return
-        committed = self._index["forwards"]
+        committed = self._dir.committed
         raise DiskError(
             f"writing captures to {str(self.path)!r} failed: {e}. The {committed} forwards "
             f"listed in {INDEX} are intact and readable with fxprobe.open_captures; the "
@@ -601,30 +289,30 @@ class Disk:
                 elif item == "flush":
                     self._commit()
                 else:
-                    assert isinstance(item, _Job)
+                    assert isinstance(item, Job)
                     self._write_job(item)
             except BaseException as e:  # noqa: BLE001 (reported to the producer)
                 self._fail(e, item)
             finally:
                 with self._cond:
-                    if isinstance(item, _Job):
+                    if isinstance(item, Job):
                         self._queued_bytes -= item.nbytes
                     self._busy = False
                     self._cond.notify_all()
 
     def _fail(self, e: BaseException, item: Any) -> None:
         # A forward that failed half-way was cut back out of its shard: lost.
-        lost = 1 if isinstance(item, _Job) and not item.written else 0
+        lost = 1 if isinstance(item, Job) and not item.written else 0
         with contextlib.suppress(BaseException):  # the first error is the one to report
             self._commit()  # keep the complete forwards of the shard (counts what it loses)
         with self._cond:
-            self._lost += lost + sum(isinstance(j, _Job) for j in self._jobs)
+            self._lost += lost + sum(isinstance(j, Job) for j in self._jobs)
             self._error = e
 
-    def _write_job(self, job: _Job) -> None:
+    def _write_job(self, job: Job) -> None:
         if job.event is not None:
             job.event.synchronize()
-        self._add_sites(job)
+        self._dir.add_sites(job.signature)
         layout_json = json.dumps(job.layout, separators=(",", ":"))
         shard = self._shard
         if shard is not None and not shard.fits(job, layout_json):
@@ -637,22 +325,12 @@ class Disk:
         if shard.pos >= self.shard_size:
             self._commit()
 
-    def _new_shard(self, job: _Job, layout_json: str) -> _Shard:
+    def _new_shard(self, job: Job, layout_json: str) -> Shard:
         per_job = sum(len(k) + 128 + 12 * t.dim() for k, t in job.tensors) + 32
         jobs = max(1, math.ceil(self.shard_size / max(job.nbytes, 1)))
         header = per_job * jobs * 5 // 4 + len(layout_json) * 2 + 8192
         header = min(max(header, 64 * 1024), 64 * 2**20)
-        shard = _Shard(self.path, self._next_shard, job.forward, header, self.fsync)
-        self._next_shard += 1
-        return shard
-
-    def _add_sites(self, job: _Job) -> None:
-        index = self._index
-        known: dict[str, str] = index["signature"]
-        for name, sig in job.signature.items():
-            if name not in known:
-                known[name] = sig
-                index["sites"].append(name)
+        return Shard(self.path, self._dir.take_shard_number(), job.forward, header, self.fsync)
 
     def _commit(self) -> None:
         shard, self._shard = self._shard, None
@@ -668,67 +346,9 @@ class Disk:
             shard.abort()
             raise
         try:
-            self._record(entry)
+            self._dir.record(entry)
         except BaseException:  # renamed but not listed: not committed, so not kept
             self._lost += shard.forwards
             with contextlib.suppress(OSError):
                 shard.final.unlink()
             raise
-
-    def _record(self, entry: dict[str, Any]) -> None:
-        index = self._index
-        new = dict(index, shards=[*index["shards"], entry],
-                   forwards=entry["first"] + entry["count"])
-        _write_json(self.path / INDEX, new, self.fsync)
-        self._index = new
-
-
-def _tensors_in(value: Any, out: list[torch.Tensor]) -> None:
-    """Append every tensor in ``value`` (nested tuples, lists and mappings) to ``out``."""
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _tensors_in(v, out)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _tensors_in(v, out)
-
-
-def _storage(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage; 0 for tensors without one (sparse, nested, wrapper
-    subclasses), which hold no memory that a captured strided value could share."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-def _mismatch(path: Path, known: dict[str, str], new: dict[str, str]) -> str:
-    missing = [n for n in known if n not in new]
-    extra = [n for n in new if n not in known]
-    differ = [n for n in new if n in known and known[n] != new[n]]
-    parts = []
-    if extra:
-        parts.append(f"sites not in them: {', '.join(extra[:5])}")
-    if missing:
-        parts.append(f"their sites this model lacks: {', '.join(missing[:5])}")
-    if differ:
-        n = differ[0]
-        parts.append(f"site {n!r} differs (there {known[n]}, here {new[n]})")
-    return (f"{str(path)!r} holds captures of another model ({'; '.join(parts)}); nothing was "
-            "written. Write to another directory, or pass fxprobe.Disk(..., mode='overwrite') "
-            "to replace them")
-
-
-def check_disk_options(disk: Disk, keep: int | None) -> None:
-    """Refuse what makes no sense with ``to=fxprobe.Disk(...)``."""
-    if disk._closed:
-        raise ConfigError(f"to={disk!r} is closed; pass a new fxprobe.Disk (mode='append' to "
-                          "add to the same captures)")
-    if keep is None:
-        raise ConfigError(
-            "keep='all' holds every forward in memory, which to=fxprobe.Disk(...) exists to "
-            "avoid; drop keep= (tapped.taps still shows the last forward) and read the "
-            "forwards back with fxprobe.open_captures(path)"
-        )

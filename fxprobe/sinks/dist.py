@@ -28,8 +28,11 @@ import torch
 import torch.distributed as tdist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..capture.stats.math import Stats, StatsBatch, _EveryN, stats_table
+from ..capture.stats.batch import StatsBatch
+from ..capture.stats.math import Stats
+from ..capture.stats.table import stats_table
 from ..core.errors import ConfigError
+from .statslog import EveryN
 
 __all__ = ["StatsLogger", "gather", "reduce_stats"]
 
@@ -249,7 +252,7 @@ def gather(tapped: Any, names: Sequence[str] | str | None = None, dst: int = 0,
     return out
 
 
-class StatsLogger(_EveryN):
+class StatsLogger(EveryN):
     """Log the cross-rank statistics table on one rank every ``every`` steps.
 
     Call :meth:`step` on every rank after each forward (all ranks must call it equally

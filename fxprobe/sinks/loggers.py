@@ -2,8 +2,7 @@
 
 Every sink writes one scalar per site and statistic, tagged ``site/stat`` (``layer1.0.conv1/std``),
 so TensorBoard groups a site's statistics in one section. A sink is called only on the steps
-:class:`~fxprobe.StatsLogger` logs (every N); on the others nothing is read from the device.
-The statistics of one step arrive already on the host (one transfer, see ``StatsBatch``).
+:class:`~fxprobe.StatsLogger` logs (every N, one transfer to the host); other steps read nothing.
 
 TensorBoard and Lightning are optional: they are imported when a sink that needs them is made.
 """
@@ -15,9 +14,10 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..capture.stats.math import FIELDS, Stats, StatsLogger
+from ..capture.stats.math import FIELDS, Stats
 from ..core.errors import ConfigError
 from ..core.view import Viewable
+from .statslog import StatsLogger
 
 
 def _fields(fields: Iterable[str]) -> tuple[str, ...]:

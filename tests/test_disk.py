@@ -513,3 +513,25 @@ def test_forwards_from_several_threads_are_all_kept(tmp_path: Path) -> None:
     assert got == sorted(float(10 * k + i) for k in range(3) for i in range(6))
     by_thread = [[v for v in caps["v"][::3].tolist() if v // 10 == k] for k in range(3)]
     assert all(vs == sorted(vs) for vs in by_thread)  # each thread's forwards in its order
+
+
+def test_generate_writes_one_forward_per_step(tmp_path: Path) -> None:
+    """tapped.generate() with to=Disk: one captured forward per decoding step of that call,
+    each equal to what a cloning hook saw in model.generate()."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = tf.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    seen: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    expected = model.generate(ids, **kw)
+    hook.remove()
+    with torch.no_grad(), fxprobe.tap(model, ops="lm_head", to=fxprobe.Disk(tmp_path)) as tapped:
+        got = tapped.generate(ids, **kw)
+    assert torch.equal(got, expected)
+    caps = fxprobe.open_captures(tmp_path)
+    assert len(caps) == len(seen) == 4  # the prompt, then one forward per new token
+    for i, logits in enumerate(seen):
+        assert torch.equal(caps.forward(i)["lm_head"], logits), i

@@ -404,10 +404,34 @@ def test_a_loop_keeps_its_inplace_op_and_the_value_is_copied() -> None:
     assert tapped.copied == {"fc"} and not tapped.outplaced
 
 
-def test_disk_sink_is_refused(tmp_path: Path) -> None:
-    scripted = torch.jit.script(MLP().eval())
-    with pytest.raises(fxprobe.ConfigError, match="Disk"):
-        fxprobe.tap(scripted, to=fxprobe.Disk(tmp_path / "captures"))
+@pytest.mark.parametrize("how", ["script", "export"])
+def test_artifacts_stream_to_disk(tmp_path: Path, how: str) -> None:
+    """Every forward of a tapped .pt/.pt2 on disk, as cloning hooks saw it on the model; an
+    input the caller reuses after the forward is written as it was."""
+    torch.manual_seed(0)
+    model = MLP().eval()
+    xs = [torch.randn(2, 12) for _ in range(3)]
+    artifact: Any = (torch.jit.script(model) if how == "script" else
+                     torch.export.export(model, (xs[0],)))
+    seen: list[dict[str, torch.Tensor]] = []
+    hooks = [getattr(model, n).register_forward_hook(
+        lambda m, i, o, n=n: seen[-1].__setitem__(n, o.detach().clone())) for n in ("fc1", "fc2")]
+    buf = torch.empty(2, 12)
+    with torch.no_grad(), fxprobe.tap(artifact, ops=["x", "fc1", "fc2"],
+                                      to=fxprobe.Disk(tmp_path / "c")) as tapped:
+        for x in xs:
+            seen.append({"x": x.clone()})
+            model(x)
+            buf.copy_(x)
+            assert torch.equal(tapped(buf), model(x))
+            buf.fill_(7.0)  # the caller reuses its input buffer at once
+    for h in hooks:
+        h.remove()
+    caps = fxprobe.open_captures(tmp_path / "c")
+    assert len(caps) == 3 and set(caps.names) == {"x", "fc1", "fc2"}
+    for i, expected in enumerate(seen):
+        for name, value in expected.items():
+            assert torch.equal(caps.forward(i)[name], value), (i, name)
 
 
 @pytest.mark.parametrize("how", ["script", "trace", "export"])

@@ -9,7 +9,7 @@ here run it, keep what it returns (history, offload, statistics) and read it bac
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +62,6 @@ def artifact_options(kind: str, **kwargs: Any) -> TapOptions:
         if value is not default and value != default:
             what = "TorchScript modules" if kind == "script" else "torch.export programs"
             raise ConfigError(f"{key}={value!r} is not supported for {what}: {_WHY[key]}")
-    if options.sink is not None:
-        raise ConfigError(
-            "to=fxprobe.Disk(...) is not supported for TorchScript modules or torch.export "
-            "programs yet; pass to=None (or a device) and save tapped.taps after each forward")
     if options.reduce is not None and options.reduce != "stats":
         shown = getattr(options.reduce, "__name__", options.reduce)
         raise ConfigError(
@@ -101,6 +97,9 @@ class TappedArtifact(Viewable):
         self._removed = False
         self.source: Any = None
         """The artifact that was tapped, when fxprobe made this one from it (for drawing)."""
+        self._sink = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
+        if self._sink is not None:
+            self._sink.attach(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
@@ -117,9 +116,21 @@ class TappedArtifact(Viewable):
                 pipeline.finish(state.frame)
         finally:
             state.active = False
+        if self._sink is not None:
+            self._sink.write(self._rec.values(state.frame), (args, kwargs))
         return out
 
     forward = __call__
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """The artifact's parameters (what ``to=fxprobe.Disk`` copies a value out of)."""
+        module: Any = self._run  # a ScriptModule, or the program's module()
+        return iter(module.parameters())
+
+    def buffers(self) -> Iterator[torch.Tensor]:
+        """The artifact's buffers (what ``to=fxprobe.Disk`` copies a value out of)."""
+        module: Any = self._run
+        return iter(module.buffers())
 
     def _split(self, result: Any) -> tuple[Any, Sequence[Any]]:
         out, values = result
@@ -158,8 +169,11 @@ class TappedArtifact(Viewable):
         return render_artifact(self, path, kw, tap_artifact)
 
     def remove(self) -> None:
-        """Stop: later calls raise RemovedError; the last values stay readable."""
+        """Stop: later calls raise RemovedError; the last values stay readable; a ``to=Disk``
+        is flushed and closed (raises if its writer failed)."""
         self._removed = True
+        if self._sink is not None:
+            self._sink.close()
 
     def __enter__(self) -> TappedArtifact:
         return self

@@ -138,6 +138,55 @@ def fsdp2(rank: int, tmp: Path) -> None:
             assert same(model.taps["blocks.1.mul"], model.taps["blocks.1"])  # type: ignore
 
 
+def fsdp2_then_tap(rank: int, tmp: Path) -> None:
+    """A model fully_shard-ed first, then tapped, under every tracer: site names as on the
+    unsharded model, values as hooks on an unsharded copy see them, training as untapped."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> nn.Module:
+        model = net()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    x = batch(rank, 9)
+    untapped = sharded()
+    with torch.no_grad():
+        untapped(x)
+    want = train(untapped, rank)
+    for tracer in ("auto", "dynamo", "hooks"):
+        plain = fxprobe.tap(net(), tracer=tracer)
+        plain(x)
+        model = sharded()
+        tapped = fxprobe.tap(model, tracer=tracer)
+        with torch.no_grad():
+            tapped(x)
+        # Under dynamo each block's graph is told apart by its parameters, which FSDP2
+        # swaps for unsharded ones during the forward: blocks.1's values once came out
+        # named blocks.0.lin_1, blocks.0.relu_1...
+        # The ops' names (a sharded block, a module with FSDP's hooks, is a region of its
+        # own under fx: its input, its call and its attributes are named as such).
+        def ops(t: Any) -> list[str]:
+            return [s.name for s in t.sites if s.kind not in ("placeholder", "get_attr")
+                    and s.name not in ("blocks.0", "blocks.1")]
+
+        names, known = ops(tapped), ops(plain)
+        if tracer == "dynamo":  # dynamo runs the sharded root's own code as written: no head
+            known = [n for n in known if n.startswith("blocks.")]
+        assert names == known, (tracer, names)
+        shown = [n for n in names if n in dict(hook_targets(net()))]
+        _, ref = hook_values(net(), shown, x)
+        for n in shown:
+            assert same(tapped.taps[n], ref[n]), (tracer, n)
+        got = train(tapped, rank)
+        assert all(same(a, b) for a, b in zip(got, want, strict=True)), f"{tracer}: params"
+
+
+def hook_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if n]
+
+
 @contextlib.contextmanager
 def counting_collectives() -> Iterator[list[int]]:
     """Count the all-gathers this rank makes (one entry each) while the block runs."""
@@ -337,7 +386,7 @@ def disk(rank: int, tmp: Path) -> None:
 
 
 SCENARIOS: dict[str, Callable[[int, Path], None]] = {
-    f.__name__: f for f in (ddp_of_tapped, tap_of_ddp, fsdp2, reduce_stats, gather,
+    f.__name__: f for f in (ddp_of_tapped, tap_of_ddp, fsdp2, fsdp2_then_tap, reduce_stats, gather,
                             stats_logger, disk, reduce_stats_of_empty_values)
 }
 

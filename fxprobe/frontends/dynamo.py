@@ -257,7 +257,7 @@ class _Captured:
         if self.anchor is None:
             return self.located
         rel = self.anchor_rel
-        for owner in self.region.param_names.get(id(args[self.anchor]), ()):
+        for owner in self.region.owners(args[self.anchor]):
             if owner == rel or owner.endswith("." + rel):
                 return owner[: len(owner) - len(rel)].rstrip(".")
         return ""
@@ -319,8 +319,7 @@ class DynamoRegion:
         self.namer = StableNamer()
         # Every name of each parameter (tied weights have several).
         self.param_names: dict[int, list[str]] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            self.param_names.setdefault(id(p), []).append(name)
+        self._index_parameters()
         self.module_ids = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
         self.state = [*module.parameters(), *module.buffers()]
         self.sites: dict[str, Site] = {}
@@ -383,6 +382,28 @@ class DynamoRegion:
         captured.version(example_inputs)
         self.captured.append(captured)
         return captured
+
+    def _index_parameters(self) -> None:
+        self.param_names = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(p), []).append(name)
+
+    def owners(self, p: torch.Tensor) -> list[str]:
+        """The names of parameter ``p`` in the region's module. Looked up again when ``p`` is
+        not what is registered under them: FSDP2 (``fully_shard``) registers an unsharded
+        parameter for the duration of a forward in place of the sharded one, which the names
+        read at ``tap()`` knew; every block would otherwise look like the first one."""
+        names = self.param_names.get(id(p))
+        if names is None or not self._registered(names[0], p):
+            self._index_parameters()
+            names = self.param_names.get(id(p))
+        return names or []
+
+    def _registered(self, name: str, p: torch.Tensor) -> bool:
+        try:
+            return self.module.get_parameter(name) is p
+        except AttributeError:
+            return False
 
     def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str,
                    repeat: int = 0) -> _Instrumented:

@@ -183,6 +183,32 @@ def fsdp2_then_tap(rank: int, tmp: Path) -> None:
         assert all(same(a, b) for a, b in zip(got, want, strict=True)), f"{tracer}: params"
 
 
+def fsdp2_transformer(rank: int, tmp: Path) -> None:
+    """A Hugging Face model sharded per block, then tapped (dynamo, under tracer="auto"):
+    each block's values under its own name, equal to hooks on an unsharded copy."""
+    from torch.distributed.fsdp import fully_shard
+
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model, ref = tf.GPT2LMHeadModel(config).eval(), tf.GPT2LMHeadModel(config).eval()
+    ref.load_state_dict(model.state_dict())
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(rank))
+    names = [f"transformer.h.{i}.mlp.c_fc" for i in range(2)] + ["lm_head"]
+    tapped = fxprobe.tap(model, ops=names)
+    with torch.no_grad():
+        out = tapped(ids)
+        _, seen = hook_values(ref, names, ids)
+        want = ref(ids)
+    assert torch.allclose(out.logits, want.logits, atol=1e-6)
+    assert sorted(tapped.taps) == sorted(names)
+    for n in names:
+        assert torch.allclose(tapped.taps[n], seen[n], atol=1e-6), n
+
+
 def hook_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if n]
 
@@ -386,7 +412,8 @@ def disk(rank: int, tmp: Path) -> None:
 
 
 SCENARIOS: dict[str, Callable[[int, Path], None]] = {
-    f.__name__: f for f in (ddp_of_tapped, tap_of_ddp, fsdp2, fsdp2_then_tap, reduce_stats, gather,
+    f.__name__: f for f in (ddp_of_tapped, tap_of_ddp, fsdp2, fsdp2_then_tap,
+                            fsdp2_transformer, reduce_stats, gather,
                             stats_logger, disk, reduce_stats_of_empty_values)
 }
 

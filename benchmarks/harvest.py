@@ -40,7 +40,7 @@ from torch import nn
 import fxprobe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
-BLOCKS = re.compile(r"^transformer\.h\.\d+$")
+BLOCKS = re.compile(r"^h\.\d+$")  # GPT2Model: the blocks are h.0, h.1, ...
 
 
 def gpt2(layers: int, width: int, heads: int) -> nn.Module:
@@ -58,51 +58,51 @@ def hidden(out: Any) -> torch.Tensor:
 
 def write_rounds(model: nn.Module, ids: torch.Tensor, base: Path, rounds: int, per: int
                  ) -> dict[str, list[float]]:
-    """Seconds per forward of each treatment, ``per`` forwards a round, rounds interleaved."""
+    """Seconds per forward of each treatment, ``per`` forwards a round, rounds interleaved.
+    Each tapped module is made (and captured by dynamo) once, before the rounds; a Disk round
+    ends with ``flush()`` (everything on disk), counted."""
     cpu = fxprobe.tap(model, ops=BLOCKS, to="cpu")
+    disk = fxprobe.Disk(base / "written")
+    on_disk = fxprobe.tap(model, ops=BLOCKS, to=disk)
     times: dict[str, list[float]] = {"to_cpu": [], "to_disk": [], "hooks_torch_save": []}
     with torch.no_grad():
-        cpu(ids)  # capture (dynamo) outside the timing
+        cpu(ids)  # captures outside the timing
+        on_disk(ids)
+        disk.flush()
         model(ids)
+    saved = base / "saved"
+    saved.mkdir()
+    step = 0
     for r in range(rounds):
         order = list(times)
         order = order[r % 3:] + order[:r % 3]
         for kind in order:
-            d = base / f"w{r}-{kind}"
             with torch.no_grad():
                 start = time.perf_counter()
                 if kind == "to_cpu":
                     for _ in range(per):
                         cpu(ids)
                 elif kind == "to_disk":
-                    with fxprobe.tap(model, ops=BLOCKS, to=fxprobe.Disk(d)) as tapped:
-                        if r == 0:
-                            tapped(ids)  # its own capture, outside the timing
-                            start = time.perf_counter()
-                            per_run = per - 1
-                        else:
-                            per_run = per
-                        for _ in range(per_run):
-                            tapped(ids)
-                    if r == 0:
-                        times[kind].append((time.perf_counter() - start) / max(per_run, 1))
-                        shutil.rmtree(d, ignore_errors=True)
-                        continue
+                    for _ in range(per):
+                        on_disk(ids)
+                    disk.flush()
                 else:
-                    d.mkdir(parents=True)
                     seen: dict[str, torch.Tensor] = {}
                     hooks = [blk.register_forward_hook(
-                        lambda m, i, o, k=k: seen.__setitem__(k, hidden(o).detach().clone()))
+                        lambda m, i, o, k=k, s=seen: s.__setitem__(k, hidden(o).detach().clone()))
                         for k, blk in enumerate(model.h)]
                     try:
-                        for step in range(per):
+                        for _ in range(per):
                             model(ids)
-                            torch.save(dict(seen), d / f"batch-{step:05d}.pt")
+                            torch.save(dict(seen), saved / f"batch-{step:05d}.pt")
+                            step += 1
                     finally:
                         for h in hooks:
                             h.remove()
                 times[kind].append((time.perf_counter() - start) / per)
-            shutil.rmtree(d, ignore_errors=True)
+    on_disk.remove()
+    shutil.rmtree(base / "written", ignore_errors=True)
+    shutil.rmtree(saved, ignore_errors=True)
     return times
 
 
@@ -154,10 +154,8 @@ def read_child(kind: str, base: str, name: str, batch: int) -> None:
             check += float(b[0, 0])
     else:  # torch.load every batch file, concatenate, shuffle in memory
         files = sorted(Path(base, "pt").glob("batch-*.pt"))
-        allrows = torch.cat([torch.load(f)[name].reshape(-1, 768 if False else
-                                                         torch.load(f)[name].shape[-1])
-                             for f in files]) if False else torch.cat(
-            [v.reshape(-1, v.shape[-1]) for v in (torch.load(f)[name] for f in files)])
+        loaded = [torch.load(f)[name] for f in files]
+        allrows = torch.cat([v.reshape(-1, v.shape[-1]) for v in loaded])
         perm = torch.randperm(allrows.shape[0])
         for i in range(0, allrows.shape[0], batch):
             b = allrows[perm[i:i + batch]]

@@ -33,6 +33,7 @@ from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import CaptureError
 from ..core.options import Capture, CopyPolicy
 from ..core.site import STATE, Site, attach
+from .canonical import annotate
 from .dynamo_names import FILE_LINE, NamedGraph, Namer, name_graph, param_path
 
 
@@ -345,16 +346,17 @@ class DynamoRegion:
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs)
+        named = annotate(graph, named, root=self.module, root_path=self.path)
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
         selected = self.choose(named.order)
         chosen = {s.name for s in selected}
-        for node, probs in named.sdpa.items():
+        for node, probs in [*named.scores.items(), *named.sdpa.items()]:
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
             with graph.inserting_after(node):
-                extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
+                extra = graph.call_function(probs.target, node.args, dict(node.kwargs))
             attach(extra, probs)
         self.on_sites(new, selected)
         named_graph = copy_graph(graph)

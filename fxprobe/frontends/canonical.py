@@ -137,6 +137,15 @@ class _Graph:
             return "getattr"
         return dynamo_op_key(n) or getattr(n.target, "__name__", None)
 
+    def call_of(self, n: fx.Node) -> fx.Node:
+        """The value of the call of the module whose code ran ``n`` (an embedding module
+        that scales its lookup: its output), or ``n`` where that call has no one value."""
+        path = self.path(n)
+        for x in self.nodes[self.index[n]:]:
+            if any(s.inlined and s.module_path == path for s in x.meta.get(SITES, ())):
+                return x
+        return n
+
     def path(self, n: fx.Node) -> str | None:
         s = self.sites.get(n)
         return s.module_path if s is not None else None
@@ -174,6 +183,14 @@ class _Graph:
         return [a for a in n.all_input_nodes if not self.is_param(a)
                 and self.shape(a) is not None]
 
+    @staticmethod
+    def is_parameter(n: fx.Node) -> bool:
+        """A module's parameter (not a buffer: position ids, masks, frequencies)."""
+        source = getattr(n.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        return n.op == "placeholder" and isinstance(name, str) and "._parameters[" in name
+
     def weight(self, n: fx.Node) -> fx.Node | None:
         """The parameter of two or more dimensions ``n`` reads (through views), if any."""
         for a in n.all_input_nodes:
@@ -181,7 +198,7 @@ class _Graph:
             while seen < 4 and not self.is_param(a) and self.key(a) in _VIEWS | {"getattr"} \
                     and a.all_input_nodes:
                 a, seen = a.all_input_nodes[0], seen + 1
-            if self.is_param(a):
+            if self.is_parameter(a):
                 s = self.shape(a)
                 if s is None or len(s) >= 2:
                     return a
@@ -748,17 +765,17 @@ def _ends(g: _Graph, blocks: dict[int, _Block], pre: str, out: _Namer, last: boo
                 if root.op == "placeholder" and not g.is_param(root):
                     tok.append(e)
         if len(tok) == 1:
-            out.put(tok[0], pre + "embed")
+            out.put(g.call_of(tok[0]), pre + "embed")
             positions = (g.shape(first.stream_in) or (0, 0))[-2]
             rest = []
             for e in embeds:
-                w = g.weight(e)
+                w = e.args[1] if len(e.args) > 1 and isinstance(e.args[1], fx.Node) else None
                 rows = (g.shape(w) or (sympy.Integer(0),))[0] if w is not None else sympy.Integer(0)
                 enough = rows >= positions  # a row per position (unknown: symbolic)
                 if e is not tok[0] and enough != sympy.false:
                     rest.append((rows, e))
             if rest:
-                out.put(max(rest, key=lambda t: (int(t[0]) if t[0].is_number else 0))[1],
+                out.put(g.call_of(max(rest, key=lambda t: int(t[0]) if t[0].is_number else 0)[1]),
                         pre + "pos_embed")
     end = blocks[max(blocks)].resid[-1] if blocks[max(blocks)].resid else None
     if end is None:

@@ -214,10 +214,12 @@ class Taps(Mapping[str, Any]):
     _why = "a branch not taken, or no forward yet"
 
     def __init__(self, recording: Recording, order: dict[str, int],
-                 frame: Frame | None = None) -> None:
+                 frame: Frame | None = None, aliases: Mapping[str, str] | None = None) -> None:
         self._rec = recording
         self._order = order
         self._frame = frame or recording.frame
+        self._aliases = aliases or {}
+        """Canonical names (``blocks.3.resid_post``) of selected sites, to their site names."""
 
     @property
     def replaced(self) -> frozenset[str]:
@@ -241,6 +243,7 @@ class Taps(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         vals = self._values()
+        name = name if name in vals or name in self._order else self._aliases.get(name, name)
         if name in vals:
             event = self._frame.events.get(name)
             if event is not None:
@@ -252,7 +255,8 @@ class Taps(Mapping[str, Any]):
                 f"({self._why}); the sites that have one are: "
                 f"{', '.join(list(self._ordered())[:20]) or 'none'}"
             )
-        close = difflib.get_close_matches(name, list(self._order), n=5, cutoff=0.5)
+        close = difflib.get_close_matches(name, [*self._order, *self._aliases], n=5,
+                                          cutoff=0.5)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownSiteError(
             f"{name!r} is not a tapped site.{hint} tapped.sites lists the selected sites; "
@@ -266,7 +270,8 @@ class Taps(Mapping[str, Any]):
         return len(self._values())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._values()
+        vals = self._values()
+        return name in vals or (isinstance(name, str) and self._aliases.get(name) in vals)
 
     def __repr__(self) -> str:
         items = []

@@ -99,14 +99,22 @@ def function(fn: Callable[..., Any]) -> Selector:
 
 
 def glob(pattern: str) -> Selector:
-    """Select sites whose name matches a shell-style pattern (``"layer1.*.add"``)."""
-    return Selector(lambda s: fnmatch.fnmatchcase(s.name, pattern), repr(pattern), strict=True)
+    """Select sites whose name, or one of their canonical names (``Site.canonical``:
+    ``"blocks.*.resid_post"``), matches a shell-style pattern (``"layer1.*.add"``)."""
+    return Selector(lambda s: any(fnmatch.fnmatchcase(n, pattern) for n in names_of(s)),
+                    repr(pattern), strict=True)
 
 
 def regex(pattern: re.Pattern[str]) -> Selector:
-    """Select sites whose name contains a match of a compiled regular expression."""
-    return Selector(lambda s: pattern.search(s.name) is not None,
+    """Select sites whose name, or one of their canonical names, contains a match of a
+    compiled regular expression."""
+    return Selector(lambda s: any(pattern.search(n) is not None for n in names_of(s)),
                     f"re.compile({pattern.pattern!r})", strict=True)
+
+
+def names_of(site: Site) -> tuple[str, ...]:
+    """Every name ``site`` answers to: its own, then its canonical names."""
+    return (site.name, *site.canonical)
 
 
 def as_selector(obj: Any) -> Selector:
@@ -201,7 +209,7 @@ def _may_hide(probe: str, fallback: Any) -> bool:
 def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
                      fallbacks: Sequence[Any] = ()) -> str:
     sites = list(sites)
-    names = [s.name for s in sites]
+    names = [n for s in sites for n in names_of(s)]
     probe = sel.description.strip("'\"")
     close = difflib.get_close_matches(probe, names, n=5, cutoff=0.4)
     if not close:

@@ -52,6 +52,10 @@ class Site:
     type_name: str | None = None
     """Qualified class name of the called module where no Python class is at hand
     (TorchScript, torch.export): ``torchvision.models.resnet.BasicBlock``."""
+    canonical: tuple[str, ...] = field(default=(), compare=False)
+    """The names it also answers to in fxprobe's one vocabulary of transformers
+    (``blocks.3.resid_post``, ``blocks.4.resid_pre``: one value, two roles), derived from the
+    graph by ``frontends.canonical``; empty elsewhere. Name and glob selectors match them."""
 
     @property
     def op(self) -> str:

@@ -20,6 +20,7 @@ keyed by the identity of a parameter it receives, and a new instance gets its ow
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -31,11 +32,12 @@ from torch import fx, nn
 from ..capture.inplace import OUT_OF_PLACE
 from ..capture.pipeline import Pipeline
 from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
-from ..core.errors import CaptureError
+from ..core.errors import CaptureError, InterventionError
 from ..core.names import join
 from ..core.options import Capture, CopyPolicy
 from ..core.site import CALL_ARGS, SITES, STATE, Site, attach
 from ..core.view import CapturedGraph, CaptureInfo
+from .canonical import annotate
 from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
 
 
@@ -85,12 +87,18 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
     return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
 
 
-def _probs_twice(*args: Any, **kwargs: Any
-                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
-    """:func:`attention_probs` for the site (which ``fn=`` may replace or edit in place), and
-    the same tensor with its version, which tell :func:`_attend` whether it did."""
-    probs = attention_probs(*args, **kwargs)
-    return probs, (probs, probs._version)
+@functools.cache
+def _twice(fn: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """A function (a graph's call target) returning ``fn(*args)`` (the pattern or the scores
+    beside SDPA) for the site, which ``fn=`` may replace or edit in place, and the same tensor
+    with its version, which tell :func:`_attend` and :func:`_attend_scores` whether it did."""
+
+    def twice(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+        value = fn(*args, **kwargs)
+        return value, (value, value._version)
+
+    twice.__name__ = twice.__qualname__ = f"_twice_{fn.__name__}"
+    return twice
 
 
 def _attend(out: torch.Tensor, pattern: torch.Tensor, made: tuple[torch.Tensor, int],
@@ -109,46 +117,85 @@ def _attend(out: torch.Tensor, pattern: torch.Tensor, made: tuple[torch.Tensor, 
     return torch.matmul(pattern.to(value.dtype), value)
 
 
+def _attend_scores(out: torch.Tensor, raw: torch.Tensor, scores: torch.Tensor,
+                   made: tuple[torch.Tensor, int], query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                   dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """The attention output after the scores' site: ``out`` while the scores are the ones
+    computed, else ``softmax(scores) @ value`` (after SDPA's dropout), as the eager math path
+    computes it from the edited scores. ``raw`` is SDPA's own output: an edited pattern too
+    (``out`` is not ``raw``) is refused, since one of the two edits would be lost."""
+    if scores is made[0] and scores._version == made[1]:
+        return out
+    if out is not raw:
+        raise InterventionError(
+            "fn= edited both the attention scores and the attention pattern of one SDPA "
+            "call; only one of them can drive its output: edit one, or use "
+            "attn_implementation='eager'")
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    probs = probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+    if dropout_p > 0.0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
+    if enable_gqa and value.dim() >= 3 and value.size(-3) != probs.size(-3):
+        value = value.repeat_interleave(probs.size(-3) // value.size(-3), dim=-3)
+    return torch.matmul(probs, value)
+
+
 # Returns its first argument or new memory, and writes nothing (for the in-place analysis).
 setattr(_attend, OUT_OF_PLACE, True)
+setattr(_attend_scores, OUT_OF_PLACE, True)
 
 
-def _drive_output(graph: fx.Graph, sdpa: fx.Node, site: str) -> fx.Node:
-    """With ``fn=``: insert the pattern beside the SDPA call so that the code after the call
-    reads :func:`_attend`'s output, which follows an edited pattern; return the pattern's node.
+def _drive_output(graph: fx.Graph, sdpa: fx.Node, probs: Site) -> fx.Node:
+    """With ``fn=``: insert the pattern (or the scores) beside the SDPA call so that the code
+    after the call reads :func:`_attend`'s (:func:`_attend_scores`') output, which follows an
+    edited pattern (scores); return the pattern's (scores') node.
 
     ::
 
         before:  q, k, v -> sdpa -> next
         after:   q, k, v -> sdpa -----------------------> attend -> next
-                         -> _probs_twice -> getitem(0) -> (the site: fn, keep)
+                         -> _twice -> getitem(0) -> (the site: fn, keep)
                                          -> getitem(1) -> attend
 
     The call's sites (its own, a module call ending there) move to ``attend``: their value is
     the attention output that flows on. The pattern's site (``site``) reads the call's
     arguments, as beside SDPA without ``fn=``.
     """
+    site = probs.name
+    scores = probs.target is not attention_probs  # the scores beside SDPA (canonical)
+    # Beside a call another site already rewired, the output that flows on is its user.
+    flowing = next((u for u in sdpa.users if u.target in (_attend, _attend_scores)), sdpa)
     with graph.inserting_after(sdpa):
-        pair = graph.call_function(_probs_twice, sdpa.args, dict(sdpa.kwargs))
+        pair = graph.call_function(_twice(probs.target), sdpa.args, dict(sdpa.kwargs))
     with graph.inserting_after(pair):
         pattern = graph.call_function(operator.getitem, (pair, 0))
     pattern.meta[CALL_ARGS] = {site: (tuple(sdpa.args), pair)}
     with graph.inserting_after(pattern):
         made = graph.call_function(operator.getitem, (pair, 1))
-    with graph.inserting_after(made):
-        out = graph.call_function(_attend, (sdpa, pattern, made, *sdpa.args),
-                                  dict(sdpa.kwargs))
-    sdpa.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    anchor = flowing if flowing is not sdpa else made
+    with graph.inserting_after(anchor):
+        if scores:
+            out = graph.call_function(_attend_scores, (flowing, sdpa, pattern, made, *sdpa.args),
+                                      dict(sdpa.kwargs))
+        else:
+            out = graph.call_function(_attend, (flowing, pattern, made, *sdpa.args),
+                                      dict(sdpa.kwargs))
+    flowing.replace_all_uses_with(
+        out, delete_user_cb=lambda user: user is not out and user.target not in (
+            _attend, _attend_scores))
+    # The call's sites (its own, a module call ending there) move to what flows on; their
+    # inputs stay the call's: the SDPA op's arguments, a module call's as named.
+    sites = flowing.meta.pop(SITES, [])
+    if sites:
+        calls = flowing.meta.pop(CALL_ARGS, {})
+        out.meta[SITES] = sites
+        out.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(sdpa.args), sdpa))
+                               for s in sites}
     for key in ("nn_module_stack", "stack_trace"):
         if key in sdpa.meta:
             out.meta[key] = sdpa.meta[key]
-    sites = sdpa.meta.pop(SITES, [])
-    if sites:
-        calls = sdpa.meta.pop(CALL_ARGS, {})
-        out.meta[SITES] = sites
-        # Their inputs stay the call's: the SDPA op's arguments, a module call's as named.
-        out.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(sdpa.args), sdpa))
-                               for s in sites}
     return pattern
 
 
@@ -414,19 +461,20 @@ class DynamoRegion:
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
+        named = annotate(graph, named, root=self.module, root_path=self.path)
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
         selected = self.choose(named.order)
         chosen = {s.name for s in selected}
-        for node, probs in named.sdpa.items():
+        for node, probs in [*named.scores.items(), *named.sdpa.items()]:
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
-            if self.pipeline.fn is not None:  # an edited pattern must reach the output
-                extra = _drive_output(graph, node, probs.name)
+            if self.pipeline.fn is not None:  # an edited pattern or scores must reach the output
+                extra = _drive_output(graph, node, probs)
             else:
                 with graph.inserting_after(node):
-                    extra = graph.call_function(attention_probs, node.args, dict(node.kwargs))
+                    extra = graph.call_function(probs.target, node.args, dict(node.kwargs))
             attach(extra, probs)
         self.on_sites(new, selected)
         named_graph = copy_graph(graph)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,9 @@ class NamedGraph:
     """Every site in graph order (attention probabilities right after their SDPA call)."""
     modules: frozenset[str] = frozenset()
     """The paths of the modules whose code ran in the graph (the frame's own included)."""
+    scores: dict[fx.Node, Site] = field(default_factory=dict)
+    """The attention-scores site beside each scaled_dot_product_attention call (added by
+    ``frontends.canonical``)."""
 
 
 def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,

@@ -77,6 +77,8 @@ class Program:
     order found."""
     hook_names: frozenset[str] = frozenset()
     """The hooked sites that record now (not those inside a module dynamo runs)."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """The canonical names of the selected sites (``blocks.3.resid_post``), to their names."""
 
     def __post_init__(self) -> None:
         self.base = self.selected
@@ -101,6 +103,7 @@ class Program:
                 selected.append(s)
         self.selected = tuple(selected)
         self.order = {s.name: i for i, s in enumerate(selected)}
+        self.aliases = {c: s.name for s in selected for c in s.canonical}
         hidden = self.hidden()
         self.hook_names = frozenset(h.name for h in self.hooks if h.name not in hidden)
 
@@ -179,7 +182,7 @@ class Program:
 
     def site(self, name: str) -> Site | None:
         """The selected site of ``name`` (``name_1``, a hooked module's second call: its site)."""
-        i = self.order.get(name)
+        i = self.order.get(self.aliases.get(name, name))
         if i is None:
             base, sep, n = name.rpartition("_")
             i = self.order.get(base) if sep and n.isdigit() else None

@@ -349,7 +349,8 @@ class TappedModule(nn.Module, Viewable):
     @property
     def taps(self) -> Taps:
         """The values the last forward captured, by site name."""
-        return Taps(self._rec, self._program().order)
+        prog = self._program()
+        return Taps(self._rec, prog.order, aliases=prog.aliases)
 
     @property
     def options(self) -> TapOptions:
@@ -359,15 +360,16 @@ class TappedModule(nn.Module, Viewable):
     @property
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
-        order = self._program().order
-        return [Taps(self._rec, order, frame) for frame in self._rec.history()]
+        prog = self._program()
+        return [Taps(self._rec, prog.order, frame, prog.aliases) for frame in self._rec.history()]
 
     @property
     def grads(self) -> Grads:
         """With ``grad=True``: the gradient of the last backward with respect to each value."""
         if not self._options.grad:
             raise ConfigError("tapped.grads needs fxprobe.tap(..., grad=True)")
-        return Grads(self._rec, self._program().order)
+        prog = self._program()
+        return Grads(self._rec, prog.order, aliases=prog.aliases)
 
     @property
     def sites(self) -> tuple[Site, ...]:

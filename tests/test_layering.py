@@ -14,7 +14,8 @@ Layers, lowest first; a module may import its own layer and the layers its row n
 
 Within ``frontends``, a frontend does not reach into another one's modules: each family below
 imports only itself and ``mirror`` (the copied module tree that every model frontend starts
-from); ``auto`` (the ``tracer="auto"`` lifecycle) is the one place that combines them.
+from). Nothing in ``frontends`` combines them: the ``tracer="auto"`` lifecycle (fx, then
+dynamo, then hooks) runs them together, so it lives in ``runtime/lifecycle.py``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "runtime": ("core", "capture", "frontends", "sinks", "present", "runtime"),
 }
 FRONTEND_FAMILIES: dict[str, tuple[str, ...]] = {
-    "fx": ("fx",),
+    "fx": ("fx", "fx_tracer"),
+    "fx_tracer": ("fx_tracer",),
     "hooks": ("hooks",),
     "mirror": (),
     "dynamo": ("dynamo", "dynamo_names"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from ..core.errors import CaptureError
 from ..core.names import one_line
@@ -289,6 +289,12 @@ class Lifecycle:
         return {key: version for path, region in self.program.dynamo.items()
                 if self.state.get(path) is not State.FALLBACK
                 for key, version in region.instrumented().items()}
+
+    def kept_safe(self, how: Literal["copied", "outplaced"]) -> frozenset[str]:
+        """The traced sites kept safe from a later in-place op by a copy (``"copied"``) or by
+        running that op out of place (``"outplaced"``), in dynamo's graphs too."""
+        return frozenset([n for c in self.program.compiled.values() for n in getattr(c, how)]
+                         + [n for v in self.dynamo_graphs().values() for n in getattr(v, how)])
 
     def graphs(self) -> tuple[CapturedGraph, ...]:
         """The graphs dynamo captured so far in the modules it runs, for the pictures."""

@@ -388,26 +388,20 @@ class TappedModule(nn.Module, Viewable):
         """
         life = self._lifecycle()
         out = {path: c.graph for path, c in life.program.compiled.items()}
-        for key, version in life.dynamo_graphs().items():
-            out[key] = version.graph
-        return out
+        return out | {key: v.graph for key, v in life.dynamo_graphs().items()}
 
     @property
     def copied(self) -> frozenset[str]:
         """The traced sites whose value is copied before a later in-place op overwrites it
         (in dynamo's graphs too, once a forward captured them)."""
-        life = self._lifecycle()
-        return frozenset([n for c in life.program.compiled.values() for n in c.copied]
-                         + [n for v in life.dynamo_graphs().values() for n in v.copied])
+        return self._lifecycle().kept_safe("copied")
 
     @property
     def outplaced(self) -> frozenset[str]:
         """The traced sites kept safe by running the one in-place op that would overwrite
         their value out of place (``ReLU(inplace=True)`` as ``relu``), instead of a copy (in
         dynamo's graphs too, once a forward captured them)."""
-        life = self._lifecycle()
-        return frozenset([n for c in life.program.compiled.values() for n in c.outplaced]
-                         + [n for v in life.dynamo_graphs().values() for n in v.outplaced])
+        return self._lifecycle().kept_safe("outplaced")
 
     def view(self) -> View:
         """What the tables and pictures read: the plan as it stands, the selected sites, the

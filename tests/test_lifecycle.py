@@ -111,3 +111,42 @@ def test_known_sites_lists_what_fx_hooks_and_then_dynamo_know() -> None:
     inside = {s.name: s.how for s in known.records if s.module_path.startswith("gate")}
     assert "dynamo" in inside.values()  # op-level sites inside the module fx could not trace
     assert [s.name for s in tapped.sites] == ["head"]  # the selection is not the listing
+
+
+def _branch_input(model: nn.Module, sign: float) -> torch.Tensor:
+    """An input whose gate takes the ``pos`` branch (``sign`` 1) or the ``neg`` one (-1)."""
+    gen = torch.Generator().manual_seed(0)
+    while True:
+        x = torch.randn(3, 8, generator=gen)
+        with torch.no_grad():
+            if model.stem(x).sum() * sign > 0:
+                return x
+
+
+@pytest.mark.parametrize("eager_first", [False, True])
+@pytest.mark.parametrize("first", [1.0, -1.0])
+def test_compiled_auto_captures_hook_sites_whichever_branch_comes_first(
+        first: float, eager_first: bool) -> None:
+    # An outer torch.compile traces through the module fx could not trace: it runs as written,
+    # and its hooks must be in place before the first compiled call reaches them.
+    model, _, _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    torch._dynamo.reset()
+    if eager_first:  # dynamo captured the module before the outer compile came
+        with torch.no_grad():
+            tapped(_branch_input(model, -first))
+        assert _states(tapped) == {"gate": "dynamo"}
+    compiled = torch.compile(tapped, backend="eager")
+    for sign in (first, -first, first):
+        x = _branch_input(model, sign)
+        with torch.no_grad():
+            got = compiled(x)
+            expected, ref = hook_values(model, ["stem", "gate.pos", "gate.neg.0", "head"], x)
+        assert torch.equal(got, expected)
+        assert sorted(tapped.taps) == sorted(ref)
+        for name, value in ref.items():
+            assert torch.equal(tapped.taps[name], value), name
+    assert _states(tapped) == {"gate": "fallback"}
+    (fb,) = tapped.fallbacks
+    assert "torch dynamo failed too" in fb.error and "outer torch.compile" in fb.error
+    torch._dynamo.reset()

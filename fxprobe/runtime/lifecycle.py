@@ -9,6 +9,7 @@ still learn two things, and they live here, in one :class:`Lifecycle` per progra
       PENDING --first call--> DYNAMO --dynamo failed, parameters and buffers untouched--> FALLBACK
          ^                      |                                                          |
          +--the model's own error at the first call (as written too, after a fallback)-----+
+      PENDING or DYNAMO --an outer torch.compile traces the tapped module--> FALLBACK
 
   In ``PENDING`` the module is a fallback like any other (its hook sites and inner regions are
   known before the first forward); in ``DYNAMO`` its dynamo sites replace those; in
@@ -28,6 +29,8 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
+
 from ..core.errors import CaptureError
 from ..core.names import one_line
 from ..core.record import Recording
@@ -36,6 +39,19 @@ from ..core.site import Site
 from ..core.view import CapturedGraph, CaptureInfo, Fallback, Plan
 from ..frontends.dynamo import dynamo_failed
 from .program import Program, SiteNames
+
+_TRACED_THROUGH = (
+    "CaptureError: an outer torch.compile traces through this module (torch dynamo does not "
+    "run a compiled region of its own inside another one); it runs as written, with hooks")
+
+
+@torch.compiler.disable
+def fall_back_all(life: Lifecycle) -> None:
+    """:meth:`Lifecycle.traced_through`, run eagerly: called from a forward that an outer
+    ``torch.compile`` traces, it makes a graph break, so that the hooks it installs are in
+    place before the trace goes on (a hook registered inside the trace would be missed by the
+    module calls of that same trace)."""
+    life.traced_through()
 
 
 class State(enum.StrEnum):
@@ -55,6 +71,7 @@ MOVES: frozenset[tuple[State, State]] = frozenset({
     (State.DYNAMO, State.PENDING),  # the first call raised the model's own error
     (State.DYNAMO, State.FALLBACK),  # dynamo failed (at any call), the module state untouched
     (State.FALLBACK, State.PENDING),  # the first call failed as written too
+    (State.PENDING, State.FALLBACK),  # an outer torch.compile traces the tapped module
 })
 """The transitions a deferred module makes, (from, to)."""
 
@@ -89,6 +106,8 @@ class Lifecycle:
         self.order: dict[str, int] = {}
         self.hook_names: frozenset[str] = frozenset()
         """The hooked sites that record now (not those inside a module dynamo runs)."""
+        self.waiting = False
+        """Whether a deferred module does not run as written yet (see :meth:`traced_through`)."""
         for path, region in program.dynamo.items():
             region.on_sites = self._on_sites(path)
         self._refresh()
@@ -135,6 +154,15 @@ class Lifecycle:
             if state is State.PENDING:  # fails as written too: not dynamo's failure
                 self._move(path, State.PENDING)
             raise
+
+    def traced_through(self) -> None:
+        """An outer ``torch.compile`` traces the tapped module: it traces through the dynamo
+        regions too (dynamo does not nest), so every deferred module runs as written from now
+        on. Called before the trace reaches them, outside it (:func:`fall_back_all`), so that
+        the trace sees the hooks installed inside them."""
+        for path, state in list(self.state.items()):
+            if state is not State.FALLBACK:
+                self._move(path, State.FALLBACK, _TRACED_THROUGH)
 
     def _move(self, path: str, to: State, reason: str = "") -> None:
         """Move the deferred module at ``path`` to ``to``; its installation follows."""
@@ -188,6 +216,7 @@ class Lifecycle:
                 selected.append(s)
         self.selected = tuple(selected)
         self.order = {s.name: i for i, s in enumerate(selected)}
+        self.waiting = any(s is not State.FALLBACK for s in self.state.values())
         hidden = self.hidden()
         self.hook_names = frozenset(h.name for h in self.program.hooks if h.name not in hidden)
 

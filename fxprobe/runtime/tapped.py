@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
@@ -31,7 +32,7 @@ from ..frontends.mirror import (
     own_forward,
     user_hooks,
 )
-from .lifecycle import Lifecycle, State
+from .lifecycle import Lifecycle, State, fall_back_all
 from .program import Program, SiteNames, View, build_program
 from .shapes import propagate
 
@@ -239,6 +240,8 @@ class TappedModule(nn.Module, Viewable):
                         "tap() to avoid the second trace.")
         else:
             life = self._lifecycle()
+        if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written
+            fall_back_all(life)
         # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
         # so that torch.compile adds no Python guard that the two paths agree.
         state = self._pipeline.rec.begin(life.hook_names)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch import nn
 
-from .core.errors import ConfigError, SelectorError
+from .core.errors import ConfigError
 from .core.options import (
     Capture,
     CopyPolicy,
@@ -22,7 +22,7 @@ from .core.options import (
     default_options,
     make_options,
 )
-from .core.select import Selector, as_selectors
+from .core.select import as_selectors
 from .core.site import Site
 from .runtime.artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from .runtime.program import SiteNames, check_model, list_sites
@@ -192,29 +192,23 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
         return listed
     options = default_options(tracer=tracer, leaf_modules=leaf_modules,
                               autowrap_functions=autowrap_functions)
-    nothing = Selector(lambda s: False, "nothing")  # discovery only
-    try:
-        probe = TappedModule(model, [nothing], options)
-    except SelectorError:  # checked now: nothing runs under dynamo
-        return listed
+    # No selector at all: the probe taps nothing and checks nothing, it only finds sites.
+    probe = TappedModule(model, [], options)
     probe.train(train)
     try:
-        prog = probe._program()
-        if not prog.dynamo:
+        paths = [c.path for c in probe.captures]  # one per module torch dynamo runs
+        if not paths:
             return listed
         if example_input is None and example_kwargs is None:
-            paths = ", ".join(repr(p) for p in prog.dynamo)
             raise ConfigError(
-                f"torch dynamo captures {paths} of {type(model).__name__}, whose sites are "
-                "found by running it: pass example_input=(args...) and/or "
-                "example_kwargs={...}, e.g. fxprobe.sites(model, tracer='dynamo', "
-                "example_kwargs={'input_ids': ids})")
+                f"torch dynamo captures {', '.join(repr(p) for p in paths)} of "
+                f"{type(model).__name__}, whose sites are found by running it: pass "
+                "example_input=(args...) and/or example_kwargs={...}, e.g. "
+                "fxprobe.sites(model, tracer='dynamo', example_kwargs={'input_ids': ids})")
         args = example_input if isinstance(example_input, tuple) else (
             () if example_input is None else (example_input,))
-        prog.unchecked = None
         with torch.no_grad():
             probe(*args, **(example_kwargs or {}))
-        found = prog.known_sites()
+        return probe.known_sites()
     finally:
         probe.remove()
-    return SiteNames(found, prog.fallbacks)

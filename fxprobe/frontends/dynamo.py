@@ -354,7 +354,7 @@ class DynamoRegion:
                  capture: Capture, copy: CopyPolicy,
                  is_leaf: Callable[[nn.Module, str], bool],
                  choose: Callable[[Sequence[Site]], list[Site]],
-                 on_sites: Callable[[list[Site], list[Site]], None]) -> None:
+                 on_sites: Callable[[list[Site], list[Site]], None] | None = None) -> None:
         self.path = path
         self.module = module
         self.pipeline = pipeline
@@ -363,6 +363,9 @@ class DynamoRegion:
         self.is_leaf = is_leaf
         self.choose = choose
         self.on_sites = on_sites
+        """Called as ``on_sites(new, selected)`` for each graph named: the sites not seen
+        before and those the graph selects. Whoever runs the region may set it (the runtime's
+        ``Lifecycle``, which is made after the program that holds the region)."""
         self.namer = StableNamer()
         # Every name of each parameter (tied weights have several).
         self.param_names: dict[int, list[str]] = {}
@@ -389,7 +392,7 @@ class DynamoRegion:
 
     def versions(self) -> list[int]:
         """The version counters of the module's parameters and buffers: a change shows an
-        in-place write by the forward (see ``_tap.TappedModule._run_deferred``)."""
+        in-place write by the forward (see ``runtime.lifecycle.Lifecycle.run``)."""
         return [t._version for t in self.state]
 
     def instrumented(self) -> dict[str, _Instrumented]:
@@ -476,7 +479,8 @@ class DynamoRegion:
                 with graph.inserting_after(node):
                     extra = graph.call_function(probs.target, node.args, dict(node.kwargs))
             attach(extra, probs)
-        self.on_sites(new, selected)
+        if self.on_sites is not None:
+            self.on_sites(new, selected)
         named_graph = copy_graph(graph)
         # A captured graph returns to dynamo's bytecode (the code between graph breaks, or
         # the caller), which fxprobe does not see and which may write into what it returns.

@@ -1,14 +1,15 @@
 """Build a program: what one mode of a tapped model runs, planned once and run many times.
 
-:func:`build_program` is a pure step — (model copy, selectors, options, mode) in, a
+:func:`build_program` is a pure step — (model copy, selectors, options, mode) in, a frozen
 :class:`Program` out — made of passes over one copy of each frontend's graph: select sites,
-insert taps (``_rewrite.insert_taps``), compile. Installing it (hooks, dispatch of traced
-regions) and running it is the runtime's part (``_tap.TappedModule``).
+insert taps (``capture.rewrite.insert_taps``), compile. Installing it (hooks, dispatch of
+traced regions) and running it is the runtime's part (``runtime.tapped.TappedModule``); what
+running it learns (the ``tracer="auto"`` states, the sites dynamo finds) is held by a
+``runtime.lifecycle.Lifecycle``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from ..core.options import TapOptions, TracerKind
 from ..core.select import Selector, select
 from ..core.site import Site
 from ..core.view import View, Viewable
-from ..frontends.dynamo import CapturedGraph, CaptureInfo, DynamoRegion
+from ..frontends.dynamo import DynamoRegion
 from ..frontends.fx import Deferred, Fallback, Plan, is_leaf, plan
 from ..frontends.mirror import HookWatch, mirror
 
@@ -43,150 +44,36 @@ class HookSpec:
     hook records only while the region is not running, see ``_hooks``); else None."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Program:
-    """Everything one mode of a tapped module runs: compiled regions and hooks."""
+    """Everything one mode of a tapped module runs, fixed once built: the plan, the selection,
+    the compiled regions, the hooks to install, and the dynamo regions. What running it
+    changes (the ``tracer="auto"`` states, the sites dynamo selects) is the runtime's
+    ``Lifecycle`` (``runtime.lifecycle``)."""
 
     training: bool
+    """The mode it runs (``module.training``)."""
     plan: Plan
+    """How fx, hooks and dynamo reach the model in this mode."""
     selected: tuple[Site, ...]
-    compiled: dict[str, Compiled]
+    """The sites selected before any forward (fx and hooks), in execution order; the sites
+    dynamo regions select join them as their graphs are captured (the first forward)."""
+    compiled: Mapping[str, Compiled]
+    """The instrumented fx regions with a tap, by module path."""
     hooks: tuple[HookSpec, ...]
-    order: dict[str, int]
-    guarded: dict[str, tuple[str, ...]]
+    """The hooks to install (inside a deferred module: only while it runs as written)."""
+    guarded: Mapping[str, tuple[str, ...]]
     """Per region below untraced code: its sites that are hooked too (see ``HookSpec``). The
     region's capture counts as their first call, so a direct call after it is ``name_1``."""
-    dynamo: dict[str, DynamoRegion] = field(default_factory=dict)
-    """Modules run under torch dynamo, by path. Their selected sites join ``selected`` and
-    ``order`` as their graphs are captured (the first forward)."""
-    unchecked: list[Selector] | None = None
-    """With dynamo regions: the selectors to check once the first forward found their sites."""
+    dynamo: Mapping[str, DynamoRegion] = field(default_factory=dict)
+    """Modules run under torch dynamo (the deferred ones included), by path."""
+    deferred: Mapping[str, Deferred] = field(default_factory=dict)
+    """``tracer="auto"``: fallbacks tried with torch dynamo at their first call, by path."""
+    selectors: tuple[Selector, ...] | None = None
+    """With dynamo regions: the selectors to check once the first forward found their sites
+    (None or empty: nothing to check)."""
     watch: HookWatch | None = None
     """Watches the modules the graphs inlined for hooks registered after tracing."""
-    deferred: dict[str, Deferred] = field(default_factory=dict)
-    """``tracer="auto"``: fallbacks tried with torch dynamo at their first call, by path."""
-    state: dict[str, str] = field(default_factory=dict)
-    """Of each deferred module: "pending" (before its first call), "dynamo" (captured: its
-    dynamo sites replace the fallback's) or "fallback" (dynamo failed: hooks, as written)."""
-    reasons: dict[str, str] = field(default_factory=dict)
-    """Why dynamo failed on a deferred module, by path."""
-    base: tuple[Site, ...] = ()
-    """The sites selected before any forward (fx and hooks)."""
-    added: dict[str, tuple[str, Site]] = field(default_factory=dict)
-    """The sites dynamo regions selected, by name: the region's path and the site, in the
-    order found."""
-    hook_names: frozenset[str] = frozenset()
-    """The hooked sites that record now (not those inside a module dynamo runs)."""
-    aliases: dict[str, str] = field(default_factory=dict)
-    """The canonical names of the selected sites (``blocks.3.resid_post``), to their names."""
-
-    def __post_init__(self) -> None:
-        self.base = self.selected
-        self.refresh()
-
-    def hidden(self) -> frozenset[str]:
-        """Site names of fallbacks that dynamo runs instead (or will, before the first call)."""
-        return frozenset(n for path, d in self.deferred.items()
-                         if self.state.get(path) != "fallback" for n in d.sites)
-
-    def refresh(self) -> None:
-        """Recompute ``selected``, ``order`` and ``hook_names`` from the deferred states."""
-        seen: set[str] = set()
-        selected = []
-        for s in self._current(self.base, in_place=True):
-            if s.name not in seen:
-                seen.add(s.name)
-                selected.append(s)
-        for path, s in self.added.values():
-            if self.state.get(path) != "fallback" and s.name not in seen:
-                seen.add(s.name)
-                selected.append(s)
-        self.selected = tuple(selected)
-        self.order = {s.name: i for i, s in enumerate(selected)}
-        self.aliases = {c: s.name for s in selected for c in s.canonical}
-        hidden = self.hidden()
-        self.hook_names = frozenset(h.name for h in self.hooks if h.name not in hidden)
-
-    def _current(self, sites: Sequence[Site], in_place: bool = False) -> list[Site]:
-        """``sites`` as they stand now: a fallback's site inside a module dynamo runs is gone
-        once dynamo ran its module's code (dynamo's own sites replace it), and a dynamo site
-        not run yet before that (a branch not taken: dynamo names a module call by its path,
-        as the hook did). With ``in_place``, dynamo's site of the same name takes its place."""
-        captured = {n for path, d in self.deferred.items() if self.state.get(path) == "dynamo"
-                    for n in d.sites}
-        if not captured:
-            return list(sites)
-        reached = {m for region in self.dynamo.values() for m in region.modules}
-        out = []
-        for s in sites:
-            found = self.added.get(s.name) if in_place and s.name in captured else None
-            if s.name not in captured:
-                out.append(s)
-            elif found is not None:
-                out.append(found[1])
-            elif (s.module_path not in reached and s.name not in reached
-                  and s.kind not in ("placeholder", "get_attr")):
-                out.append(dataclasses.replace(s, how="dynamo"))
-        return out
-
-    def set_state(self, path: str, state: str, reason: str = "") -> None:
-        self.state[path] = state
-        if reason:
-            self.reasons[path] = reason
-        self.refresh()
-
-    def active(self, path: str) -> bool:
-        """Whether the hooks and regions at ``path`` run: not inside a module dynamo runs."""
-        return not any(d.covers(path) for p, d in self.deferred.items()
-                       if self.state.get(p) != "fallback")
-
-    @property
-    def fallbacks(self) -> tuple[Fallback, ...]:
-        """The modules that run as written now (a deferred one once dynamo failed on it,
-        with dynamo's reason)."""
-        gone = {f for p, d in self.deferred.items() if self.state.get(p) == "dynamo"
-                for f in d.fallbacks}
-        out = []
-        for f in self.plan.fallbacks:
-            if f in gone:
-                continue
-            reason = self.reasons.get(f.path)
-            if reason is not None and f.path in self.deferred and f is self.deferred[
-                    f.path].fallback:
-                f = dataclasses.replace(f, error=f"{f.error}; torch dynamo failed too: {reason}")
-            out.append(f)
-        return tuple(out)
-
-    def known_sites(self) -> list[Site]:
-        """Every site known now: the plan's (see :meth:`_current`), then the sites dynamo
-        found so far."""
-        found = self._current(self.plan.sites)
-        for path, region in self.dynamo.items():
-            if self.state.get(path) != "fallback":
-                found.extend(region.sites.values())
-        return found
-
-    def current_plan(self) -> Plan:
-        """The plan as the pictures draw it now: without the fallbacks dynamo replaced (the
-        modules dynamo runs are drawn as one call each)."""
-        if not self.deferred:
-            return self.plan
-        gone = {r for p, d in self.deferred.items() if self.state.get(p) == "dynamo"
-                for r in d.regions}
-        captured = {n for path, d in self.deferred.items() if self.state.get(path) == "dynamo"
-                    for n in d.sites}
-        return dataclasses.replace(
-            self.plan, fallbacks=list(self.fallbacks),
-            sites=[s for s in self.plan.sites if s.name not in captured],
-            regions={k: r for k, r in self.plan.regions.items() if k not in gone})
-
-    def site(self, name: str) -> Site | None:
-        """The selected site of ``name`` (``name_1``, a hooked module's second call: its site)."""
-        i = self.order.get(self.aliases.get(name, name))
-        if i is None:
-            base, sep, n = name.rpartition("_")
-            i = self.order.get(base) if sep and n.isdigit() else None
-        return self.selected[i] if i is not None else None
 
 
 def check_model(model: Any, what: str = "fxprobe.tap") -> nn.Module:
@@ -288,17 +175,14 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         hooks.extend(HookSpec(s.name, str(s.target), path) for s in calls)
         if calls:
             guarded[path] = tuple(s.name for s in calls)
-    prog = Program(training, p, tuple(selected), compiled, tuple(hooks),
-                   {s.name: i for i, s in enumerate(selected)}, guarded,
+    dynamo: dict[str, DynamoRegion] = {}
+    for path in [*(t.path for t in p.dynamo), *(d.path for d in p.deferred)]:
+        dynamo[path] = _dynamo_region(root, path, selectors, options, pipeline)
+    inlined = _inlined(root, compiled, dynamo)
+    return Program(training, p, tuple(selected), compiled, tuple(hooks), guarded, dynamo,
                    deferred={d.path: d for d in p.deferred},
-                   state={d.path: "pending" for d in p.deferred})
-    if p.dynamo or p.deferred:
-        prog.unchecked = list(selectors) if selectors is not None else None
-        for path in [*(t.path for t in p.dynamo), *(d.path for d in p.deferred)]:
-            prog.dynamo[path] = _dynamo_region(root, path, selectors, options, pipeline, prog)
-    inlined = _inlined(root, compiled, prog.dynamo)
-    prog.watch = HookWatch(inlined) if inlined else None
-    return prog
+                   selectors=tuple(selectors) if dynamo and selectors is not None else None,
+                   watch=HookWatch(inlined) if inlined else None)
 
 
 def _inlined(root: nn.Module, compiled: Mapping[str, Compiled],
@@ -322,8 +206,9 @@ def _inlined(root: nn.Module, compiled: Mapping[str, Compiled],
 
 
 def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
-                   options: TapOptions, pipeline: Pipeline, prog: Program) -> DynamoRegion:
-    """A module run under torch dynamo; the sites it selects join ``prog`` as they appear."""
+                   options: TapOptions, pipeline: Pipeline) -> DynamoRegion:
+    """A module run under torch dynamo; the sites it selects are reported as they appear
+    (``DynamoRegion.on_sites``: the runtime's ``Lifecycle`` listens)."""
     leaf_types = tuple(t for t in options.leaf_modules if isinstance(t, type))
     leaf_paths = frozenset(p for p in options.leaf_modules if isinstance(p, str))
 
@@ -332,40 +217,10 @@ def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
             return [s for s in found if not s.inlined]
         return [s for s in found if any(sel(s) for sel in selectors)]
 
-    def on_sites(new: list[Site], chosen: list[Site]) -> None:
-        fresh = [s for s in chosen if s.name not in prog.added]
-        if fresh:
-            prog.added.update((s.name, (path, s)) for s in fresh)
-            prog.refresh()
-
     module = root.get_submodule(path) if path else root
     return DynamoRegion(
         path, module, pipeline=pipeline, capture=options.capture, copy=options.copy,
-        is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths), choose=choose,
-        on_sites=on_sites)
-
-
-def check_found(prog: Program, model_name: str) -> None:
-    """After a forward of a program with dynamo regions: the selectors, against every site
-    found so far (``select``'s rules: a union may leave a type or function unmatched)."""
-    found = prog.known_sites()
-    mode = "train" if prog.training else "eval"
-    select(found, prog.unchecked, fallbacks=prog.fallbacks,
-           context=f"{model_name} ({mode} mode; sites found by the first forward: dynamo "
-           "captures graphs as the model runs; a module call that a graph break splits, or "
-           "that returns several values, is no site under dynamo: select the ops inside it, "
-           "or use tracer='hooks')")
-    prog.unchecked = None
-
-
-def captures_of(prog: Program) -> tuple[CaptureInfo, ...]:
-    return tuple(region.info for region in prog.dynamo.values())
-
-
-def graphs_of(prog: Program) -> tuple[CapturedGraph, ...]:
-    """The graphs dynamo captured so far in the modules it runs (not those it failed on)."""
-    return tuple(g for path, region in prog.dynamo.items()
-                 if prog.state.get(path) != "fallback" for g in region.drawn())
+        is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths), choose=choose)
 
 
 class SiteNames(tuple[str, ...], Viewable):

@@ -1,5 +1,6 @@
-"""The runtime: ``TappedModule``, what ``fxprobe.tap`` returns for a model (``_api``); its
-programs are built per mode (train/eval) on first use, installed, run and read here."""
+"""The runtime: ``TappedModule``, what ``fxprobe.tap`` returns for a model (``fxprobe.api``);
+its programs are built per mode (train/eval) on first use (``runtime.program``), installed, run
+and read here; what running a program changes is its ``Lifecycle`` (``runtime.lifecycle``)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,16 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
-from ..core.errors import CaptureError, ConfigError, RemovedError
-from ..core.names import one_line
+from ..core.errors import ConfigError, RemovedError
 from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
 from ..core.select import Selector
 from ..core.site import Site
-from ..core.view import Viewable
-from ..frontends.dynamo import CaptureInfo, DynamoRegion, dynamo_failed
-from ..frontends.fx import Fallback
+from ..core.view import CaptureInfo, Fallback, Viewable
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
     adopt,
@@ -33,7 +32,8 @@ from ..frontends.mirror import (
     own_forward,
     user_hooks,
 )
-from .program import Program, View, build_program, captures_of, check_found, graphs_of
+from .lifecycle import Lifecycle, State, fall_back_all
+from .program import Program, SiteNames, View, build_program
 from .shapes import propagate
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class TappedModule(nn.Module, Viewable):
     _rec: Recording
     _pipeline: Pipeline
     _hookset: HookSet
-    _programs: dict[bool, Program]
+    _lives: dict[bool, Lifecycle]
     _root_hooked: bool
     _changes: list[int]
     _structure: int
@@ -79,7 +79,7 @@ class TappedModule(nn.Module, Viewable):
         d["_selectors"] = selectors
         d["_options"] = options
         d["_model_name"] = type(model).__name__
-        d["_programs"] = {}
+        d["_lives"] = {}  # per mode: its program, as it runs
         d["_root_hooked"] = user_hooks(root)
         d["_changes"] = [0]  # counts changes of the copied tree's submodule dicts
         d["_structure"] = -1  # the count the programs were built at
@@ -95,14 +95,15 @@ class TappedModule(nn.Module, Viewable):
         # Callers read the model's signature to decide what to pass (transformers' generate()
         # builds position_ids from the attention mask only where forward accepts them).
         d["forward"] = _signed(self._forward_of_instance(), own_forward(root))
-        self._program(strict=True)
+        self._lifecycle(strict=True)
         if options.sink is not None:
             options.sink.attach(self)
 
     # -- building ---------------------------------------------------------------------------
-    def _program(self, strict: bool = False) -> Program:
-        prog = self._programs.get(self.training)
-        if prog is None:
+    def _lifecycle(self, strict: bool = False) -> Lifecycle:
+        """The current mode's program as it runs (built, installed the first time)."""
+        life = self._lives.get(self.training)
+        if life is None:
             if self._removed:
                 raise RemovedError(
                     "this tapped module was removed; call fxprobe.tap(model, ...) again"
@@ -110,48 +111,57 @@ class TappedModule(nn.Module, Viewable):
             drop_overrides(self._root)
             prog = build_program(self._root, self._selectors, self._options, self.training,
                                  self._pipeline, model_name=self._model_name, strict=strict)
-            self._programs[self.training] = prog
-            self._install(prog)
+            life = Lifecycle(prog, self._rec, self._moved)
+            self._lives[self.training] = life
+            self._install(life)
             count_changes(self._root, self._changes, tuple(prog.dynamo))
             self.__dict__["_modules"] = self._root._modules  # maybe a counting dict now
             self.__dict__["_structure"] = self._changes[0]
-        return prog
+        return life
+
+    def _program(self, strict: bool = False) -> Program:
+        """The current mode's program (fixed once built)."""
+        return self._lifecycle(strict).program
 
     def _site(self, name: str) -> Site | None:
-        prog = self._programs.get(self.training)
-        return prog.site(name) if prog is not None else None
+        life = self._lives.get(self.training)
+        return life.site(name) if life is not None else None
 
-    def _install(self, prog: Program) -> None:
+    def _install(self, life: Lifecycle) -> None:
         root = self._root
-        for spec in prog.hooks:
-            if not prog.active(spec.path):
+        for spec in life.program.hooks:
+            if not life.active(spec.path):
                 continue  # inside a module dynamo runs: installed if dynamo fails on it
             module = root.get_submodule(spec.path) if spec.path else root
             self._hookset.ensure(spec.name, module, spec.region)
-        paths = {path for p in self._programs.values() for path in (*p.compiled, *p.dynamo)
-                 if path and p.active(path)}
+        paths = {path for li in self._lives.values()
+                 for path in (*li.program.compiled, *li.program.dynamo)
+                 if path and li.active(path)}
         for path in paths:
             module = root.get_submodule(path)
             install_override(module, self._dispatcher(module, path))
-        if self._root_hooked or any("" in p.dynamo for p in self._programs.values()):
+        if self._root_hooked or any("" in li.program.dynamo for li in self._lives.values()):
             # The root's own hooks run around the program (fxprobe calls the root); and
             # model.generate() and other methods call the model itself: one frame per call.
             install_override(root, self._root_dispatcher())
 
     def _dispatcher(self, module: nn.Module, path: str) -> Callable[..., Any]:
-        programs, rec, store = self._programs, self._rec, self._pipeline.store
+        lives, rec, store = self._lives, self._rec, self._pipeline.store
         own = own_forward(module)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            prog = programs.get(module.training)
-            comp = prog.compiled.get(path) if prog is not None else None
-            if prog is None or comp is None:
-                dyn = prog.dynamo.get(path) if prog is not None else None
-                if prog is not None and dyn is not None:
-                    if path in prog.deferred:
-                        return self._run_deferred(prog, path, dyn, own, args, kwargs)
-                    return dyn(*args, **kwargs)
+            life = lives.get(module.training)
+            if life is None:
                 return own(*args, **kwargs)
+            prog = life.program
+            comp = prog.compiled.get(path)
+            if comp is None:
+                dyn = prog.dynamo.get(path)
+                if dyn is None:
+                    return own(*args, **kwargs)
+                if path in prog.deferred:  # tracer="auto": the lifecycle decides what runs
+                    return life.run(path, own, args, kwargs)
+                return dyn(*args, **kwargs)
             state = rec.state
             running = state.running
             running[path] = running.get(path, 0) + 1
@@ -173,66 +183,20 @@ class TappedModule(nn.Module, Viewable):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if rec.state.active:  # called by fxprobe (the root's hooks ran) or by the model
-                prog = self._programs.get(self._root.training) or self._program()
-                return self._body(prog, args, kwargs)
+                life = self._lives.get(self._root.training) or self._lifecycle()
+                return self._body(life, args, kwargs)
             return self._run(args, kwargs, through_root=False)  # generate(): a new frame
 
         return _signed(forward, own_forward(self._root))
 
-    def _run_deferred(self, prog: Program, path: str, region: DynamoRegion,
-                      own: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> Any:
-        """``tracer="auto"``: run a module fx could not trace under dynamo; if dynamo fails on
-        it, run it as written with its hook fallback instead, and say why in ``fallbacks``."""
-        state = prog.state[path]
-        if state == "fallback":
-            return own(*args, **kwargs)
-        if state == "pending":
-            self._set_state(prog, path, "dynamo")
-        versions = region.versions()
-        frame = self._rec.frame
-        stored = len(frame.parts)
-        try:
-            return region(*args, **kwargs)
-        except Exception as e:
-            if not dynamo_failed(e):
-                if state == "pending":  # the model's own error: dynamo may still work
-                    self._set_state(prog, path, "pending")
-                raise
-            if region.versions() != versions:
-                raise CaptureError(
-                    f"torch dynamo failed on {region.what} "
-                    f"({one_line(getattr(e, 'inner_exception', None) or e)}) after the "
-                    "forward had written the module's parameters or buffers in place, so it "
-                    "cannot be run again as written without writing them twice. Use "
-                    "tracer='hooks' for this model, or tracer='fx+dynamo' to see dynamo's "
-                    "error."
-                ) from e
-            # dynamo's own one-line summary of a backend failure names no cause
-            reason = one_line(getattr(e, "inner_exception", None) or e)
-        # Nothing the failed attempt kept stays: the module runs again, as written.
-        del frame.parts[stored:]
-        frame._cache = None
-        self._set_state(prog, path, "fallback", reason)
-        try:
-            return own(*args, **kwargs)
-        except Exception:
-            if state == "pending":  # fails as written too: not dynamo's failure
-                self._set_state(prog, path, "pending")
-            raise
-
-    def _set_state(self, prog: Program, path: str, state: str, reason: str = "") -> None:
-        """Move a deferred module to ``state``: its hooks and inner regions are installed
+    def _moved(self, life: Lifecycle, path: str, state: State) -> None:
+        """A deferred module moved to ``state``: its hooks and inner regions are installed
         exactly while it runs as written."""
-        prog.set_state(path, state, reason)
-        if state != "fallback":
-            self._hookset.discard(prog.deferred[path].sites)
+        if state is not State.FALLBACK:
+            self._hookset.discard(life.program.deferred[path].sites)
             drop_overrides(self._root)
-        for p in self._programs.values():
-            self._install(p)
-        rec = self._rec.state
-        if rec.active:
-            rec.hook_paths = prog.hook_names
+        for other in self._lives.values():
+            self._install(other)
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -261,28 +225,31 @@ class TappedModule(nn.Module, Viewable):
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], through_root: bool) -> Any:
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
-        prog = self._programs.get(self.training)
-        if prog is not None:
+        life = self._lives.get(self.training)
+        if life is not None:
+            watch = life.program.watch
             if self._changes[0] != self._structure:
-                prog = self._retrace(self._adopt())
-            elif prog.watch is not None:
-                changed = prog.watch.changed()
+                life = self._retrace(self._adopt())
+            elif watch is not None:
+                changed = watch.changed()
                 if changed:  # hooks on modules a graph inlined
-                    prog = self._retrace(
+                    life = self._retrace(
                         f"fxprobe: hooks were registered on {_some(changed)} after tap(), "
                         "inside code fxprobe had traced through (where they would never run); "
                         "the model is traced again, so that they run. Register hooks before "
                         "tap() to avoid the second trace.")
         else:
-            prog = self._program()
+            life = self._lifecycle()
+        if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written
+            fall_back_all(life)
         # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
         # so that torch.compile adds no Python guard that the two paths agree.
-        state = self._pipeline.rec.begin(prog.hook_names)
+        state = self._pipeline.rec.begin(life.hook_names)
         try:
             if through_root:  # the root's own hooks run around the body (its override)
                 out = self._root(*args, **kwargs)
             else:
-                out = self._body(prog, args, kwargs)
+                out = self._body(life, args, kwargs)
         finally:
             # Also when the forward raised: the statistics of what it captured are taken now,
             # not when first read (by then a value could have changed).
@@ -291,11 +258,12 @@ class TappedModule(nn.Module, Viewable):
             state.active = False
         if self._sink is not None:
             self._sink.write(self._rec.values(state.frame), (args, kwargs))
-        if prog.unchecked:
-            check_found(prog, self._model_name)
+        if life.unchecked:
+            life.check(self._model_name)
         return out
 
-    def _body(self, prog: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _body(self, life: Lifecycle, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        prog = life.program
         root = prog.compiled.get("")
         if root is not None:
             result = root.fn(root.holder, *args, **kwargs)
@@ -303,8 +271,8 @@ class TappedModule(nn.Module, Viewable):
             return result[0]
         dyn = prog.dynamo.get("")
         if dyn is not None:
-            if "" in prog.deferred:
-                return self._run_deferred(prog, "", dyn, own_forward(self._root), args, kwargs)
+            if "" in prog.deferred:  # tracer="auto": the lifecycle decides what runs
+                return life.run("", own_forward(self._root), args, kwargs)
             return dyn(*args, **kwargs)
         return own_forward(self._root)(*args, **kwargs)
 
@@ -320,11 +288,11 @@ class TappedModule(nn.Module, Viewable):
                if adopted else "")
             + "; the model is traced again.")
 
-    def _retrace(self, why: str) -> Program:
+    def _retrace(self, why: str) -> Lifecycle:
         """What the graphs were traced from changed: say ``why``, plan and compile again."""
         warnings.warn(why, stacklevel=6)
-        self._programs.clear()
-        return self._program()
+        self._lives.clear()
+        return self._lifecycle()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (HuggingFace), tapped: one frame per forward it makes.
@@ -337,7 +305,7 @@ class TappedModule(nn.Module, Viewable):
         gen = getattr(type(self._root), "generate", None)
         if gen is None:
             raise AttributeError(f"{self._model_name} has no generate() method")
-        self._program()
+        self._lifecycle()
         return gen(self._root, *args, **kwargs)
 
     def train(self, mode: bool = True) -> TappedModule:
@@ -349,8 +317,8 @@ class TappedModule(nn.Module, Viewable):
     @property
     def taps(self) -> Taps:
         """The values the last forward captured, by site name."""
-        prog = self._program()
-        return Taps(self._rec, prog.order, aliases=prog.aliases)
+        life = self._lifecycle()
+        return Taps(self._rec, life.order, aliases=life.aliases)
 
     @property
     def options(self) -> TapOptions:
@@ -360,16 +328,16 @@ class TappedModule(nn.Module, Viewable):
     @property
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
-        prog = self._program()
-        return [Taps(self._rec, prog.order, frame, prog.aliases) for frame in self._rec.history()]
+        life = self._lifecycle()
+        return [Taps(self._rec, life.order, frame, life.aliases) for frame in self._rec.history()]
 
     @property
     def grads(self) -> Grads:
         """With ``grad=True``: the gradient of the last backward with respect to each value."""
         if not self._options.grad:
             raise ConfigError("tapped.grads needs fxprobe.tap(..., grad=True)")
-        prog = self._program()
-        return Grads(self._rec, prog.order, aliases=prog.aliases)
+        life = self._lifecycle()
+        return Grads(self._rec, life.order, aliases=life.aliases)
 
     @property
     def sites(self) -> tuple[Site, ...]:
@@ -378,7 +346,7 @@ class TappedModule(nn.Module, Viewable):
         With ``fn=``, ``tapped.taps.replaced`` names the sites whose value ``fn`` replaced in
         the last forward.
         """
-        return self._program().selected
+        return self._lifecycle().selected
 
     @property
     def captures(self) -> tuple[CaptureInfo, ...]:
@@ -388,7 +356,7 @@ class TappedModule(nn.Module, Viewable):
             >>> out = tapped(input_ids=ids); print(*tapped.captures)
             <model>: 1 graph(s) captured by dynamo, 0 graph break(s) in the last forward, ...
         """
-        return captures_of(self._program())
+        return self._lifecycle().captures()
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
@@ -397,7 +365,19 @@ class TappedModule(nn.Module, Viewable):
         Under ``tracer="auto"``, a module that torch dynamo captured at the first forward is
         no longer listed; one that dynamo failed on says dynamo's reason too.
         """
-        return self._program().fallbacks
+        return self._lifecycle().fallbacks
+
+    def known_sites(self) -> SiteNames:
+        """Every site known now in the current mode, selected or not, as ``fxprobe.sites``
+        lists them: the plan's, then those torch dynamo found so far (after a forward), with
+        the modules that run as written.
+
+        Example:
+            >>> tapped = fxprobe.tap(gpt2, ops=F.softmax, tracer="dynamo")
+            >>> out = tapped(input_ids=ids); tapped.known_sites()[:2]
+            ('transformer.view', 'transformer.wte')
+        """
+        return self._lifecycle().site_names()
 
     @property
     def graphs(self) -> dict[str, fx.Graph]:
@@ -411,46 +391,34 @@ class TappedModule(nn.Module, Viewable):
             >>> list(tapped.graphs)  # GPT-2, tracer="dynamo", after a forward
             ['dynamo::0']
         """
-        prog = self._program()
-        out = {path: c.graph for path, c in prog.compiled.items()}
-        for key, version in self._dynamo_graphs(prog).items():
-            out[key] = version.graph
-        return out
-
-    @staticmethod
-    def _dynamo_graphs(prog: Program) -> dict[str, Any]:
-        return {key: version for path, region in prog.dynamo.items()
-                if prog.state.get(path) != "fallback"
-                for key, version in region.instrumented().items()}
+        life = self._lifecycle()
+        out = {path: c.graph for path, c in life.program.compiled.items()}
+        return out | {key: v.graph for key, v in life.dynamo_graphs().items()}
 
     @property
     def copied(self) -> frozenset[str]:
         """The traced sites whose value is copied before a later in-place op overwrites it
         (in dynamo's graphs too, once a forward captured them)."""
-        prog = self._program()
-        return frozenset([n for c in prog.compiled.values() for n in c.copied]
-                         + [n for v in self._dynamo_graphs(prog).values() for n in v.copied])
+        return self._lifecycle().kept_safe("copied")
 
     @property
     def outplaced(self) -> frozenset[str]:
         """The traced sites kept safe by running the one in-place op that would overwrite
         their value out of place (``ReLU(inplace=True)`` as ``relu``), instead of a copy (in
         dynamo's graphs too, once a forward captured them)."""
-        prog = self._program()
-        return frozenset([n for c in prog.compiled.values() for n in c.outplaced]
-                         + [n for v in self._dynamo_graphs(prog).values() for n in v.outplaced])
+        return self._lifecycle().kept_safe("outplaced")
 
     def view(self) -> View:
         """What the tables and pictures read: the plan as it stands, the selected sites, the
         last forward's values, what torch dynamo captured (``fxprobe.core.view.View``)."""
-        prog = self._program()
-        p = prog.current_plan()
+        life = self._lifecycle()
+        p = life.current_plan()
         mode = "train" if self.training else "eval"
-        return View(f"{self._model_name} ({mode} mode)", tuple(p.sites), prog.selected,
+        return View(f"{self._model_name} ({mode} mode)", tuple(p.sites), life.selected,
                     tuple(p.fallbacks), tapped=True,
                     taps=self.taps if self._rec.frame.parts else None,
                     capture=self._options.capture, plan=p, root=self._root,
-                    captures=captures_of(prog), graphs=graphs_of(prog),
+                    captures=life.captures(), graphs=life.graphs(),
                     shapes=partial(propagate, p, self._root))
 
     def render(self, path: str | Path, **kw: Any) -> Path:
@@ -503,13 +471,14 @@ class TappedModule(nn.Module, Viewable):
         return TappedModule(root, self._selectors, self._options)
 
     def extra_repr(self) -> str:
-        prog = self._programs.get(self.training)
-        if prog is None or self._removed:
+        life = self._lives.get(self.training)
+        if life is None or self._removed:
             return "removed" if self._removed else ""
-        hooks = sum(1 for s in prog.selected if s.how == "hook")
-        dyn = sum(1 for s in prog.selected if s.how == "dynamo")
-        text = f"sites={len(prog.selected)} (fx={len(prog.selected) - hooks - dyn}, hook={hooks}"
-        return text + (f", dynamo={dyn} found so far)" if prog.dynamo else ")")
+        selected = life.selected
+        hooks = sum(1 for s in selected if s.how == "hook")
+        dyn = sum(1 for s in selected if s.how == "dynamo")
+        text = f"sites={len(selected)} (fx={len(selected) - hooks - dyn}, hook={hooks}"
+        return text + (f", dynamo={dyn} found so far)" if life.program.dynamo else ")")
 
 
 def _signed(forward: Callable[..., Any], like: Callable[..., Any]) -> Callable[..., Any]:

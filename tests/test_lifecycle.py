@@ -1,0 +1,152 @@
+"""The ``tracer="auto"`` lifecycle (runtime/lifecycle.py): a fixed program, the states of each
+module fx cannot trace (pending -> dynamo, or -> fallback), and what the tapped module reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import zoo
+from reference import hook_values
+from torch import nn
+
+import fxprobe
+
+
+class Picky(nn.Module):
+    """Not fx-traceable (a branch on a shape); raises the model's own error on one input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            raise ValueError("Picky wants a batch")
+        return torch.tanh(self.lin(x)) * 2
+
+
+class WithPicky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.picky = Picky()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.picky(self.stem(x)) + 1
+
+
+def _states(tapped: fxprobe.TappedModule) -> dict[str, str]:
+    return {path: str(state) for path, state in tapped._lifecycle().state.items()}
+
+
+def test_the_program_stays_fixed_while_the_lifecycle_moves() -> None:
+    torch._dynamo.reset()
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=["stem", "gate.pos", "gate.neg.0", "head"])
+    prog = tapped._program()
+    fields = {f.name: getattr(prog, f.name) for f in dataclasses.fields(prog)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prog.selected = ()  # type: ignore[misc]
+    assert _states(tapped) == {"gate": "pending"}
+    assert {s.name: s.how for s in tapped.sites}["gate.pos"] == "hook"  # known before a run
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["stem", "head"], x)
+    assert torch.equal(out, expected)
+    for name, value in ref.items():
+        assert torch.equal(tapped.taps[name], value), name
+    assert _states(tapped) == {"gate": "dynamo"}
+    assert tapped.fallbacks == ()  # dynamo captured the module fx could not trace
+    assert tapped._program() is prog  # running built nothing, and changed nothing built
+    assert {f.name: getattr(prog, f.name) for f in dataclasses.fields(prog)} == fields
+
+
+def test_dynamo_failure_moves_to_the_fallback_with_its_reason(dynamo_fails: None) -> None:
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=["gate.pos", "gate.neg.0"])
+    with torch.no_grad():
+        out = tapped(x)
+        branch = "gate.pos" if model.stem(x).sum() > 0 else "gate.neg.0"
+        expected, ref = hook_values(model, [branch], x)
+    assert torch.equal(out, expected)
+    assert torch.equal(tapped.taps[branch], ref[branch])
+    assert _states(tapped) == {"gate": "fallback"}
+    (fb,) = tapped.fallbacks
+    assert "torch dynamo failed too" in fb.error and "dynamo fails here" in fb.error
+
+
+def test_the_models_own_error_at_the_first_call_leaves_the_module_pending() -> None:
+    torch._dynamo.reset()
+    model = WithPicky().eval()
+    tapped = fxprobe.tap(model, ops=["stem", "picky.lin"])
+    with torch.no_grad(), pytest.raises(ValueError, match="Picky wants a batch"):
+        tapped(torch.randn(1, 8))
+    assert _states(tapped) == {"picky": "pending"}
+    (fb,) = tapped.fallbacks
+    assert "dynamo failed" not in fb.error  # the error was the model's, not dynamo's
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        out = tapped(x)
+        expected, ref = hook_values(model, ["stem", "picky.lin"], x)
+    assert torch.equal(out, expected)
+    for name, value in ref.items():
+        assert torch.equal(tapped.taps[name], value), name
+    # Dynamo skips a frame it saw raise: the next call runs as written, and says why.
+    assert _states(tapped) == {"picky": "fallback"}
+    (fb,) = tapped.fallbacks
+    assert "torch dynamo failed too" in fb.error
+
+
+def test_known_sites_lists_what_fx_hooks_and_then_dynamo_know() -> None:
+    torch._dynamo.reset()
+    model, (x,), _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops="head")
+    assert tapped.known_sites() == fxprobe.sites(model)  # before a forward: fx and hooks
+    with torch.no_grad():
+        tapped(x)
+    known = tapped.known_sites()
+    assert known == fxprobe.sites(model, example_input=x)
+    inside = {s.name: s.how for s in known.records if s.module_path.startswith("gate")}
+    assert "dynamo" in inside.values()  # op-level sites inside the module fx could not trace
+    assert [s.name for s in tapped.sites] == ["head"]  # the selection is not the listing
+
+
+def _branch_input(model: nn.Module, sign: float) -> torch.Tensor:
+    """An input whose gate takes the ``pos`` branch (``sign`` 1) or the ``neg`` one (-1)."""
+    gen = torch.Generator().manual_seed(0)
+    while True:
+        x = torch.randn(3, 8, generator=gen)
+        with torch.no_grad():
+            if model.stem(x).sum() * sign > 0:
+                return x
+
+
+@pytest.mark.parametrize("eager_first", [False, True])
+@pytest.mark.parametrize("first", [1.0, -1.0])
+def test_compiled_auto_captures_hook_sites_whichever_branch_comes_first(
+        first: float, eager_first: bool) -> None:
+    # An outer torch.compile traces through the module fx could not trace: it runs as written,
+    # and its hooks must be in place before the first compiled call reaches them.
+    model, _, _ = zoo.make("data_dependent")
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    torch._dynamo.reset()
+    if eager_first:  # dynamo captured the module before the outer compile came
+        with torch.no_grad():
+            tapped(_branch_input(model, -first))
+        assert _states(tapped) == {"gate": "dynamo"}
+    compiled = torch.compile(tapped, backend="eager")
+    for sign in (first, -first, first):
+        x = _branch_input(model, sign)
+        with torch.no_grad():
+            got = compiled(x)
+            expected, ref = hook_values(model, ["stem", "gate.pos", "gate.neg.0", "head"], x)
+        assert torch.equal(got, expected)
+        assert sorted(tapped.taps) == sorted(ref)
+        for name, value in ref.items():
+            assert torch.equal(tapped.taps[name], value), name
+    assert _states(tapped) == {"gate": "fallback"}
+    (fb,) = tapped.fallbacks
+    assert "torch dynamo failed too" in fb.error and "outer torch.compile" in fb.error
+    torch._dynamo.reset()

@@ -419,7 +419,8 @@ def _cluster_attrs(path: str, scene: Scene, fallbacks: Mapping[str, Any]) -> dic
     if f is None:
         # penwidth set: a cluster inherits its enclosing one's (a tapped module's outline)
         return {"label": _text(f"{name} ({mtype})"), "style": "rounded", "color": "#AAAAAA",
-                "penwidth": "1", "fontcolor": "#444444", "fontsize": "9", "tooltip": _text(f"{name} ({mtype})"),
+                "penwidth": "1", "fontcolor": "#444444", "fontsize": "9",
+                "tooltip": _text(f"{name} ({mtype})"),
                 "class": "fxprobe-module"}
     return {"label": _text(f"{name} ({mtype}): runs as written, hooks inside"),
             "style": "dashed,filled", "fillcolor": "#F4F4F4", "color": _FALLBACK_PEN,

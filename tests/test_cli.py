@@ -4,6 +4,7 @@ parsing in process."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -289,3 +290,110 @@ def test_python_m_fxprobe_is_the_demo(models: Path, monkeypatch: pytest.MonkeyPa
     assert exit_.value.code == 0
     assert "wrote m.dot" in capsys.readouterr().out
     assert (models / "m.dot").read_text().startswith("// fxprobe.to_dot")
+
+
+# -- artifacts and factory keywords -------------------------------------------------------------
+
+SIZED = textwrap.dedent("""\
+    import torch, torch.nn as nn
+
+    class Patches(nn.Module):  # checks its input size as torchvision's ViT does
+        def __init__(self, image_size=8):
+            super().__init__()
+            self.image_size = image_size
+            self.proj = nn.Conv2d(3, 4, 2, stride=2)
+
+        def forward(self, x):
+            torch._assert(x.shape[2] == self.image_size,
+                          f"Expected {self.image_size} but got {x.shape[2]}")
+            return self.proj(x).flatten(1)
+
+    def patches(image_size=8, bias=True):
+        m = Patches(image_size)
+        if not bias:
+            m.proj.bias = None
+        return m
+    """)
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    model, args, _ = zoo.make("resnet")
+    torch.jit.save(torch.jit.script(model), "m.pt")
+    torch.export.save(torch.export.export(model, args), "m.pt2")
+    (tmp_path / "sized.py").write_text(SIZED)
+    return tmp_path
+
+
+@pytest.mark.parametrize("artifact, said", [("m.pt", "ResNetish (TorchScript)"),
+                                            ("m.pt2", "ExportedProgram (torch.export)")])
+def test_wrong_input_for_an_artifact_is_one_line_exit_2(
+        artifacts: Path, capsys: pytest.CaptureFixture[str], artifact: str, said: str) -> None:
+    assert _cli.main(["graph", artifact, "--input", "1x5", "-o", "g.dot"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"the example input (float32 [1, 5]) does not run through {said}" in err
+    assert not (artifacts / "g.dot").exists()
+
+
+@pytest.mark.parametrize("artifact, how", [("m.pt", "TorchScript graph"),
+                                           ("m.pt2", "torch.export graph")])
+def test_artifact_footer_says_which_graph(artifacts: Path, capsys: pytest.CaptureFixture[str],
+                                          artifact: str, how: str) -> None:
+    assert _cli.main(["sites", artifact]) == 0
+    out = capsys.readouterr().out
+    footer = out.strip().splitlines()[-1]
+    rows = len(out.partition("\n\n")[0].splitlines()) - 2
+    assert footer == f"{rows} sites: {rows} at op level ({how})", footer
+    assert "(fx)" not in out
+
+
+@pytest.mark.parametrize("kind", ["script", "export"])
+def test_sites_of_a_tapped_artifact_lists_every_tap(
+        artifacts: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    model, args, _ = zoo.make("resnet")
+    if kind == "script":  # module calls fx would trace through are taps of their own here
+        tapped = fxprobe.tap(torch.jit.script(model), ops=["layer1", "layer2.0", "fc"])
+        names = list(tapped.script_module.fxprobe_names)
+        tapped.save("t.pt")
+        path = "t.pt"
+    else:
+        tapped = fxprobe.tap(torch.export.export(model, args), ops=["layer1", "fc"])
+        out = tapped.exported().module()(*args)[1]
+        names = [s.name for s in tapped.sites]
+        assert len(out) == len(names)  # what the program returns, independently counted
+        torch.export.save(tapped.exported(), "t.pt2")
+        path = "t.pt2"
+    assert _cli.main(["sites", path]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split()[0] for line in out.partition("\n\n")[0].splitlines()[2:]]
+    assert sorted(listed) == sorted(names) and len(names) >= 2, (listed, names)
+
+
+def test_kw_passes_factory_keywords_as_literals(
+        artifacts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _arguments.parse_kw(["image_size=64", "act=gelu", "p=0.5", "s=(2, 2)",
+                                "name='x y'", "flag=False"]) == {
+        "image_size": 64, "act": "gelu", "p": 0.5, "s": (2, 2), "name": "x y", "flag": False}
+    for bad, said in [("image_size", "write NAME=VALUE"), ("2x=1", "write NAME=VALUE"),
+                      ("a=[1,", "is not a Python literal")]:
+        with pytest.raises(UsageError, match=re.escape(said)):
+            _arguments.parse_kw([bad])
+    with pytest.raises(UsageError, match="given twice"):
+        _arguments.parse_kw(["a=1", "a=2"])
+    model, _ = _arguments.load_model("sized.py:patches", {"image_size": 4, "bias": False})
+    assert model.image_size == 4 and model.proj.bias is None
+    with pytest.raises(UsageError, match="for a factory MODEL"):
+        _arguments.load_model("m.pt", {"image_size": 4})
+    with pytest.raises(UsageError, match=r"patches\(colour=1\) raised TypeError"):
+        _arguments.load_model("sized.py:patches", {"colour": 1})
+    # The factory's default size does not fit the input: the model is named, --kw suggested,
+    # fx's Proxy(...) wording is not shown.
+    assert _cli.main(["graph", "sized.py:patches", "--input", "1x3x4x4", "-o", "p.dot"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "MODEL sized.py:patches" in err and "--kw" in err and "Proxy(" not in err, err
+    assert _cli.main(["graph", "sized.py:patches", "--kw", "image_size=4", "--input",
+                      "1x3x4x4", "-o", "p.dot"]) == 0
+    assert "float32 [1, 4, 2, 2]" in (artifacts / "p.dot").read_text()  # Conv2d, 4x4 -> 2x2

@@ -616,3 +616,131 @@ def test_a_model_under_tracer_dynamo_is_not_drawn_as_hooked_before_a_forward() -
     label = nodes["/model"]["label"]
     assert "torch dynamo" in label and "hooks only" not in label
     assert "drawn after a forward" in nodes["/model"]["tooltip"]
+
+
+# -- big models: what is folded, what is outlined, what a collapsed module says -------------
+
+class _Passes(nn.Module):
+    """Identity and eval-mode Dropout between real ops, an optional input left at None, and a
+    block whose inner op and output differ in shape (a collapsed block must show its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.skip = nn.Identity()
+        self.drop = nn.Dropout(0.5)
+        self.block = nn.Sequential(nn.Linear(6, 3), nn.Identity(), nn.Linear(3, 5))
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = F.layer_norm(self.drop(self.skip(self.inp(x))), (6,), weight=mask)
+        return self.out(self.block(h))
+
+
+def _caption(source: str) -> str:
+    m = re.search(r'label="([^"]*)\\l"', source.splitlines()[2])
+    assert m is not None, source.splitlines()[2]
+    return m.group(1)
+
+
+def test_passthrough_modules_and_none_inputs_are_folded_and_listed() -> None:
+    model = _Passes().eval()
+    x = torch.randn(2, 4)
+    source = fxprobe.to_dot(model, x).source
+    nodes, edges = parse_dot(source)
+    caption = _caption(source)
+    for gone in ("skip", "drop", "block.1", "mask"):
+        assert gone not in nodes, gone
+    # Their input goes straight to their users, as eager runs it: inp -> block.0, block.0 ->
+    # block.2 (the hand-read data flow of forward).
+    assert ("inp", "layer_norm") in edges and ("block.0", "block.2") in edges
+    assert "inputs at their default mask=None" in caption
+    assert "modules that pass their input through 2 Identity, 1 Dropout" in caption
+    plumbing = parse_dot(fxprobe.to_dot(model, x, show_plumbing=True).source)[0]
+    assert {"skip", "drop", "block.1", "mask"} <= set(plumbing)
+    assert "not drawn" not in _caption(fxprobe.to_dot(model, x, show_plumbing=True).source)
+    # In train mode Dropout changes values: it is drawn.
+    train = parse_dot(fxprobe.to_dot(model, x, train=True).source)[0]
+    assert "drop" in train and "skip" not in train
+    # An input the example gives a tensor is drawn, with its edge.
+    given_nodes, given_edges = parse_dot(fxprobe.to_dot(model, (x, torch.ones(6))).source)
+    assert "mask" in given_nodes and any(a == "mask" for a, _ in given_edges)
+
+
+def test_caption_counts_are_those_of_sites_and_tapped_sites() -> None:
+    model = _Passes().eval()
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    tapped(torch.randn(2, 4))
+    caption = _caption(fxprobe.to_dot(tapped).source)
+    listed = fxprobe.sites(model)
+    assert f": {len(listed)} sites (" in caption, (caption, len(listed))
+    assert f", {len(tapped.sites)} tapped (" in caption and len(tapped.sites) == 4
+    one = fxprobe.tap(model, ops="out")
+    assert ", 1 tapped (1 fx, 0 hook)" in _caption(fxprobe.to_dot(one).source)
+    assert "1 sites" not in _caption(fxprobe.to_dot(nn.Sequential(nn.ReLU())).source)
+
+
+def test_collapsed_module_shows_its_own_output_and_tapped_modules_are_outlined() -> None:
+    model = _Passes().eval()
+    x = torch.randn(2, 4)
+    _, ref = hook_values(model, ["block", "block.0"], x)  # independent: eager hooks
+    tapped = fxprobe.tap(model, ops="block.0")  # inside the block, another shape
+    tapped(x)
+    nodes = parse_dot(fxprobe.to_dot(tapped, depth=0).source)[0]
+    label = nodes["block/group"]["label"]
+    assert str(list(ref["block.0"].shape)) not in label, label
+    nodes = parse_dot(fxprobe.to_dot(model, x, depth=0).source)[0]
+    assert nodes["block/group"]["label"].endswith(f"float32 {list(ref['block'].shape)}")
+    # A tapped module fx traced through: its box is outlined.
+    source = fxprobe.to_dot(fxprobe.tap(model, ops="block")).source
+    box = source[source.index('subgraph "cluster_block"') if 'subgraph "cluster_block"'
+                 in source else source.index("subgraph cluster_block"):]
+    first = box.splitlines()[1]
+    assert "tapped module" in first and "penwidth=2.5" in first, first
+    inner = parse_dot(fxprobe.to_dot(model).source)[0]
+    assert "block.2" in inner  # untapped: no outline anywhere
+    assert "tapped module" not in fxprobe.to_dot(model).source
+
+
+def test_focus_draws_one_module_whole_and_checks_its_name() -> None:
+    model = zoo.ResNetish().eval()
+    target = "layer1.0"
+    nodes = parse_dot(fxprobe.to_dot(model, focus=target).source)[0]
+    assert {"layer1.0.conv1", "layer1.0.bn1", "layer1.0.conv2"} <= set(nodes)
+    others = [n for n, _ in model.named_modules() if n.count(".") == 1 and n != target]
+    assert others and all(f"{p}/group" in nodes for p in others), sorted(nodes)
+    assert not any(n.startswith(tuple(p + "." for p in others)) for n in nodes)
+    with pytest.raises(fxprobe.ConfigError, match="is not a module of"):
+        fxprobe.to_dot(model, focus="layer1.O")
+
+
+_VIT_SCRIPT = """
+import struct, sys, torch, timm, fxprobe
+torch.manual_seed(0)
+vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                        num_classes=10).eval()
+x = torch.randn(1, 3, 32, 32)
+for kw in ({"depth": 2}, {"focus": "blocks.3"}):
+    png = fxprobe.to_dot(vit, x, **kw).pipe("png")
+    assert png[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    print(sorted(kw)[0], struct.unpack(">II", png[16:24])[1])
+"""
+
+
+@needs_dot
+def test_timm_vit_at_depth_2_is_at_most_6000_px_tall() -> None:
+    import subprocess
+
+    from test_features import TV_PYTHON
+
+    if not TV_PYTHON.exists():
+        pytest.skip(f"no venv with timm at {TV_PYTHON}")
+    run = subprocess.run([str(TV_PYTHON), "-c", _VIT_SCRIPT],
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=300)
+    if run.returncode != 0 and "No module named 'timm'" in run.stderr:
+        pytest.skip(f"{TV_PYTHON} has no timm")
+    assert run.returncode == 0, run.stderr[-3000:]
+    heights = dict(line.split() for line in run.stdout.splitlines())
+    assert int(heights["depth"]) <= 6000, heights  # 11,885 px before folding
+    assert int(heights["focus"]) <= 6000, heights

@@ -130,10 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "inputs. Floats are random normal, integers and bools zero.")
     p.add_argument("--rankdir", choices=("TB", "LR"), default="TB",
                    help="layout direction: top to bottom (default) or left to right")
+    p.add_argument("--focus", metavar="MODULE",
+                   help="draw this module whole (blocks.3) and the modules beside it as one "
+                        "node each (with --depth: everything else at that depth)")
     p.add_argument("--show-plumbing", action="store_true",
-                   help="draw shape ops (size, shape, getitem on sizes), attributes and "
-                        "submodule inputs with defaults as nodes; by default they are folded "
-                        "into the ops they feed")
+                   help="draw shape ops (size, shape, getitem on sizes), attributes, inputs "
+                        "left at a constant default and modules that pass their input "
+                        "through (Identity, Dropout in eval mode) as nodes; by default they "
+                        "are folded and the caption lists them")
     p.set_defaults(command="graph", handler=cmd_graph)
 
     p = sub.add_parser(
@@ -175,6 +179,9 @@ def _model_args(p: argparse.ArgumentParser, verb: str) -> None:
                         "anything cannot be traced; hooks: module hooks only")
     p.add_argument("--train", action="store_true",
                    help="use the model's train-mode graph (default: eval mode)")
+    p.add_argument("--kw", action="append", default=[], metavar="NAME=VALUE",
+                   help="a keyword argument of the factory, VALUE a Python literal "
+                        "(--kw image_size=64 --kw dropout=0.1); repeatable")
 
 
 def _depth(text: str) -> int:

@@ -34,9 +34,39 @@ _ALIASES = {"nn": "torch.nn", "F": "torch.nn.functional"}
 _KINDS = ("module", "function", "fn", "op", "method", "re", "how", "name")
 
 
-def load_model(spec: str) -> tuple[Any, str]:
-    """Import ``package.module:factory`` or ``path/to/file.py:factory`` and build the model,
-    or load a deployed artifact: ``model.pt`` (TorchScript) or ``model.pt2`` (torch.export).
+def parse_kw(texts: Sequence[str]) -> dict[str, Any]:
+    """``--kw NAME=VALUE`` values -> keyword arguments of the factory, each VALUE a Python
+    literal (``64``, ``0.1``, ``True``, ``'gelu'``, ``(2, 2)``); a bare word is a string.
+
+    Raises:
+        UsageError: no ``=``, a name that is not an identifier, a name given twice.
+    """
+    import ast
+
+    out: dict[str, Any] = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise UsageError(f"--kw {text!r}: write NAME=VALUE, for example --kw image_size=64 "
+                             "or --kw act='gelu'")
+        if name in out:
+            raise UsageError(f"--kw {name} is given twice; give each keyword once")
+        try:
+            out[name] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            if not re.fullmatch(r"[A-Za-z_][\w.-]*", value.strip()):
+                raise UsageError(
+                    f"--kw {text!r}: {value!r} is not a Python literal; write a number, True, "
+                    "None, a quoted string or a tuple (--kw size='(64, 64)')") from None
+            out[name] = value.strip()  # a bare word: a string, as a shell user means it
+    return out
+
+
+def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Import ``package.module:factory`` or ``path/to/file.py:factory`` and build the model
+    (called with ``kwargs``, from ``--kw``), or load a deployed artifact: ``model.pt``
+    (TorchScript) or ``model.pt2`` (torch.export).
 
     Returns:
         The model and the factory's (or file's) name.
@@ -45,7 +75,11 @@ def load_model(spec: str) -> tuple[Any, str]:
         UsageError: a malformed spec, a missing file, module or factory, a factory that raises
         or does not return an ``nn.Module``, an artifact that does not load.
     """
+    kwargs = dict(kwargs or {})
     if spec.endswith((".pt", ".pt2")):
+        if kwargs:
+            raise UsageError(f"--kw is for a factory MODEL; {spec} is a saved model, loaded "
+                             "as it was saved")
         return _load_artifact(spec), Path(spec).stem
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", attr):
@@ -67,15 +101,19 @@ def load_model(spec: str) -> tuple[Any, str]:
             raise UsageError(f"{where_} has no {part!r} (MODEL {spec!r}){hint}")
         obj = getattr(obj, part)
     if isinstance(obj, nn.Module):
+        if kwargs:
+            raise UsageError(f"--kw cannot be given: {spec} is a model instance, not a factory")
         return obj, attr
     if not callable(obj):
         raise UsageError(f"{spec} is a {type(obj).__name__}, not a factory; MODEL must name a "
                          "callable that returns the model")
     try:
-        model = obj()
+        model = obj(**kwargs)
     except Exception as e:
-        raise UsageError(f"calling {spec}() raised {one_line(e)}; the factory must build "
-                         "the model with no arguments") from e
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise UsageError(f"calling {spec}({shown}) raised {one_line(e)}; the factory must "
+                         "build the model with the keywords given by --kw (none by "
+                         "default)") from e
     if not isinstance(model, nn.Module):
         raise UsageError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; "
                          "the factory must return the model")

@@ -4,26 +4,30 @@ parsed arguments and returns the exit status."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..core.errors import UsageError
+from ..core.errors import ConfigError, TraceError, UsageError
 from ..core.select import select
 from ..core.site import Site
-from .arguments import load_model, parse_inputs, parse_ops
+from .arguments import load_model, parse_inputs, parse_kw, parse_ops
 
 
 def cmd_sites(args: argparse.Namespace) -> int:
     from ..api import sites
     from ..present.summary import sites_table
 
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, parse_kw(args.kw))
     selectors = parse_ops(args.ops)
-    listing = sites(model, train=args.train, tracer=args.tracer)
+    with _factory_hint(args):
+        listing = sites(model, train=args.train, tracer=args.tracer)
     records: list[Site] = list(listing.records)
     if selectors is not None:
         mode = "train" if args.train else "eval"
@@ -37,18 +41,39 @@ def cmd_sites(args: argparse.Namespace) -> int:
 def cmd_graph(args: argparse.Namespace) -> int:
     from ..runtime.views import render
 
-    model, name = load_model(args.model)
+    model, name = load_model(args.model, parse_kw(args.kw))
     inputs = parse_inputs(args.input)
     selectors = parse_ops(args.ops)
     out = Path(args.output or f"{name.rpartition('.')[2]}.svg")
     if not out.parent.is_dir():
         raise UsageError(f"-o {str(out)!r}: the folder {str(out.parent)!r} does not exist; "
                          "create it first or name a file in an existing folder")
-    render(model, out, example_input=inputs or None, ops=selectors, depth=args.depth,
-           tracer=args.tracer, train=args.train, rankdir=args.rankdir,
-           show_plumbing=args.show_plumbing)
+    with _factory_hint(args):
+        render(model, out, example_input=inputs or None, ops=selectors, depth=args.depth,
+               tracer=args.tracer, train=args.train, rankdir=args.rankdir,
+               show_plumbing=args.show_plumbing, focus=args.focus)
     print(f"wrote {out}")
     return 0
+
+
+@contextlib.contextmanager
+def _factory_hint(args: argparse.Namespace) -> Iterator[None]:
+    """A model built by a factory that fails to trace or to run the example input: say which
+    model, in words of its input (fx's ``Proxy(getitem_2)`` means a size traced from it), and
+    that the factory may take the size as a keyword (``--kw image_size=64``)."""
+    try:
+        yield
+    except (TraceError, ConfigError) as e:
+        text = str(e)
+        if args.model.endswith((".pt", ".pt2")) or not (
+                isinstance(e, TraceError) or text.startswith("the example input")):
+            raise
+        text = re.sub(r"Proxy\(\w+\)", "a size traced from the input", text)
+        given = " ".join(f"--kw {k}" for k in args.kw)
+        raise UsageError(
+            f"MODEL {args.model}{' ' + given if given else ''}: {text}. If the factory builds "
+            "the model for another input size, pass its keywords: --kw NAME=VALUE (for "
+            "example --kw image_size=64)") from e
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

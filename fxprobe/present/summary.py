@@ -260,13 +260,29 @@ def sites_table(sites: Sequence[Site], fallbacks: Iterable[Any], fmt: str = "tex
         if chosen is not None:
             row += ("yes" if s.name in chosen else "",)
         rows.append(row)
-    hooks = sum(1 for s in sites if s.how == "hook")
-    dyn = sum(1 for s in sites if s.how == "dynamo")
-    notes = [f"{len(sites)} sites: {len(sites) - hooks - dyn} at op level (fx), "
-             + (f"{dyn} at op level (torch dynamo), " if dyn else "")
-             + f"{hooks} by module hook only (inside code torch.fx could not trace)"]
+    notes = [_how_note(sites)]
     notes += _fallback_notes(fallbacks)
     return Table(headers, tuple(rows), tuple(notes), fmt)
+
+
+_OP_LEVEL = {"fx": "fx", "dynamo": "torch dynamo", "script": "TorchScript graph",
+             "export": "torch.export graph"}
+
+
+def _how_note(sites: Sequence[Site]) -> str:
+    """``38 sites: 38 at op level (TorchScript graph)``: the count by how each is reached."""
+    counts: dict[str, int] = {}
+    for s in sites:
+        counts[s.how] = counts.get(s.how, 0) + 1
+    if set(counts) <= {"fx", "hook", "dynamo"}:  # a model: say what only hooks reach
+        parts = [f"{counts.get('fx', 0)} at op level (fx)"]
+        if counts.get("dynamo"):
+            parts.append(f"{counts['dynamo']} at op level (torch dynamo)")
+        parts.append(f"{counts.get('hook', 0)} by module hook only (inside code torch.fx "
+                     "could not trace)")
+    else:  # an artifact: every site is a value of its graph
+        parts = [f"{n} at op level ({_OP_LEVEL.get(how, how)})" for how, n in counts.items()]
+    return f"{len(sites)} site{'' if len(sites) == 1 else 's'}: " + ", ".join(parts)
 
 
 def _fallback_notes(fallbacks: Iterable[Any]) -> list[str]:

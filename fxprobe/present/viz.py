@@ -41,7 +41,8 @@ _INSTALL_HINT = (
 
 def to_dot(view: View, example_input: Any = None, *,
            example_kwargs: Mapping[str, Any] | None = None, depth: int | None = None,
-           rankdir: str = "TB", show_plumbing: bool = False) -> graphviz.Digraph:
+           rankdir: str = "TB", show_plumbing: bool = False,
+           focus: str | None = None) -> graphviz.Digraph:
     """Draw ``view`` as a ``graphviz.Digraph`` (see ``fxprobe.to_dot``, which hands this the
     view of a model, a tapped module or an artifact).
 
@@ -50,21 +51,43 @@ def to_dot(view: View, example_input: Any = None, *,
         example_input: a tensor or a tuple of positional arguments whose shapes are noted at
             every site, by ``view.shapes`` (which changes nothing of the user's).
         example_kwargs: keyword arguments for that run.
-        depth, rankdir, show_plumbing: as for ``fxprobe.to_dot``.
+        depth, rankdir, show_plumbing, focus: as for ``fxprobe.to_dot``.
 
     Raises:
-        ConfigError: a bad ``depth`` or ``rankdir``; an example input for a view that runs none.
+        ConfigError: a bad ``depth``, ``rankdir`` or ``focus``; an example input for a view
+            that runs none.
     """
     graphviz = check_drawing(depth, rankdir)
     if view.plan is None or view.root is None:
         raise ConfigError(f"{view.title or 'this'} has no graph to draw; draw the model")
     scene = _scene(view, view.plan, view.root)
+    if focus is not None:
+        check_focus(focus, view.root)
+        if depth is None:  # the focus whole, its siblings (and theirs) one node each
+            depth = max(focus.count("."), 0)
     if example_input is not None or example_kwargs:
         if view.shapes is None:
             raise ConfigError(f"{view.title} cannot run an example input")
         scene.infos.update(view.shapes(_as_args(example_input), dict(example_kwargs or {})))
         scene.ran = True
-    return draw(graphviz, scene, depth, rankdir, show_plumbing)
+    return draw(graphviz, scene, depth, rankdir, show_plumbing, focus)
+
+
+def check_focus(focus: Any, root: Any) -> None:
+    """``focus`` must name a submodule of ``root`` (the model drawn).
+
+    Raises:
+        ConfigError: it does not, with the closest module paths.
+    """
+    import difflib
+
+    paths = [n for n, _ in root.named_modules() if n]
+    if isinstance(focus, str) and focus in paths:
+        return
+    close = difflib.get_close_matches(str(focus), paths, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else (
+        "; pass the path of a submodule, as fxprobe.sites(model) prints it (blocks.3)")
+    raise ConfigError(f"focus={focus!r} is not a module of {type(root).__name__}{hint}")
 
 
 def check_drawing(depth: int | None, rankdir: str) -> Any:
@@ -162,7 +185,7 @@ def _scene(v: View, plan: Plan, root: Any) -> Scene:
     the values it holds."""
     graphs = newest(v.graphs)
     scene = Scene(v.title, plan, root, _drawn(plan, v.selected, graphs.values()), {},
-                  v.capture, graphs=graphs, artifact=v.artifact)
+                  v.capture, graphs=graphs, artifact=v.artifact, selected=v.selected)
     for info in v.captures:
         scene.dynamo[info.path] = sum(
             1 for s in v.selected if s.how == "dynamo" and (

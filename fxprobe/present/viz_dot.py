@@ -8,7 +8,9 @@ from typing import Any
 
 from ..core.site import node_site
 from ..core.view import Fallback, ValueInfo
+from .summary import describe_value
 from .viz_items import (
+    Folded,
     Item,
     Scene,
     collapse,
@@ -25,7 +27,7 @@ _TAPPED_FILL = "#E69F00"
 _FALLBACK_PEN = "#D55E00"
 _IO_FILL = "#D7EAF8"
 _GRAPH_ATTR = {"rankdir": "TB", "fontname": "Helvetica", "fontsize": "10", "newrank": "true",
-               "nodesep": "0.2", "ranksep": "0.3", "labelloc": "t", "labeljust": "l"}
+               "nodesep": "0.2", "ranksep": "0.25", "labelloc": "t", "labeljust": "l"}
 _NODE_ATTR = {"shape": "box", "style": "rounded,filled", "fillcolor": "white",
               "color": "#555555", "fontname": "Helvetica", "fontsize": "9",
               "margin": "0.08,0.03", "height": "0.3"}
@@ -50,11 +52,17 @@ def _cluster_of(item: Item, drawn: list[Item]) -> str:
 
 
 def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
-          show_plumbing: bool = True) -> Any:
+         show_plumbing: bool = True, focus: str | None = None) -> Any:
     p = scene.plan
-    items, edges, after = items_of(p, scene.tapped, show_plumbing, scene.graphs)
-    folded = len({name for it in items if it.role != "optional" for name in it.folded})
-    rep = collapse(items, depth)
+    folds = Folded()
+
+    def given(name: str, default: object) -> bool:  # an example input gave another value
+        info = scene.infos.get(name)
+        return info is not None and info != describe_value(default)
+
+    items, edges, after = items_of(p, scene.tapped, show_plumbing, scene.graphs,
+                                   scene.root, given, folds)
+    rep = collapse(items, depth, focus)
     drawn: list[Item] = []
     seen: set[str] = set()
     for it in items:
@@ -69,9 +77,10 @@ def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
     boxed_root = "" in fallbacks or "" in scene.graphs
 
     dot = graphviz.Digraph(name=_text(scene.title), graph_attr={**_GRAPH_ATTR,
-                           "rankdir": rankdir, "label": _caption(scene, depth, folded)},
+                           "rankdir": rankdir, "label": _caption(scene, depth, folds, focus)},
                            node_attr=_NODE_ATTR, edge_attr=_EDGE_ATTR)
     dot.comment = "fxprobe.to_dot"
+    outs = _leaving(items, edges, rep)
     first: dict[str, int] = {}  # clusters in the order their first item is drawn
     where = {id(it): scope for scope, members in clusters.items() for it in members}
     for i, it in enumerate(drawn):
@@ -84,7 +93,7 @@ def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
         for it in clusters.get(scope, []):
             if scope == "" and it.role in ("input", "output"):
                 continue
-            g.node(_text(it.id), **_node_attrs(it, scene, fallbacks, depth))
+            g.node(_text(it.id), **_node_attrs(it, scene, fallbacks, depth, outs))
         for child in paths:
             if child and path_parent(child) == scope:
                 with g.subgraph(name=_text(f"cluster_{child}")) as c:
@@ -96,7 +105,7 @@ def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
             g.attr(rank=rank)
             for it in clusters.get("", []):
                 if it.role == role:
-                    g.node(_text(it.id), **_node_attrs(it, scene, fallbacks, depth))
+                    g.node(_text(it.id), **_node_attrs(it, scene, fallbacks, depth, outs))
     if boxed_root:
         with dot.subgraph(name="cluster_/") as c:
             c.attr(**_cluster_attrs("", scene, fallbacks))
@@ -163,24 +172,72 @@ def _order_edges(scene: Scene, drawn: list[Item], clusters: Mapping[str, list[It
     return out
 
 
-def _caption(scene: Scene, depth: int | None, folded: int = 0) -> str:
+def _caption(scene: Scene, depth: int | None, folds: Folded | None = None,
+             focus: str | None = None) -> str:
+    """The caption: the counts ``tapped.sites`` and ``fxprobe.sites`` give, then what the
+    picture leaves out."""
     p = scene.plan
-    nodes = [s for s in p.sites if not s.inlined]
-    hooks = sum(1 for s in nodes if s.how == "hook")
-    tapped = [s for s in nodes if s.name in scene.tapped]
-    tapped_hooks = sum(1 for s in tapped if s.how == "hook")
-    line = (f"{scene.title}: {len(nodes)} sites ({len(nodes) - hooks} fx, {hooks} hook), "
-            f"{len(tapped)} tapped ({len(tapped) - tapped_hooks} fx, {tapped_hooks} hook), "
-            f"{len(p.fallbacks)} module(s) run as written")
+    nodes = {s.name: s for s in p.sites if not s.inlined}
+    for graphs in scene.graphs.values():  # sites of dynamo's graphs, known after a forward
+        for g in graphs:
+            for n in g.graph.nodes:
+                own = node_site(n)
+                if own is not None and not own.inlined:
+                    nodes.setdefault(own.name, own)
+    line = f"{scene.title}: {_count(len(nodes), 'site')}"
+    if not scene.artifact:  # an artifact's sites are all values of its one graph
+        line += " (" + _by_how(nodes.values()) + ")"
+    chosen = scene.selected
+    line += f", {len(chosen)} tapped"
+    if chosen and not scene.artifact:
+        line += " (" + _by_how(chosen) + ")"
+    if not scene.artifact:
+        line += f", {_count(len(p.fallbacks), 'module')} run as written"
     for path, n in scene.dynamo.items():
         line += f", {path or 'the model'} runs under torch dynamo ({_dynamo_note(scene, path, n)})"
-    if scene.artifact:  # a deployed artifact: every site is a value of its graph
-        line = f"{scene.title}: {len(nodes)} sites, {len(tapped)} tapped"
+    if focus is not None:
+        line += f", {focus} drawn whole"
     if depth is not None:
         line += f", modules nested deeper than {depth} drawn as one node"
-    if folded:
-        line += f", {folded} shape ops folded into the ops they feed (show_plumbing=True)"
-    return _text(line) + "\\l" + _text(_LEGEND) + "\\l"
+    lines = [line]
+    if folds is not None:
+        left = []
+        if folds.inputs:
+            left.append("inputs at their default " + ", ".join(folds.inputs))
+        if folds.modules:
+            left.append("modules that pass their input through " + ", ".join(
+                f"{len(names)} {kind}" for kind, names in folds.modules.items()))
+        if folds.shape_ops:
+            left.append(f"{_count(len(folds.shape_ops), 'shape op')} (into the ops they feed)")
+        if left:
+            lines.append("not drawn (show_plumbing=True draws them): " + "; ".join(left))
+    return "".join(_text(x) + "\\l" for x in [*lines, _LEGEND])
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _by_how(sites: Any) -> str:
+    """``40 fx, 3 hook`` (``dynamo``, ``script``, ``export`` where there are any)."""
+    counts: dict[str, int] = {"fx": 0, "hook": 0}
+    for s in sites:
+        counts[s.how] = counts.get(s.how, 0) + 1
+    return ", ".join(f"{n} {how}" for how, n in counts.items())
+
+
+def _leaving(items: list[Item], edges: list[tuple[str, str]], rep: Mapping[str, Item]
+             ) -> dict[str, str]:
+    """For each collapsed module, the id of the item whose value leaves it (the last one, in
+    execution order, with an edge out of it): the output its node is labelled with."""
+    order = {it.id: i for i, it in enumerate(items)}
+    out: dict[str, str] = {}
+    for a, b in edges:
+        group = rep[a]
+        if group.role == "group" and rep[b] is not group and a in order \
+                and order[a] >= order.get(out.get(group.id, a), -1):
+            out[group.id] = a
+    return out
 
 
 def _dynamo_note(scene: Scene, path: str, tapped: int) -> str:
@@ -196,7 +253,7 @@ def _dynamo_note(scene: Scene, path: str, tapped: int) -> str:
 
 
 def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
-                depth: int | None) -> dict[str, str]:
+                depth: int | None, outs: Mapping[str, str]) -> dict[str, str]:
     infos = scene.infos
     attrs: dict[str, str] = {}
     classes: list[str] = [it.role]
@@ -209,7 +266,7 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
     elif it.site is not None:
         s = it.site
         tapped = s.name in scene.tapped
-        lines = [s.name, _module_type(scene, it.module) if it.module else s.op]
+        lines = [f"{s.name}: {_module_type(scene, it.module) if it.module else s.op}"]
         tip = [f"{s.name}: {s.op} ({s.kind}, reached by {s.how})",
                f"in module: {s.module_path or '(top level)'}"]
         if s.how == "hook":
@@ -261,17 +318,20 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
                 tip = [f"model {it.role}"]
     info = infos.get(it.id if it.role != "group" else "")
     if it.role == "group":
-        info = _group_info(it, infos)
+        info = _group_info(it, infos, outs.get(it.id))
     if info is not None and info.label:
         shown = f"in: {info.label}" if it.site is not None and scene.capture == "input" \
             and it.site.name in scene.tapped else info.label
-        lines.append(shown)
+        if it.role == "group":  # one line: the count of sites, then what leaves the module
+            lines[-1] += f": {shown}"
+        else:
+            lines.append(shown)
         tip.append(shown)
     elif scene.ran and it.site is not None and it.graph is None:  # dynamo's ops: not propagated
         lines.append("not run")
         tip.append("did not run with the example input")
     if it.constants:
-        lines.insert(2, "uses " + ", ".join(it.constants))
+        lines.insert(1, "uses " + ", ".join(it.constants))
         tip.append("reads attributes: " + ", ".join(it.constants))
     if it.folded and it.role != "optional":
         tip.append("shape ops folded in: " + ", ".join(it.folded))
@@ -297,11 +357,15 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
 def _group_text(it: Item, scene: Scene, fallbacks: Mapping[str, Any], depth: int | None
                 ) -> tuple[list[str], list[str], bool, Any]:
     sites = [m.site for m in it.members if m.site is not None]
+    names = {s.name for s in sites}
+    sites += [s for s in scene.plan.sites  # folded ones (Identity, shape ops) count too
+              if not s.inlined and s.name not in names and path_inside(s.module_path, it.owner)
+              and s.kind not in ("placeholder", "get_attr")]
     tapped = [s.name for s in sites if s.name in scene.tapped]
     inner = [f for path, f in fallbacks.items() if path and path_inside(path, it.owner)]
     mtype = _module_type(scene, it.owner)
-    count = f"{len(sites)} sites" + (f", {len(tapped)} tapped" if tapped else "")
-    lines = [it.owner, mtype, count]
+    count = _count(len(sites), "site") + (f", {len(tapped)} tapped" if tapped else "")
+    lines = [f"{it.owner}: {mtype}", count]
     tip = [f"{it.owner} ({mtype}): drawn as one node at depth={depth}; {count}"]
     if tapped:
         tip.append("tapped: " + ", ".join(tapped[:12]) + (" ..." if len(tapped) > 12 else ""))
@@ -311,11 +375,17 @@ def _group_text(it: Item, scene: Scene, fallbacks: Mapping[str, Any], depth: int
     return lines, tip, bool(tapped), own if own is not None else (inner[0] if inner else None)
 
 
-def _group_info(it: Item, infos: Mapping[str, ValueInfo]) -> ValueInfo | None:
-    # Members are in site (execution) order, so the last one with a value is, for the usual
-    # block, its output: the value that leaves the module.
-    known = [infos[m.id] for m in it.members if m.id in infos and m.role != "input"]
-    return known[-1] if known else None
+def _group_info(it: Item, infos: Mapping[str, ValueInfo], out: str | None
+                ) -> ValueInfo | None:
+    """The value that leaves a collapsed module: its own call's (a tapped module site), else
+    that of the member whose value leaves it (``out``); never an inner value in its place."""
+    known = infos.get(it.owner)
+    if known is None and out is not None:
+        known = infos.get(out)
+    if known is None and out is None:  # nothing leaves it by an edge: its last value
+        last = [infos[m.id] for m in it.members if m.id in infos and m.role != "input"]
+        known = last[-1] if last else None
+    return known
 
 
 def _fallback_tip(f: Fallback) -> list[str]:
@@ -338,17 +408,31 @@ def _cluster_attrs(path: str, scene: Scene, fallbacks: Mapping[str, Any]) -> dic
             else "1 graph")
         tip = [label, *(f"tapped.graphs[{g.key!r}]" for g in graphs)]
         return {"label": _text(label), "style": "rounded,filled", "fillcolor": "#F3F8FC",
-                "color": "#0072B2", "fontcolor": "#222222", "fontsize": "9",
+                "color": "#0072B2", "penwidth": "1", "fontcolor": "#222222", "fontsize": "9",
                 "tooltip": "\\n".join(_text(x) for x in tip), "class": "fxprobe-dynamo"}
+    if f is None and path and path in _tapped_modules(scene):
+        label = f"{name} ({mtype}): tapped module"
+        return {"label": _text(label), "style": "rounded", "color": "black", "penwidth": "2.5",
+                "fontcolor": "#222222", "fontsize": "9",
+                "tooltip": _text(f"{label}: its output is the value of its last node"),
+                "class": "fxprobe-module fxprobe-tapped"}
     if f is None:
+        # penwidth set: a cluster inherits its enclosing one's (a tapped module's outline)
         return {"label": _text(f"{name} ({mtype})"), "style": "rounded", "color": "#AAAAAA",
-                "fontcolor": "#444444", "fontsize": "9", "tooltip": _text(f"{name} ({mtype})"),
+                "penwidth": "1", "fontcolor": "#444444", "fontsize": "9",
+                "tooltip": _text(f"{name} ({mtype})"),
                 "class": "fxprobe-module"}
     return {"label": _text(f"{name} ({mtype}): runs as written, hooks inside"),
             "style": "dashed,filled", "fillcolor": "#F4F4F4", "color": _FALLBACK_PEN,
             "penwidth": "1.5", "fontcolor": "#222222", "fontsize": "9",
             "tooltip": "\\n".join(_text(x) for x in _fallback_tip(f)),
             "class": "fxprobe-fallback"}
+
+
+def _tapped_modules(scene: Scene) -> set[str]:
+    """Paths of the modules whose call is a tapped site that fx traced through (``layer3``):
+    drawn as boxes, outlined like a tapped node."""
+    return {s.module_path for s in scene.selected if s.inlined and s.kind == "call_module"}
 
 
 def _module_type(scene: Scene, path: str) -> str:

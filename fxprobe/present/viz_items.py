@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx, nn
 
 from ..core.site import Site, node_site
@@ -58,6 +59,22 @@ class Scene:
     graphs: dict[str, list[CapturedGraph]] = field(default_factory=dict)
     """The graphs dynamo captured that are drawn op by op, by the path of the module it runs
     (see :func:`newest`); a module dynamo runs without any is drawn as one call."""
+    selected: tuple[Site, ...] = ()
+    """The sites tapped (``tapped.sites``) or marked with ``ops=``, as the user selected them."""
+
+
+@dataclass
+class Folded:
+    """What the picture leaves out by default (``show_plumbing=True`` draws it), for the
+    caption."""
+
+    shape_ops: set[str] = field(default_factory=set)
+    """Shape plumbing folded into the ops it feeds, by site name."""
+    inputs: list[str] = field(default_factory=list)
+    """The model's inputs left at a constant default (``attn_mask=None``), as ``name=value``."""
+    modules: dict[str, list[str]] = field(default_factory=dict)
+    """Modules that pass their input through unchanged (``Identity``, ``Dropout`` in eval
+    mode), by type name: their input is drawn going straight to their users."""
 
 def path_depth(path: str) -> int:
     return path.count(".") + 1 if path else 0
@@ -104,12 +121,38 @@ def _optional_input(node: fx.Node) -> bool:
                                                                            _CONSTANTS)
 
 
+def passes_through(module: nn.Module) -> bool:
+    """Whether ``module`` returns its input unchanged: ``nn.Identity``, or a dropout module in
+    eval mode (or with ``p=0``)."""
+    if isinstance(module, nn.Identity):
+        return True
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return not module.training or module.p == 0
+    return False
+
+
+def _no_value(node: fx.Node) -> bool:
+    """``torch._assert(...)`` and friends: checks that compute no value anything reads."""
+    return node.op == "call_function" and node.target in (torch._assert,
+                                                          torch._assert_async) \
+        and not node.users
+
+
 def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool = True,
-             graphs: Mapping[str, Sequence[CapturedGraph]] | None = None
+             graphs: Mapping[str, Sequence[CapturedGraph]] | None = None,
+             root: nn.Module | None = None,
+             given: Callable[[str, object], bool] = lambda name, default: False,
+             folds: Folded | None = None,
              ) -> tuple[list[Item], list[tuple[str, str]], list[tuple[str, str]]]:
     """Items in site order, the data-flow edges between them (by item id), and the pairs to
     stack in execution order that no data flow links (the graphs of a module dynamo runs,
-    one after another, then the module's call)."""
+    one after another, then the module's call).
+
+    Unless ``show_plumbing``, what is folded is noted in ``folds``: shape ops, the model's
+    inputs left at a constant default (unless ``given(name, default)``: an example input gave
+    them another value), and the modules of ``root`` that pass their input through.
+    """
+    folds = folds if folds is not None else Folded()
     items: list[Item] = []
     edges: list[tuple[str, str]] = []
     by_name = {s.name: s for s in p.sites}
@@ -128,18 +171,30 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
         gkey = dynamo.key if dynamo is not None else None
         optional: list[fx.Node] = []
         folded: set[fx.Node] = set()
+        through: set[fx.Node] = set()  # modules that return their input: linked across
         if not show_plumbing:
             shape_ops = plumbing(graph)
             for node in graph.nodes:
                 own = node_site(node)
                 if own is not None and own.name in tapped:
                     continue  # a tapped site is always drawn
-                # The model's own inputs stay: the user passes them (with other values).
-                if own is not None and path and _optional_input(node):
+                if own is not None and _optional_input(node) and not (
+                        not path and given(own.name, node.args[0])):
                     optional.append(node)
                     folded.add(node)
-                elif node in shape_ops or (node.op == "get_attr" and own is not None):
+                    if not path:  # the model's: named in the caption, no edge down the picture
+                        folds.inputs.append(f"{own.name}={node.args[0]!r}")
+                elif node in shape_ops or _no_value(node) or (
+                        node.op == "get_attr" and own is not None):
                     folded.add(node)
+                    if own is not None and node.op != "get_attr":
+                        folds.shape_ops.add(own.name)
+                elif own is not None and own.kind == "call_module" and root is not None \
+                        and len(node.all_input_nodes) == 1 and _through(root, own):
+                    folded.add(node)
+                    through.add(node)
+                    kind = type(root.get_submodule(own.module_path)).__name__
+                    folds.modules.setdefault(kind, []).append(own.name)
         sources: dict[fx.Node, list[str]] = {}  # what a folded node stands for, by item id
         names: dict[fx.Node, list[str]] = {}  # the folded sites behind a folded node
 
@@ -149,7 +204,7 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
                 return [sid]
             return sources.get(n, [])
 
-        if optional:
+        if optional and path:  # a submodule traced on its own: a note in its box
             shown = [f"{str(n.target).lstrip('*')} (default {n.args[0]!r})" for n in optional]
             items.append(Item(f"{path}/optional", "optional", path, folded=shown))
         for node in graph.nodes:
@@ -161,7 +216,8 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
                     sources[node] = list(dict.fromkeys(ids))
                     own = node_site(node)
                     behind = [x for a in node.all_input_nodes for x in names.get(a, [])]
-                    names[node] = behind + ([own.name] if own is not None else [])
+                    names[node] = behind + ([own.name] if own is not None
+                                            and node not in through else [])
                 continue
             if node.op == "output":
                 # Not the key itself: graphviz reads a colon in an edge's end as a port.
@@ -187,11 +243,10 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
             target = node_ids.get((key, node))
             if target is None:
                 continue
-            direct = [src for src in node.all_input_nodes if src not in folded]
+            direct = [src for src in node.all_input_nodes
+                      if src not in folded or src in through]
             for src in direct:
-                sid = node_ids.get((key, src))
-                if sid is not None:
-                    edges.append((sid, target))
+                edges.extend((sid, target) for sid in source_ids(src))
             for src in node.all_input_nodes:
                 if src in folded and src.op == "get_attr":
                     items[-1].constants.append(str(src.target).rpartition(".")[2])
@@ -262,6 +317,13 @@ def _add_dynamo(path: str, drawn: Sequence[CapturedGraph], items: list[Item],
     return after
 
 
+def _through(root: nn.Module, site: Site) -> bool:
+    try:
+        return passes_through(root.get_submodule(site.module_path))
+    except AttributeError:
+        return False
+
+
 def newest(graphs: Sequence[CapturedGraph]) -> dict[str, list[CapturedGraph]]:
     """The graphs to draw, by the path of the module dynamo runs: of each frame and module
     instance the newest capture (a recompilation for a new shape replaces the graph it was
@@ -276,20 +338,37 @@ def newest(graphs: Sequence[CapturedGraph]) -> dict[str, list[CapturedGraph]]:
     return out
 
 
-def collapse(items: list[Item], depth: int | None) -> dict[str, Item]:
-    """Map each item id to what is drawn for it: itself, or the node of a collapsed module."""
+def collapse(items: list[Item], depth: int | None, focus: str | None = None
+             ) -> dict[str, Item]:
+    """Map each item id to what is drawn for it: itself, or the node of a collapsed module.
+
+    ``focus`` names a module drawn whole: nothing inside it is collapsed, and the modules
+    around it on its path are opened down to it (their other children collapse as usual).
+    """
     if depth is None:
         return {it.id: it for it in items}
+
+    def group_of(owner: str) -> str | None:
+        """The collapsed module ``owner`` is drawn in, or None to draw the item itself."""
+        if focus is not None and path_inside(owner, focus):
+            return None
+        n = depth + 1
+        while focus is not None and n <= path_depth(owner) \
+                and path_inside(focus, path_prefix(owner, n)):
+            n += 1  # an ancestor of the focus: opened
+        return path_prefix(owner, n) if path_depth(owner) >= n else None
+
     groups: dict[str, list[Item]] = {}
     for it in items:
-        if path_depth(it.owner) > depth:
-            groups.setdefault(path_prefix(it.owner, depth + 1), []).append(it)
+        g = group_of(it.owner)
+        if g is not None:
+            groups.setdefault(g, []).append(it)
     rep: dict[str, Item] = {}
     for it in items:
-        if path_depth(it.owner) <= depth:
+        path = group_of(it.owner)
+        if path is None:
             rep[it.id] = it
             continue
-        path = path_prefix(it.owner, depth + 1)
         members = groups[path]
         if all(m.module == path for m in members):
             rep[it.id] = it  # calls of a module with nothing drawn inside: draw the calls

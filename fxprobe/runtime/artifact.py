@@ -339,5 +339,11 @@ def artifact_sites(model: Any, **given: Any) -> list[Site]:
             "TorchScript module or an exported program: its graph is read as it is (switch a "
             "ScriptModule's mode with .train()/.eval() before listing)")
     if artifact_kind(model) == "script":
-        return script_sites(model)
-    return export_sites(model)
+        from ..frontends.script_build import is_tapped
+
+        sites, tapped = script_sites(model), is_tapped(model)
+    else:
+        sites, tapped = export_sites(model), saved_taps(model) is not None
+    if tapped:  # each site is a value it returns (a module call too): every one is listed
+        sites = [s if s.listed else dataclasses.replace(s, listed=True) for s in sites]
+    return sites

@@ -8,6 +8,7 @@ neither: how to tap an artifact comes in as an argument (``runtime.artifact.tap_
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,7 +64,14 @@ def artifact_view(source: Any, tap: TapArtifact, *, ops: Any = None,
 
     def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, ValueInfo]:
         run = tap(source, None, **TAP_DEFAULTS)  # every site's value, as is
-        run(*args, **kwargs)
+        try:
+            run(*args, **kwargs)
+        except Exception as e:  # as an eager model's example input is refused (runtime.shapes)
+            shown = ", ".join(describe_value(a).label or type(a).__name__ for a in args)
+            raise ConfigError(
+                f"the example input ({shown}) does not run through {title}: {_last_error(e)}; "
+                "pass inputs its forward accepts (the shapes and dtypes it was saved for)"
+            ) from e
         return {name: describe_value(value) for name, value in dict(run.taps).items()}
 
     if tapped is not None:
@@ -74,6 +82,16 @@ def artifact_view(source: Any, tap: TapArtifact, *, ops: Any = None,
         taps = None
     return View(title, tuple(plan.sites), selected, tapped=tapped is not None, taps=taps,
                 plan=plan, root=root, artifact=True, shapes=shapes)
+
+
+def _last_error(e: BaseException) -> str:
+    """One line of an artifact's error: TorchScript's message ends in the Python error it
+    raised (``RuntimeError: Expected 4D input ...``) after a traceback of the scripted code."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    named = [x for x in lines if re.match(r"[A-Z]\w*(Error|Exception): ", x)]
+    text = named[-1] if named else (f"{type(e).__name__}: {lines[0]}" if lines
+                                    else type(e).__name__)
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def tapped_artifact_view(tapped: _TappedArtifact, tap: TapArtifact) -> View:

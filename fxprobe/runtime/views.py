@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 def to_dot(obj: nn.Module, example_input: Any = None, *,
            example_kwargs: Mapping[str, Any] | None = None, ops: Any = None,
            depth: int | None = None, tracer: TracerKind = "auto", train: bool | None = None,
-           rankdir: str = "TB", show_plumbing: bool = False) -> graphviz.Digraph:
+           rankdir: str = "TB", show_plumbing: bool = False,
+           focus: str | None = None) -> graphviz.Digraph:
     """Draw a tapped module, or a model, as a ``graphviz.Digraph``.
 
     Nodes are sites (name, op and, when known, dtype and shape); edges are data flow inside
@@ -67,7 +68,14 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
             tooltip; their inputs are linked to it), the attributes an op reads (``weight``,
             ``bias`` of a ``Conv1D``) are named in its label, and the inputs of a submodule
             traced on its own that have a default (``attn_mask=None``, ``is_causal=False``)
-            are listed in one small node without edges. A tapped site is always drawn.
+            are listed in one small node without edges. The model's own inputs left at a
+            constant default (``attn_mask=None``) and the modules that pass their input
+            through (``nn.Identity``, dropout in eval mode) are not drawn either: their input
+            goes straight to their users, and the caption lists them. A tapped site is always
+            drawn.
+        focus: the path of one module to draw whole (``"blocks.3"``): nothing inside it is
+            collapsed by ``depth``; without ``depth``, its siblings (and those of the modules
+            around it) are drawn as one node each.
 
     Returns:
         A ``graphviz.Digraph``; ``.source`` is the DOT text, ``.pipe("svg")`` renders it.
@@ -84,7 +92,7 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
     viz.check_drawing(depth, rankdir)
     view = view_of(obj, ops=ops, tracer=tracer, train=train)
     return viz.to_dot(view, example_input, example_kwargs=example_kwargs, depth=depth,
-                      rankdir=rankdir, show_plumbing=show_plumbing)
+                      rankdir=rankdir, show_plumbing=show_plumbing, focus=focus)
 
 
 def render(obj: nn.Module, path: str | Path, **kwargs: Any) -> Path:

@@ -22,7 +22,13 @@ from torch import fx, nn
 from ..capture.inplace import Hazards, effects
 from ..capture.pipeline import clone_tree
 from ..capture.rewrite import copy_graph
-from ..core.errors import ConfigError, SelectorError, TraceError, UnsupportedModelError
+from ..core.errors import (
+    ConfigError,
+    FxProbeError,
+    SelectorError,
+    TraceError,
+    UnsupportedModelError,
+)
 from ..core.ops import (
     PASS_THROUGH,
     TENSOR_FUNCTIONS,
@@ -36,6 +42,7 @@ from ..core.select import as_selectors, select
 from ..core.site import Site, sites_of
 from ..frontends.fx import Fallback, Region, plan
 from ..frontends.mirror import mirror
+from .dualgraph import ExtractorModule, model_info
 from .program import check_model
 
 
@@ -43,7 +50,7 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
               leaf_modules: Sequence[Any] = (),
               autowrap_functions: Sequence[Callable[..., Any]] = (),
               train: bool = False,
-              return_nodes: Sequence[str] | Mapping[str, str] | None = None) -> fx.GraphModule:
+              return_nodes: Sequence[str] | Mapping[str, str] | None = None) -> ExtractorModule:
     """A module whose forward returns ``(model output, {site name: value})``, side-effect free.
 
     With ``return_nodes`` (torchvision's ``create_feature_extractor`` argument) it returns only
@@ -101,6 +108,29 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
             "untraceable modules by hooks"
         )
     selectors = as_selectors(ops)
+    roots: dict[bool, nn.Module] = {}
+    graphs: dict[bool, fx.Graph] = {}
+    failures: dict[bool, FxProbeError] = {}
+    for mode in (train, not train):
+        try:
+            roots[mode], graphs[mode] = _build(model, mode, selectors, renames, leaf_modules,
+                                               autowrap_functions)
+        except FxProbeError as e:
+            if mode == train:
+                raise
+            failures[mode] = e  # raised when .train(mode) switches to it
+    gm = ExtractorModule(roots[train], graphs[train], class_name=type(model).__name__)
+    known = model_info(model)
+    entries = {mode: _entries(g, renames, known) for mode, g in graphs.items()}
+    gm.attach(roots.get(not train), graphs, failures, entries)
+    gm.train(train)
+    return gm
+
+
+def _build(model: nn.Module, train: bool, selectors: Any, renames: Mapping[str, str] | None,
+           leaf_modules: Sequence[Any], autowrap_functions: Sequence[Callable[..., Any]]
+           ) -> tuple[nn.Module, fx.Graph]:
+    """The module tree and graph of one mode (see :func:`extractor`)."""
     root = mirror(model)
     root.train(train)
     # "auto" lists every module that fails (as Fallbacks) instead of stopping at the first.
@@ -118,13 +148,27 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
     context = f"{type(model).__name__} ({mode} mode)"
     if renames is not None:
         _check_names(renames, p.sites, context)
-        graph = build_features_graph(region, renames)
+        return root, build_features_graph(region, renames)
+    selected = select(p.sites, selectors, context=context, fallbacks=p.fallbacks)
+    return root, build_graph(region, {s.name for s in selected})
+
+
+def _entries(graph: fx.Graph, renames: Mapping[str, str] | None,
+             known: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``feature_info`` entries of a graph's returned values: ``module`` (the site) and
+    ``name`` (its key), with the model's ``num_chs``/``reduction`` where it lists the site."""
+    (out,) = (n for n in graph.nodes if n.op == "output")
+    if renames is not None:
+        pairs = list(renames.items())
     else:
-        selected = select(p.sites, selectors, context=context, fallbacks=p.fallbacks)
-        graph = build_graph(region, {s.name for s in selected})
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
-    gm.train(train)
-    return gm
+        pairs = [(k, k) for k in out.args[0][1]]
+    entries = []
+    for site, name in pairs:
+        d: dict[str, Any] = {"module": site, "name": name}
+        if site in known:
+            d.update(num_chs=known[site]["num_chs"], reduction=known[site]["reduction"])
+        entries.append(d)
+    return entries
 
 
 def copy_tree(value: Any) -> Any:

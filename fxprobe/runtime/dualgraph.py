@@ -38,9 +38,10 @@ class ExtractorModule(fx.GraphModule):
         ``feature_info`` gives them)."""
         self._graphs: dict[bool, fx.Graph] = dict(graphs)
         self._failures: dict[bool, FxProbeError] = dict(failures)
-        self._entries: dict[bool, list[dict[str, Any]]] = {mode: [dict(d) for d in e] for mode, e in entries.items()}
-        self._fixed: frozenset[str] = frozenset(d["name"] for e in entries.values() for d in e
-                                if "num_chs" in d)
+        self._entries: dict[bool, list[dict[str, Any]]] = {
+            mode: [dict(d) for d in e] for mode, e in entries.items()}
+        self._fixed: frozenset[str] = frozenset(
+            d["name"] for e in entries.values() for d in e if "num_chs" in d)
         self._pending: set[bool] = {mode for mode, e in entries.items()
                          if any(d["name"] not in self._fixed for d in e)}
         if other is not None:
@@ -97,11 +98,13 @@ class ExtractorModule(fx.GraphModule):
             if d["name"] in self._fixed:
                 continue
             v = values.get(d["name"])
-            shaped = isinstance(v, torch.Tensor) and v.dim() >= 2
-            d["num_chs"] = int(v.shape[1]) if shaped else None
-            d["reduction"] = (x.shape[-2] // v.shape[-2] if shaped and v.dim() == 4
-                              and isinstance(x, torch.Tensor) and x.dim() == 4
-                              and v.shape[-2] and x.shape[-2] % v.shape[-2] == 0 else None)
+            if not (isinstance(v, torch.Tensor) and v.dim() >= 2):
+                d["num_chs"] = d["reduction"] = None
+                continue
+            d["num_chs"] = int(v.shape[1])
+            h = v.shape[-2] if v.dim() == 4 else 0
+            d["reduction"] = (x.shape[-2] // h if h and isinstance(x, torch.Tensor)
+                              and x.dim() == 4 and x.shape[-2] % h == 0 else None)
 
     def _deepcopy_init(self) -> Callable[..., None]:
         def init(res: ExtractorModule, fake: nn.Module, graph: fx.Graph) -> None:
@@ -128,7 +131,7 @@ def _copy_graph_attrs(source: nn.Module, target: nn.Module, graph: fx.Graph) -> 
 
 def model_info(model: nn.Module) -> dict[str, dict[str, Any]]:
     """timm's ``feature_info`` of ``model`` by module path (empty when it has none usable)."""
-    found = getattr(model, "feature_info", None)
+    found: Any = getattr(model, "feature_info", None)
     if callable(getattr(found, "get_dicts", None)):
         found = found.get_dicts()
     if not isinstance(found, (list, tuple)):

@@ -324,3 +324,69 @@ def test_bad_sample_is_refused(kwargs: dict[str, object], match: str) -> None:
         fxprobe.Sample(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(fxprobe.ConfigError, match="dim=2 is out of range"):
         fxprobe.Sample(4, dim=2)(torch.ones(3, 3))
+
+
+class _GradBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn(self.conv(x)) + x)  # x read twice: conv's share is not x's
+
+
+def _grad_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _GradBlock(), _GradBlock(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5)).eval()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "hooks", "auto"])
+def test_grad_with_capture_both_equals_full_backward_hooks(tracer: str) -> None:
+    model = _grad_model()
+    x = torch.randn(2, 3, 8, 8)
+    names = ["1", "1.conv", "2.bn", "5"]
+    want: dict[str, tuple[tuple[torch.Tensor | None, ...], torch.Tensor]] = {}
+    handles = [model.get_submodule(n).register_full_backward_hook(
+        lambda m, gi, go, n=n: want.__setitem__(
+            n, (tuple(None if g is None else g.clone() for g in gi), go[0].clone())))
+        for n in names]
+    try:
+        model(x).logsumexp(1).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    param_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    ops = names if tracer == "hooks" else [*names, "1.add"]
+    tapped = fxprobe.tap(model, ops=ops, capture="both", grad=True, tracer=tracer)
+    out = tapped(x)
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
+    out.logsumexp(1).sum().backward()
+    for n in names:
+        g = tapped.grads[n]
+        assert isinstance(g, fxprobe.InOut), n
+        inputs, output = want[n]
+        torch.testing.assert_close(g.output, output)
+        assert len(g.inputs) == len(inputs)
+        for got, ref in zip(g.inputs, inputs, strict=True):
+            torch.testing.assert_close(got, ref)
+    # The block's grad_input is conv's share plus the residual's, not either alone.
+    assert not torch.allclose(tapped.grads["1"].inputs[0], tapped.grads["1.conv"].inputs[0])
+    if tracer != "hooks":  # an op: both inputs of x + y get grad_output (hand-computed)
+        add = tapped.grads["1.add"]
+        assert len(add.inputs) == 2
+        for g in add.inputs:
+            torch.testing.assert_close(g, add.output)
+    for k, p in model.named_parameters():  # the backward itself is unchanged
+        torch.testing.assert_close(p.grad, param_grads[k])
+    model.zero_grad()
+    tapped.remove()
+
+
+def test_grad_with_capture_input_is_still_refused() -> None:
+    with pytest.raises(fxprobe.ConfigError, match="capture='output' or 'both'"):
+        fxprobe.tap(_grad_model(), ops="1", capture="input", grad=True)

@@ -141,8 +141,8 @@ class Sample:
                     assert self.seed is not None
                     idx = hashed_positions(n, self.k, self.seed, device)
                 else:
-                    g = torch.Generator().manual_seed(self.seed or 0)
-                    idx = torch.randperm(n, generator=g)[:self.k].to(device)
+                    fixed = torch.Generator().manual_seed(self.seed or 0)
+                    idx = torch.randperm(n, generator=fixed)[:self.k].to(device)
                 self._fixed[key] = idx
             return idx
         g = self._generator(device)
@@ -154,7 +154,7 @@ class Sample:
         if self.seed is None:
             return None
         key = str(device)
-        g = self._generators.get(key)
+        g: torch.Generator | None = self._generators.get(key)
         if g is None:
             g = torch.Generator(device=device).manual_seed(self.seed)
             self._generators[key] = g

@@ -37,6 +37,7 @@ from ..core.options import Capture, CopyPolicy
 from ..core.site import CALL_ARGS, SITES, STATE, Site, attach
 from ..core.view import CapturedGraph, CaptureInfo
 from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
+from .dynamo_quiet import quiet_compile
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
@@ -433,7 +434,11 @@ class DynamoRegion:
             compiled = self._compiled = torch.compile(run, backend=self.backend)
         self.calls += 1
         before = self.runs
-        result = compiled(self.module, *args, **kwargs)
+        if self.calls == 1:  # dynamo compiles now: collect its pages of messages into one
+            with quiet_compile(self.what, lambda: self.graphs):
+                result = compiled(self.module, *args, **kwargs)
+        else:
+            result = compiled(self.module, *args, **kwargs)
         self.last_runs = ran = self.runs - before
         if ran == 0:
             raise CaptureError(

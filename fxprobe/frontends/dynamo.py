@@ -434,7 +434,9 @@ class DynamoRegion:
             compiled = self._compiled = torch.compile(run, backend=self.backend)
         self.calls += 1
         before = self.runs
-        if self.calls == 1:  # dynamo compiles now: collect its pages of messages into one
+        # Dynamo compiles now: collect its pages of messages into one (not while an outer
+        # torch.compile traces this call: it would trace the collecting too).
+        if self.calls == 1 and not torch.compiler.is_compiling():
             with quiet_compile(self.what, lambda: self.graphs):
                 result = compiled(self.module, *args, **kwargs)
         else:

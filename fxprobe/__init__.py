@@ -13,7 +13,7 @@ from . import dist
 from .api import sites, tap
 from .capture.stats.batch import StatsBatch
 from .capture.stats.math import Stats, stats_vector
-from .capture.stats.sampling import sample_vector
+from .capture.stats.sampling import Sample, sample_vector
 from .capture.stats.table import stats_table
 from .core.errors import (
     CaptureError,
@@ -69,6 +69,7 @@ __all__ = [
     "Site",
     "SiteNames",
     "SiteNotRunError",
+    "Sample",
     "Stats",
     "StatsBatch",
     "StatsLogger",

@@ -232,3 +232,161 @@ def test_stats_history_and_table() -> None:
     assert tapped.history[1]["x"].absmax == 0 and tapped.history[0]["x"].absmax > 0
     table = fxprobe.stats_table(tapped.taps)
     assert "fc_1" in table and "absmax" in table
+
+
+class _Scale(nn.Module):
+    """Its one site (``mul``) returns the input itself, so a sampled value names its position."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+
+def _positions(n: int = 10_000, shape: tuple[int, ...] = (100, 100)) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float64).reshape(shape)
+
+
+def test_default_sample_is_with_replacement_at_the_same_positions() -> None:
+    x = _positions()
+    tapped = fxprobe.tap(_Scale(), ops="mul", reduce="sample", sample_size=400, seed=3)
+    with torch.no_grad():
+        tapped(x)
+        first = tapped.taps["mul"].clone()
+        tapped(x)
+    assert torch.equal(first, tapped.taps["mul"])  # fixed positions
+    assert first.unique().numel() < 400  # with replacement (birthday collisions: ~392)
+    assert torch.equal(first, x.reshape(-1)[first.long()])
+
+
+def test_sample_without_replacement_gives_distinct_fresh_positions() -> None:
+    x = _positions()
+    tapped = fxprobe.tap(_Scale(), ops="mul", reduce=fxprobe.Sample(400, seed=3))
+    draws = []
+    with torch.no_grad():
+        for _ in range(3):
+            tapped(x)
+            draws.append(tapped.taps["mul"].clone())
+    for d in draws:
+        assert d.shape == (400,) and d.unique().numel() == 400
+        assert torch.equal(d, x.reshape(-1)[d.long()])  # the tensor's own elements
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    overlap = np.intersect1d(draws[0].numpy(), draws[1].numpy()).size
+    assert overlap < 60  # independent draws share ~16 of 10,000 positions, not all of them
+    # Reproducible: the same seed draws the same sequence in another tapped module.
+    again = fxprobe.tap(_Scale(), ops="mul", reduce=fxprobe.Sample(400, seed=3))
+    with torch.no_grad():
+        again(x)
+    assert torch.equal(again.taps["mul"], draws[0])
+
+
+def test_sample_fixed_without_replacement_and_fresh_with_replacement() -> None:
+    x = _positions()
+    fixed = fxprobe.Sample(400, replace=False, fresh=False, seed=1)
+    a, b = fixed(x), fixed(x)
+    assert torch.equal(a, b) and a.unique().numel() == 400
+    fresh = fxprobe.Sample(400, replace=True, fresh=True, seed=1)
+    c, d = fresh(x), fresh(x)
+    assert not torch.equal(c, d)
+    assert c.unique().numel() < 400 or d.unique().numel() < 400
+
+
+def test_fresh_positions_are_uniform() -> None:
+    x = torch.arange(100, dtype=torch.float64)
+    sample = fxprobe.Sample(10, seed=0)
+    counts = np.bincount(torch.cat([sample(x) for _ in range(2000)]).long().numpy(),
+                         minlength=100)
+    assert counts.sum() == 20_000 and counts.min() > 140 and counts.max() < 260  # mean 200
+
+
+def test_sample_along_a_dim_keeps_whole_columns() -> None:
+    x = _positions(6 * 50, (6, 50))
+    tapped = fxprobe.tap(_Scale(), ops="mul", reduce=fxprobe.Sample(8, dim=-1, seed=2))
+    with torch.no_grad():
+        tapped(x)
+        first = tapped.taps["mul"].clone()
+        tapped(x)
+    assert first.shape == (6, 8)
+    cols = (first[0] % 50).long()
+    assert cols.unique().numel() == 8  # distinct columns
+    assert torch.equal(first, x[:, cols])  # each one whole
+    assert not torch.equal(first, tapped.taps["mul"])  # new columns next forward
+    small = fxprobe.Sample(80, dim=1)(x)
+    assert torch.equal(small, x)  # fewer columns than k: all of them, in order
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"k": 0}, "k must be a positive int"),
+    ({"k": 4, "replace": 1}, "replace=1"),
+    ({"k": 4, "dim": "cols"}, "dim='cols'"),
+    ({"k": 4, "fresh": False, "seed": None}, "fixed positions need an int seed"),
+])
+def test_bad_sample_is_refused(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(fxprobe.ConfigError, match=match):
+        fxprobe.Sample(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(fxprobe.ConfigError, match="dim=2 is out of range"):
+        fxprobe.Sample(4, dim=2)(torch.ones(3, 3))
+
+
+class _GradBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn(self.conv(x)) + x)  # x read twice: conv's share is not x's
+
+
+def _grad_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _GradBlock(), _GradBlock(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5)).eval()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "hooks", "auto"])
+def test_grad_with_capture_both_equals_full_backward_hooks(tracer: str) -> None:
+    model = _grad_model()
+    x = torch.randn(2, 3, 8, 8)
+    names = ["1", "1.conv", "2.bn", "5"]
+    want: dict[str, tuple[tuple[torch.Tensor | None, ...], torch.Tensor]] = {}
+    handles = [model.get_submodule(n).register_full_backward_hook(
+        lambda m, gi, go, n=n: want.__setitem__(
+            n, (tuple(None if g is None else g.clone() for g in gi), go[0].clone())))
+        for n in names]
+    try:
+        model(x).logsumexp(1).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    param_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    ops = names if tracer == "hooks" else [*names, "1.add"]
+    tapped = fxprobe.tap(model, ops=ops, capture="both", grad=True, tracer=tracer)
+    out = tapped(x)
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
+    out.logsumexp(1).sum().backward()
+    for n in names:
+        g = tapped.grads[n]
+        assert isinstance(g, fxprobe.InOut), n
+        inputs, output = want[n]
+        torch.testing.assert_close(g.output, output)
+        assert len(g.inputs) == len(inputs)
+        for got, ref in zip(g.inputs, inputs, strict=True):
+            torch.testing.assert_close(got, ref)
+    # The block's grad_input is conv's share plus the residual's, not either alone.
+    assert not torch.allclose(tapped.grads["1"].inputs[0], tapped.grads["1.conv"].inputs[0])
+    if tracer != "hooks":  # an op: both inputs of x + y get grad_output (hand-computed)
+        add = tapped.grads["1.add"]
+        assert len(add.inputs) == 2
+        for g in add.inputs:
+            torch.testing.assert_close(g, add.output)
+    for k, p in model.named_parameters():  # the backward itself is unchanged
+        torch.testing.assert_close(p.grad, param_grads[k])
+    model.zero_grad()
+    tapped.remove()
+
+
+def test_grad_with_capture_input_is_still_refused() -> None:
+    with pytest.raises(fxprobe.ConfigError, match="capture='output' or 'both'"):
+        fxprobe.tap(_grad_model(), ops="1", capture="input", grad=True)

@@ -196,3 +196,41 @@ def test_no_match_after_dynamo_captured_everything_is_raised_at_the_first_forwar
         tapped(x)
     assert "first forward" in str(err.value) and "run as written" not in str(err.value)
     assert tapped.fallbacks == ()  # dynamo ran all four modules fx could not trace
+
+
+class _SdpaAttn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.LayerNorm(8), nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, -1)
+        return x + self.proj(F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("ops", ["softmax", "*.attn.softmax", torch.softmax, "*attn_probs*"])
+def test_a_softmax_selector_on_sdpa_suggests_the_sdpa_sites_and_attention_probs(
+        ops: object) -> None:
+    model = nn.Sequential(_SdpaAttn(), _SdpaAttn())
+    with pytest.raises(fxprobe.SelectorError) as info:
+        fxprobe.tap(model, ops=ops)
+    msg = str(info.value)
+    assert "0.scaled_dot_product_attention, 1.scaled_dot_product_attention" in msg
+    assert "fxprobe.attention_probs" in msg and "norm" not in msg.split("Ops present")[0]
+    # What it suggests selects those sites, and their values are the op's own.
+    x = torch.randn(2, 4, 8)
+    for suggested in (F.scaled_dot_product_attention, "*.scaled_dot_product_attention"):
+        tapped = fxprobe.tap(model, ops=suggested)
+        with torch.no_grad():
+            tapped(x)
+            q, k, v = model[0].qkv(model[0].norm(x)).chunk(3, -1)
+            assert torch.equal(tapped.taps["0.scaled_dot_product_attention"],
+                               F.scaled_dot_product_attention(q, k, v))
+    assert "tracer='dynamo'" in msg
+    probs = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo")
+    with torch.no_grad():
+        probs(x)
+        q, k, _ = model[0].qkv(model[0].norm(x)).chunk(3, -1)
+        want = torch.softmax(q @ k.transpose(-2, -1) / 8 ** 0.5, -1)
+    assert list(probs.taps) == ["0.attention_probs", "1.attention_probs"]
+    torch.testing.assert_close(probs.taps["0.attention_probs"], want)

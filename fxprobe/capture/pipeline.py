@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..core.errors import InterventionError
 from ..core.options import TapOptions
-from ..core.record import Frame, Recording
+from ..core.record import Frame, InOut, Recording
 from ..core.site import Site
 from .stats.cpu import NUMPY_MAX as _CPU_SMALL
 from .stats.cpu import batched_max, host_reads_free
@@ -70,6 +70,10 @@ class Pipeline:
         """What ``keep`` does instead of keeping the value (None: keep it, copied if at risk)."""
         self.fn = options.fn
         self.wants_grads = options.wants_grads
+        self.input_grads = options.grad and options.capture == "both"
+        """Whether gradients of the inputs are kept too (``grads[name]`` an ``InOut``)."""
+        self.arity: dict[str, int] = {}
+        """Positional inputs of each such site (the length of its ``grads[name].inputs``)."""
         self.finalize = _resolve_stats if options.reduce == "stats" else None
 
     @property
@@ -176,8 +180,41 @@ class Pipeline:
         grad_fn.register_prehook(prehook)
         return value
 
+    def watch_input(self, name: str, index: int, value: Any) -> Any:
+        """``capture="both", grad=True``: an alias of the ``index``-th positional input of
+        ``name``'s call, for that call to read instead, whose gradient is what the call sends
+        back into it (``grad_input`` of a full backward hook: this call's share only)."""
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            return value
+        frame = self.rec.state.frame
+        alias = value.view_as(value)
+
+        def prehook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            if grad_outputs[0] is not None:
+                self._put_grad(frame, name, index, grad_outputs[0].detach())
+
+        assert alias.grad_fn is not None  # a view of a tensor that requires grad
+        alias.grad_fn.register_prehook(prehook)
+        return alias
+
+    def _put_grad(self, frame: Frame, name: str, index: int | None, g: torch.Tensor) -> None:
+        """Keep ``g`` in ``grads[name]``: an ``InOut`` whose ``inputs[index]`` (output: None)
+        it is."""
+        grads: dict[str, Any] = frame.grads
+        old = grads.get(name)
+        if not isinstance(old, InOut):
+            old = InOut((None,) * self.arity.get(name, 0), None)
+        if index is None:
+            grads[name] = old._replace(output=g)
+        else:
+            inputs = list(old.inputs) + [None] * (index + 1 - len(old.inputs))
+            inputs[index] = g
+            grads[name] = old._replace(inputs=tuple(inputs))
+
     def _on_grad(self, frame: Frame, name: str, g: torch.Tensor) -> torch.Tensor | None:
-        if self.options.grad:
+        if self.input_grads:
+            self._put_grad(frame, name, None, g.detach())
+        elif self.options.grad:
             frame.grads[name] = g.detach()
         grad_fn = self.options.grad_fn
         if grad_fn is None:

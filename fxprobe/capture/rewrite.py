@@ -213,6 +213,8 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                             copied.update([name] if risky else [])
                     kept_args.append(a)
                 value = tuple(kept_args)
+                if capture == "both" and pipeline.input_grads:
+                    _watch_inputs(pipeline, name, node, at, [flowing.get(a, a) for a in args])
             if capture in ("output", "both"):
                 current = flowing.get(node, node)
                 risky = _needs_copy(copy, hazards, node, node, False)
@@ -246,6 +248,32 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
     out_node.args = ((out_node.args[0], tuple(values)),)
     graph.lint()
     return tuple(names), frozenset(copied), frozenset(outplaced)
+
+
+def _watch_inputs(pipeline: Pipeline, name: str, node: fx.Node, at: fx.Node,
+                  args: list[Any]) -> None:
+    """``grad=True, capture="both"``: the call (the nodes from ``at`` to ``node``, which fx
+    records contiguously) reads an alias of each input, whose gradient is its ``grad_input``."""
+    pipeline.arity[name] = len(args)
+    body: set[fx.Node] = set()
+    n = at
+    while n is not node:
+        body.add(n)
+        n = n.next
+    body.add(node)
+    # The aliases of calls inside this one that start where it starts (placed before ``at``)
+    # read its inputs for those calls: they read this call's aliases instead.
+    start, n = at, at.prev
+    while n.op == "call_function" and n.target in (pipeline.watch_input, pipeline.keep):
+        if n.target == pipeline.watch_input:
+            body.add(n)
+        start, n = n, n.prev
+    for i, a in enumerate(args):
+        if isinstance(a, fx.Node):
+            with at.graph.inserting_before(start):
+                alias = at.graph.call_function(pipeline.watch_input, (name, i, a))
+            for user in [u for u in a.users if u in body]:
+                user.replace_input_with(a, alias)
 
 
 def _writes_first(node: fx.Node, modules: Callable[[str], nn.Module]) -> bool:

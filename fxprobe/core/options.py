@@ -167,10 +167,11 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
     for name, f in (("fn", fn), ("grad_fn", grad_fn)):
         if f is not None and not callable(f):
             raise ConfigError(f"{name}={f!r} must be a callable taking (site, value)")
-    if (grad or grad_fn is not None) and capture != "output":
+    if (grad or grad_fn is not None) and capture == "input":
         raise ConfigError(
-            f"grad=True needs capture='output' (got capture={capture!r}): gradients are taken "
-            "with respect to each site's output"
+            "grad=True needs capture='output' or 'both' (got capture='input'): gradients are "
+            "kept of each site's output, and with 'both' of its inputs too (grads[name] is then "
+            "an InOut of grad_input and grad_output, as a full backward hook gives them)"
         )
     if fn is not None and capture == "input":
         raise ConfigError(

@@ -206,6 +206,10 @@ def _may_hide(probe: str, fallback: Any) -> bool:
     return re.search(rf"\b{re.escape(name)}\b", source) is not None
 
 
+_ATTENTION_WORDS = ("softmax", "attn_prob", "attention_prob", "attn_weight", "attention_weight",
+                    "attn_drop", "attn_map")
+
+
 def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
                      fallbacks: Sequence[Any] = ()) -> str:
     sites = list(sites)
@@ -216,6 +220,15 @@ def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
         tail = probe.split(".")[-1].strip("*")
         close = [n for n in names if tail and tail in n][:5]
     hint = f" Closest site names: {', '.join(close)}." if close else ""
+    sdpa = [s.name for s in sites if s.op_key == "scaled_dot_product_attention"]
+    if sdpa and any(w in probe.lower() for w in _ATTENTION_WORDS):
+        # The softmax is inside the fused kernel: no name spelled like it is the right answer.
+        hint = (f" The model computes attention with F.scaled_dot_product_attention, whose "
+                f"softmax is inside the fused op: select its sites ({', '.join(sdpa[:3])}"
+                f"{' ...' if len(sdpa) > 3 else ''}: ops=F.scaled_dot_product_attention or "
+                "'*.scaled_dot_product_attention'), or the probabilities themselves with "
+                "ops=fxprobe.attention_probs, tracer='dynamo' (sites named "
+                "'<module>.attention_probs').")
     ops = sorted({s.op for s in sites if s.kind != "placeholder"})
     hidden = ""
     if fallbacks:

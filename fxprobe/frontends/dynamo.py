@@ -39,6 +39,7 @@ from ..core.site import CALL_ARGS, SITES, STATE, Site, attach
 from ..core.view import CapturedGraph, CaptureInfo
 from .canonical import annotate
 from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
+from .dynamo_quiet import quiet_compile
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
@@ -506,7 +507,13 @@ class DynamoRegion:
             compiled = self._compiled = torch.compile(run, backend=self.backend)
         self.calls += 1
         before = self.runs
-        result = compiled(self.module, *args, **kwargs)
+        # Dynamo compiles now: collect its pages of messages into one (not while an outer
+        # torch.compile traces this call: it would trace the collecting too).
+        if self.calls == 1 and not torch.compiler.is_compiling():
+            with quiet_compile(self.what, lambda: self.graphs):
+                result = compiled(self.module, *args, **kwargs)
+        else:
+            result = compiled(self.module, *args, **kwargs)
         self.last_runs = ran = self.runs - before
         if ran == 0:
             raise CaptureError(

@@ -51,13 +51,21 @@ class HookSet:
                 region is None or not state.running.get(region))
 
         if capture in ("input", "both"):
-            def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
-                if wanted():
-                    kept = pipeline.inputs(args, copy)
-                    if capture == "input":
-                        pipeline.store((rec.hook_name(name),), (kept,))
-                    else:
-                        rec.state.pending.setdefault(name, []).append(kept)
+            def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> Any:
+                if not wanted():
+                    return None
+                kept = pipeline.inputs(args, copy)
+                if capture == "input":
+                    pipeline.store((rec.hook_name(name),), (kept,))
+                    return None
+                rec.state.pending.setdefault(name, []).append(kept)
+                if pipeline.input_grads and torch.is_grad_enabled():
+                    # The module reads aliases whose gradients are its grad_input.
+                    n = rec.state.frame.hook_calls.get(name, 0)  # the name hook() will take
+                    key = f"{name}_{n}" if n else name
+                    pipeline.arity[key] = len(args)
+                    new = tuple(pipeline.watch_input(key, i, a) for i, a in enumerate(args))
+                    return new if any(n is not a for n, a in zip(new, args, strict=True)) else None
                 return None
 
             handles.append(module.register_forward_pre_hook(fxprobe_hook(pre_hook)))

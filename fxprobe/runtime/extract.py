@@ -22,7 +22,13 @@ from torch import fx, nn
 from ..capture.inplace import Hazards, effects
 from ..capture.pipeline import clone_tree
 from ..capture.rewrite import copy_graph
-from ..core.errors import ConfigError, SelectorError, TraceError, UnsupportedModelError
+from ..core.errors import (
+    ConfigError,
+    FxProbeError,
+    SelectorError,
+    TraceError,
+    UnsupportedModelError,
+)
 from ..core.ops import (
     PASS_THROUGH,
     TENSOR_FUNCTIONS,
@@ -34,8 +40,10 @@ from ..core.ops import (
 )
 from ..core.select import as_selectors, select
 from ..core.site import Site, sites_of
+from ..core.view import Plan
 from ..frontends.fx import Fallback, Region, plan
 from ..frontends.mirror import mirror
+from .dualgraph import ExtractorModule, model_info
 from .program import check_model
 
 
@@ -43,13 +51,15 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
               leaf_modules: Sequence[Any] = (),
               autowrap_functions: Sequence[Callable[..., Any]] = (),
               train: bool = False,
-              return_nodes: Sequence[str] | Mapping[str, str] | None = None) -> fx.GraphModule:
+              return_nodes: Sequence[str] | Mapping[str, str] | None = None) -> ExtractorModule:
     """A module whose forward returns ``(model output, {site name: value})``, side-effect free.
 
     With ``return_nodes`` (torchvision's ``create_feature_extractor`` argument) it returns only
     ``{name: value}`` instead, and computes nothing after the last requested value.
 
-    The result is an ``fx.GraphModule`` traced once, in eval mode unless ``train``. It shares
+    The result is an ``fx.GraphModule`` (an :class:`ExtractorModule`) holding a train and an
+    eval graph, switched by ``.train()``/``.eval()``, in eval mode unless ``train``; it carries
+    timm-style ``feature_info``/``channels()``/``reduction()``. It shares
     every parameter and buffer with ``model`` (training it trains the model) and leaves the model
     object untouched. A value that a later in-place op would overwrite (``ReLU(inplace=True)``
     after a BatchNorm, ``+=``) is copied where it is produced, so each value is the one the site
@@ -65,9 +75,8 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
         leaf_modules: module types or qualified paths kept as single calls (not traced into;
             their insides cannot be selected).
         autowrap_functions: functions recorded as single calls instead of traced into.
-        train: trace the training-mode forward (and return the module in training mode).
-            The graph's control flow is fixed at trace time; ``.train()``/``.eval()`` on the
-            result only switches what leaf modules such as BatchNorm and Dropout do.
+        train: return the module in training mode (both modes are traced; ``.train()`` and
+            ``.eval()`` switch the graph, control flow on ``self.training`` included).
         return_nodes: instead of ``ops``, exact site names as torchvision spells them: a list
             (``["layer1", "layer2.0.relu"]``) or a dict renaming them
             (``{"layer1": "feat1"}``). A module path such as ``"layer1"`` is that module's
@@ -101,6 +110,36 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
             "untraceable modules by hooks"
         )
     selectors = as_selectors(ops)
+    plans: dict[bool, tuple[nn.Module, Plan]] = {}
+    graphs: dict[bool, fx.Graph] = {}
+    failures: dict[bool, FxProbeError] = {}
+    for mode in (train, not train):
+        try:
+            plans[mode] = _plan(model, mode, leaf_modules, autowrap_functions)
+        except FxProbeError as e:
+            if mode == train:
+                raise
+            failures[mode] = e  # raised when .train(mode) switches to it
+    for mode, (_, p) in plans.items():
+        other = plans.get(not mode)
+        try:
+            graphs[mode] = _graph(model, mode, p, selectors, renames,
+                                  other[1].sites if other is not None else None)
+        except FxProbeError as e:
+            if mode == train:
+                raise
+            failures[mode] = e
+    gm = ExtractorModule(plans[train][0], graphs[train], class_name=type(model).__name__)
+    known = model_info(model)
+    entries = {mode: _entries(g, renames, known) for mode, g in graphs.items()}
+    gm.attach(plans[not train][0] if (not train) in graphs else None, graphs, failures, entries)
+    gm.train(train)
+    return gm
+
+
+def _plan(model: nn.Module, train: bool, leaf_modules: Sequence[Any],
+          autowrap_functions: Sequence[Callable[..., Any]]) -> tuple[nn.Module, Plan]:
+    """One mode's module tree and fx plan, traced whole (else a TraceError naming why)."""
     root = mirror(model)
     root.train(train)
     # "auto" lists every module that fails (as Fallbacks) instead of stopping at the first.
@@ -108,23 +147,44 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
              autowrap_functions=autowrap_functions)
     if p.fallbacks:
         raise _untraceable(type(model).__name__, p.fallbacks)
-    region = p.root_region
-    if region is None:
+    if p.root_region is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} is a container without a forward of its own; pass a module "
             "whose forward runs it (for an nn.ModuleList, the module that iterates over it)"
         )
-    mode = "train" if train else "eval"
-    context = f"{type(model).__name__} ({mode} mode)"
+    return root, p
+
+
+def _graph(model: nn.Module, train: bool, p: Plan, selectors: Any,
+           renames: Mapping[str, str] | None, other: Sequence[Site] | None) -> fx.Graph:
+    """One mode's graph; a selector that matches only the ``other`` mode's sites is no error."""
+    region = p.root_region
+    assert region is not None
+    context = f"{type(model).__name__} ({'train' if train else 'eval'} mode)"
     if renames is not None:
         _check_names(renames, p.sites, context)
-        graph = build_features_graph(region, renames)
+        return build_features_graph(region, renames)
+    selected = select(p.sites, selectors, context=context, fallbacks=p.fallbacks,
+                      other_mode=(lambda: other) if other is not None else None)
+    return build_graph(region, {s.name for s in selected})
+
+
+def _entries(graph: fx.Graph, renames: Mapping[str, str] | None,
+             known: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``feature_info`` entries of a graph's returned values: ``module`` (the site) and
+    ``name`` (its key), with the model's ``num_chs``/``reduction`` where it lists the site."""
+    (out,) = (n for n in graph.nodes if n.op == "output")
+    if renames is not None:
+        pairs = list(renames.items())
     else:
-        selected = select(p.sites, selectors, context=context, fallbacks=p.fallbacks)
-        graph = build_graph(region, {s.name for s in selected})
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
-    gm.train(train)
-    return gm
+        pairs = [(k, k) for k in out.args[0][1]]
+    entries = []
+    for site, name in pairs:
+        d: dict[str, Any] = {"module": site, "name": name}
+        if site in known:
+            d.update(num_chs=known[site]["num_chs"], reduction=known[site]["reduction"])
+        entries.append(d)
+    return entries
 
 
 def copy_tree(value: Any) -> Any:
@@ -338,7 +398,7 @@ def _return_nodes(return_nodes: Any, ops: Any) -> dict[str, str] | None:
             raise ConfigError(
                 f"return_nodes entry {name!r}: {new!r} is not a pair of strings; site names and "
                 "output names are strings (a train/eval pair of lists is not supported: build "
-                "one extractor per mode with train=)")
+                "one extractor that switches modes with .train()/.eval())")
         if name in renames:
             raise ConfigError(f"return_nodes names site {name!r} twice")
         renames[name] = new

@@ -8,6 +8,13 @@ against the compiled bare model. The compiled extractor is the floor of compiled
 that materialises the same values and returns them, keeping no state between calls;
 ``ratio_vs_compiled_extractor`` is the taps' ratio over its ratio, per round. A failure is
 recorded with its message, never dropped. Compile times are cold (inductor's caches disabled).
+The ``stats`` approach is ``reduce="stats"`` at every module call (eager: ``eager_ms``).
+
+``python -m benchmarks.compiled [--rounds N] [--out DIR]`` measures statistics on the model of
+issue 23 alone (12 x ``Linear(512)`` + ReLU + residual, batch 64, the 12 Linear sites, one
+thread): compiled bare, eager bare, compiled reference taps, eager and compiled statistics,
+interleaved in one run against the compiled bare model; it writes ``compiled-stats.json`` and
+``.md``.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ def run_compile(name: str, model: nn.Module, inputs: tuple[Any, ...], env: Envir
                          dtype=env.dtype, threads=env.threads)
     every_call = fxprobe.where(lambda s: s.kind == "call_module")
     tapped = fxprobe.tap(model, ops=every_call)
+    stats = fxprobe.tap(model, ops=every_call, reduce="stats")
     extractor = fxprobe.extractor(model, ops=every_call)
     hooked = copy.deepcopy(model)
     store: list[Any] = []
@@ -70,6 +78,9 @@ def run_compile(name: str, model: nn.Module, inputs: tuple[Any, ...], env: Envir
     def read_taps(out: Any) -> list[Any]:
         return [v for v in tapped.taps.values()]
 
+    def read_stats(out: Any) -> list[Any]:
+        return [stats_row(v) for v in stats.taps.values()]
+
     def read_extracted(out: Any) -> list[Any]:
         return list(out[1].values())
 
@@ -83,6 +94,7 @@ def run_compile(name: str, model: nn.Module, inputs: tuple[Any, ...], env: Envir
                              Callable[[], None] | None]] = {
         "bare": (model, None, None),
         "taps": (tapped, read_taps, None),
+        "stats": (stats, read_stats, None),
         "extractor": (extractor, read_extracted, None),
         "module hooks": (hooked, read_store, clear_store),
     }
@@ -117,7 +129,14 @@ def run_compile(name: str, model: nn.Module, inputs: tuple[Any, ...], env: Envir
             inductor_config.force_disable_caches = old_caches
             torch._dynamo.reset()
     tapped.remove()
+    stats.remove()
     return list(records.values())
+
+
+def stats_row(s: fxprobe.Stats) -> torch.Tensor:
+    """A :class:`fxprobe.Stats` as the tensor of its eight numbers (compared with allclose)."""
+    return torch.tensor([s.mean, s.std, s.min, s.max, s.absmax, s.zero_frac, s.nan_count,
+                         s.inf_count], dtype=torch.float64)
 
 
 def _explain(rec: CompileRecord, target: nn.Module, inputs: tuple[Any, ...]) -> CompileRecord:
@@ -214,10 +233,101 @@ def _time(runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
         c = timing.summarize(samples[f"compiled|{label}"], cuda)
         e = timing.summarize(samples[f"eager|{label}"], cuda)
         vs_floor = None
-        if floor is not None and label not in ("extractor", "bare"):
+        if floor is not None and label in ("taps", "module hooks"):
             # Each side over its own neighbouring baseline slots, then the one over the other.
             vs_floor = float(np.median(samples[f"compiled|{label}"].ratios() / floor.ratios()))
         records[label] = replace(records[label], compiled_ms=c.treatment_ms,
                                  eager_ms=e.treatment_ms, ratio_vs_compiled_bare=c.ratio,
                                  ratio_p5=c.ratio_p5, ratio_p95=c.ratio_p95,
                                  ratio_vs_compiled_extractor=vs_floor)
+
+
+class Residual(nn.Module):
+    """Issue 23's model: ``x = x + relu(linear(x))``, ``depth`` times."""
+
+    def __init__(self, width: int = 512, depth: int = 12) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.relu(layer(x))
+        return x
+
+
+def compiled_stats(rounds: int, seed: int = 0) -> dict[str, Any]:
+    """Issue 23's measurement: every treatment's median ratio to the compiled bare model."""
+    torch.manual_seed(seed)
+    model = Residual().eval()
+    x = torch.randn(64, 512)
+    taps = fxprobe.tap(model, ops=nn.Linear)
+    stats = fxprobe.tap(model, ops=nn.Linear, reduce="stats")
+    eager_stats = fxprobe.tap(model, ops=nn.Linear, reduce="stats")
+    torch._dynamo.reset()
+    bare = torch.compile(model)
+    runs = {"eager bare": lambda: model(x), "compiled reference taps": torch.compile(taps),
+            "eager stats": lambda: eager_stats(x), "compiled stats": torch.compile(stats)}
+    with torch.no_grad():
+        bare(x)
+        for key in ("compiled reference taps", "compiled stats"):
+            compiled = runs[key]
+            runs[key] = lambda c=compiled: c(x)
+            runs[key]()
+        eager_stats(x)
+        same = all(torch.allclose(stats_row(stats.taps[n]), stats_row(eager_stats.taps[n]),
+                                  rtol=1e-5, atol=1e-6) for n in eager_stats.taps)
+        treatments = [timing.Treatment(k, f) for k, f in runs.items()]
+        iters, _ = timing.calibrate(lambda: bare(x), min_slot_s=0.06, warmup_s=0.5,
+                                    cuda=False)
+        timing.warm(treatments, iters, False)
+        samples = timing.interleave(lambda: bare(x), treatments, iters=iters, rounds=rounds,
+                                    cuda=False, seed=seed)
+    rows = {}
+    for key in runs:
+        summ = timing.summarize(samples[key], False)
+        rows[key] = {"ratio_vs_compiled_bare": summ.ratio, "p5": summ.ratio_p5,
+                     "p95": summ.ratio_p95, "ms": summ.treatment_ms,
+                     "compiled_bare_ms": summ.baseline_ms}
+    e, c = samples["eager stats"].ratios(), samples["compiled stats"].ratios()
+    return {"model": "12 x Linear(512) + ReLU + residual, batch 64, 12 Linear sites",
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "rounds": rounds, "iters_per_slot": iters, "compiled_stats_equal_eager": same,
+            "compiled_stats_over_eager_stats": float(np.median(c / e)), "rows": rows}
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']}; torch {result['torch']}, {result['threads']} thread(s), "
+             f"medians of {result['rounds']} interleaved rounds ({result['iters_per_slot']} "
+             "calls per slot), ratios to the compiled bare model in the same rounds.", "",
+             "| treatment | x compiled bare [p5, p95] | ms per call |", "|---|---|---|"]
+    for key, r in result["rows"].items():
+        lines.append(f"| {key} | {r['ratio_vs_compiled_bare']:.3f} [{r['p5']:.3f}, "
+                     f"{r['p95']:.3f}] | {r['ms']:.3f} |")
+    lines += ["", f"compiled stats / eager stats (median per round): "
+              f"{result['compiled_stats_over_eager_stats']:.3f}; compiled stats equal eager: "
+              f"{result['compiled_stats_equal_eager']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compiled",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = compiled_stats(args.rounds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compiled-stats.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = _markdown(result)
+    (args.out / "compiled-stats.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

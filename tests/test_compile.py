@@ -94,3 +94,77 @@ def test_compiled_history_keeps_every_forward_without_recompiling(keep: int | st
             assert torch.equal(got[name], value), name
     assert counters["stats"]["unique_graphs"] <= (3 if keep == 3 else 2)
     torch._dynamo.reset()
+
+
+class _StaticOutputs:
+    """A dynamo backend that returns every graph output in the same memory at each call, as a
+    CUDA-graph replay does, on a CPU; its ``config`` says CUDA graphs as
+    ``mode="reduce-overhead"`` does."""
+
+    config = {"triton.cudagraphs": True}
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        static: list[object] = []
+
+        def replay(*args: object) -> object:
+            leaves, spec = tree_flatten(gm(*args))
+            if not static:
+                static.extend(v.clone() if isinstance(v, torch.Tensor) else v for v in leaves)
+            else:
+                for buf, v in zip(static, leaves, strict=True):
+                    if isinstance(buf, torch.Tensor):
+                        buf.copy_(v)
+            return tree_unflatten(list(static), spec)
+
+        return replay
+
+
+@pytest.mark.parametrize("reduce", [None, "stats"])
+def test_kept_values_survive_a_graph_replay_that_overwrites_its_outputs(
+        monkeypatch: pytest.MonkeyPatch, reduce: str | None) -> None:
+    """Under CUDA graphs each replay writes the graph's outputs into the same memory: values
+    kept from one forward (a keep=3 history) must be copies made after the graph, else every
+    kept forward shows the last one's values. Emulated on a CPU; tests/test_cuda.py runs
+    mode="reduce-overhead" on a GPU."""
+    from fxprobe.capture import pipeline
+
+    monkeypatch.setattr(pipeline, "CUDAGRAPH_DEVICES", frozenset({"cuda", "cpu"}))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    tapped = fxprobe.tap(model, ops=torch.nn.Linear, keep=3, reduce=reduce)
+    reference = fxprobe.tap(model, ops=torch.nn.Linear, keep=3, reduce=reduce)
+    torch._dynamo.reset()
+    compiled = torch.compile(tapped, backend=_StaticOutputs())
+    inputs = [torch.randn(2, 8) * (i + 1) for i in range(4)]
+    with torch.no_grad():
+        for inp in inputs:
+            assert torch.equal(compiled(inp), model(inp))
+            reference(inp)
+    assert len(tapped.history) == 3
+    firsts = []
+    for got, expected in zip(tapped.history, reference.history, strict=True):
+        for name in ("0", "2"):
+            if reduce is None:
+                assert torch.equal(got[name], expected[name]), name
+            else:
+                assert got[name].mean == pytest.approx(expected[name].mean, rel=1e-5), name
+                assert got[name].std == pytest.approx(expected[name].std, rel=1e-5), name
+        firsts.append(got["0"].sum().item() if reduce is None else got["0"].mean)
+    assert len(set(firsts)) == 3
+    torch._dynamo.reset()
+
+
+def test_cudagraphs_in_use_reads_the_compile_mode() -> None:
+    from fxprobe.capture.pipeline import cudagraphs_in_use
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if cudagraphs_in_use() else x - 1
+
+    x = torch.zeros(1)
+    for kwargs, expected in (({"backend": "eager"}, -1.0), ({"mode": "reduce-overhead"}, 1.0),
+                             ({"backend": _StaticOutputs()}, 1.0)):
+        torch._dynamo.reset()
+        assert torch.compile(probe, **kwargs)(x).item() == expected, kwargs  # type: ignore[arg-type]
+    torch._dynamo.reset()

@@ -89,3 +89,35 @@ def test_disk_writes_cuda_values_as_keep_all_holds_them(tmp_path) -> None:  # ty
     for i, frame in enumerate(memory.history):
         for name in names:
             assert torch.equal(caps.forward(i)[name], frame[name].cpu()), (i, name)
+
+
+@pytest.mark.parametrize("reduce", [None, "stats"])
+def test_cuda_graphs_keep_every_forward_of_the_history(reduce: str | None) -> None:
+    """torch.compile(mode="reduce-overhead"): each replay writes the graph's outputs into the
+    same memory; the keep=3 history holds three different forwards, each equal to eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 16)).cuda().eval()
+    tapped = fxprobe.tap(model, ops=torch.nn.Linear, keep=3, reduce=reduce)
+    reference = fxprobe.tap(model, ops=torch.nn.Linear, keep=3, reduce=reduce)
+    torch._dynamo.reset()
+    compiled = torch.compile(tapped, mode="reduce-overhead")
+    inputs = [torch.randn(8, 64, device="cuda") * (i + 1) for i in range(6)]
+    with torch.no_grad():
+        for inp in inputs:  # warm-up, recording, then replays
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(inp).clone()
+            torch.testing.assert_close(out, model(inp), rtol=1e-4, atol=1e-5)
+            reference(inp)
+    assert len(tapped.history) == 3
+    firsts = []
+    for got, expected in zip(tapped.history, reference.history, strict=True):
+        for name in ("0", "2"):
+            if reduce is None:
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+            else:
+                assert got[name].mean == pytest.approx(expected[name].mean, rel=1e-4, abs=1e-6)
+                assert got[name].std == pytest.approx(expected[name].std, rel=1e-4, abs=1e-6)
+        firsts.append(got["0"].sum().item() if reduce is None else got["0"].mean)
+    assert len(set(firsts)) == 3
+    torch._dynamo.reset()

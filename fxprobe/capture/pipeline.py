@@ -233,10 +233,84 @@ class Pipeline:
             return
         if self.options.to is not None:
             values = self.rec.offload(state.frame, names, values)
+        if torch.compiler.is_compiling() and _replayed(values) and cudagraphs_in_use():
+            values = _copy_after_graph(values)
         if state.detach_now:
             values = tuple(
                 v.detach() if isinstance(v, torch.Tensor) else detach_tree(v) for v in values)
         state.frame.parts.append((names, values))
+
+
+CUDAGRAPH_DEVICES = frozenset({"cuda"})
+"""Devices whose tensors CUDA graphs replay (``tests/test_compile.py`` adds the CPU while it
+emulates a CUDA-graph replay there)."""
+
+
+def _replayed(values: tuple[Any, ...]) -> bool:
+    """Whether a kept value lives where a CUDA graph would replay it (metadata only)."""
+    for leaf in tree_flatten(values)[0]:
+        t = leaf.vector if isinstance(leaf, _PendingStats) else leaf
+        if isinstance(t, torch.Tensor) and t.device.type in CUDAGRAPH_DEVICES:
+            return True
+    return False
+
+
+def cudagraphs_in_use() -> bool:
+    """Whether the graph dynamo is tracing will run as CUDA graphs (``mode="reduce-overhead"``
+    or ``"max-autotune"``, ``options={"triton.cudagraphs": True}``, ``backend="cudagraphs"``,
+    or inductor's global setting). Dynamo runs this at trace time and bakes in the answer.
+    Where it cannot tell (torch's internals moved), it says True: a copy too many is slower,
+    a kept value that the next replay overwrites is wrong."""
+    global _copy_after_graph
+    _copy_after_graph = torch._dynamo.disable(_copied_after_graph)
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._inductor import config
+
+        backend: Any = InstructionTranslator.current_tx().output.compiler_fn
+        inductor = False
+        for _ in range(8):  # the wrappers around the backend the user named
+            if backend is None:
+                break
+            options = getattr(backend, "config", None)
+            if isinstance(options, dict) and options.get("triton.cudagraphs"):
+                return True
+            name = getattr(backend, "compiler_name", None)
+            if name == "cudagraphs":
+                return True
+            inductor = inductor or name == "inductor"
+            backend = getattr(backend, "compiler_fn", None)
+        return inductor and bool(config.triton.cudagraphs)
+    except Exception:
+        return True
+
+
+# torch._dynamo.assume_constant_result spelled out: dynamo runs a function so marked at trace
+# time and bakes in its result (importing dynamo here would add it to every `import fxprobe`).
+cudagraphs_in_use._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _copied_after_graph(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Copies of the kept values, made after the compiled graph ran: dynamo does not trace
+    :data:`_copy_after_graph` (a graph break), which :func:`cudagraphs_in_use` makes when
+    dynamo runs it, dynamo then being imported. A CUDA-graph replay writes every output of
+    the graph into the same static memory, so a value kept from one forward (the last one
+    read later, the ``keep=N`` history) would show the next forward's values; a copy inside
+    the graph would be one more such output."""
+
+    def copy(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.clone()
+        if isinstance(leaf, _PendingStats) and leaf.vector is not None:
+            leaf.vector = leaf.vector.clone()
+        return leaf
+
+    leaves, spec = tree_flatten(values)
+    return tuple(tree_unflatten([copy(v) for v in leaves], spec))
+
+
+_copy_after_graph: Callable[[tuple[Any, ...]], tuple[Any, ...]] = _copied_after_graph
+"""The copy ``store`` calls; dynamo-disabled by :func:`cudagraphs_in_use` at trace time."""
 
 
 def write_back(value: Any, flow: Any) -> None:

@@ -38,6 +38,7 @@ import torch
 from ...core.errors import ConfigError
 from . import cpu as _stats_cpu
 from .cpu import sum_of_squares
+from .fused import fused_stats_vector
 
 FIELDS = ("mean", "std", "min", "max", "absmax", "zero_frac", "nan_count", "inf_count")
 """The order of the entries of a stats vector."""
@@ -76,7 +77,10 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
 
     On an accelerator it runs tensor ops only, so it never blocks the host; the result is
     detached from autograd. On CUDA, with Triton installed and outside ``torch.compile``, one
-    Triton kernel reads ``t`` once (:mod:`fxprobe.capture.stats.triton`); elsewhere about a dozen
+    Triton kernel reads ``t`` once (:mod:`fxprobe.capture.stats.triton`); while
+    ``torch.compile`` traces it, reductions that inductor fuses into one loop, into the
+    kernel that produced ``t`` where it can (:mod:`fxprobe.capture.stats.fused`; float64
+    keeps the path below); elsewhere about a dozen
     torch reductions and in-place ops over one temporary, with no branch on values. On a CPU
     in eager mode (not under ``torch.compile`` or a functorch transform), where a branch on
     values costs nothing, a tensor whose elements are all finite takes one numba pass (large
@@ -104,7 +108,11 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
         empty[6:] = 0.0
         return empty
     x = t.detach()
-    if x.is_cuda and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        if dtype == torch.float32:  # one fused pass (see capture.stats.fused)
+            return fused_stats_vector(x)
+        return _general_stats(x, dtype)
+    if x.is_cuda:
         from . import triton as _stats_triton
 
         if _stats_triton.available():

@@ -279,6 +279,7 @@ class _Attribute(fx.proxy.Attribute):
     def __getattr__(self, k: str) -> fx.proxy.Attribute:
         return _Attribute(self, k)
 
+
 for _op, _twin in AUGMENTED_OPERATORS.items():
     for _cls in (_Proxy, _Attribute):
         setattr(_cls, f"__{_op.__name__}__", _augmented(_op, _twin))

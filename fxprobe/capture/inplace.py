@@ -37,6 +37,7 @@ from ..core.ops import (
     INPLACE_DUNDERS,
     INPLACE_OPERATORS,
     NN_IDENTITY,
+    PASS_THROUGH_FUNCTIONS,
     PURE_OPERATORS,
     VIEW_OPS,
     is_torch_callable,
@@ -134,13 +135,17 @@ def _binds_inplace(fn: Callable[..., Any], node: fx.Node) -> bool:
     return False
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def _known_leaf(m: nn.Module) -> bool:
-    """A ``torch.nn`` module that computes one op, whose effects fxprobe knows (``nn.ReLU``):
-    not a container nor any module with children (``nn.Sequential`` holding
-    ``ReLU(inplace=True)`` writes its input), not one with forward hooks (they may return or
-    write anything)."""
-    return (type(m).__module__.startswith(("torch.nn", "torch.ao.nn")) and not m._modules
-            and not m._forward_hooks and not m._forward_pre_hooks)
+    """A ``torch.nn`` module whose effects fxprobe knows (``nn.ReLU``, ``nn.MultiheadAttention``):
+    not a container (``nn.Sequential`` holding ``ReLU(inplace=True)`` writes its input), none
+    of its modules in place or hooked (a hook may return or write anything)."""
+    return (type(m).__module__.startswith(("torch.nn", "torch.ao.nn"))
+            and not isinstance(m, _CONTAINERS)
+            and not any((s is not m and getattr(s, "inplace", False) is True)
+                        or s._forward_hooks or s._forward_pre_hooks for s in m.modules()))
 
 
 def opaque(node: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
@@ -152,7 +157,7 @@ def opaque(node: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
     if node.op != "call_function" or not callable(node.target):
         return False
     fn = node.target
-    return not (fn in INPLACE_OPERATORS or getattr(fn, OUT_OF_PLACE, False)
+    return not (fn in INPLACE_OPERATORS or getattr(fn, OUT_OF_PLACE, False) or _pass_through(fn)
                 or fn in PURE_OPERATORS or fn is builtins.getattr or fn in _ALIAS_FUNCTIONS
                 or getattr(builtins, getattr(fn, "__name__", ""), None) is fn
                 or is_torch_callable(fn))
@@ -172,6 +177,12 @@ def _state_writes(fn: Callable[..., Any], node: fx.Node) -> list[fx.Node]:
     if bound.get(flag) is None or bound.get(flag) is False:
         return []
     return [a for w in written if isinstance(a := bound.get(w), fx.Node)]
+
+
+def _pass_through(fn: Any) -> bool:
+    """A library function that returns its first argument or new memory and writes nothing."""
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}"
+    return name in PASS_THROUGH_FUNCTIONS
 
 
 _STATE_WRITERS = {"embedding": ("max_norm", ("weight",)),
@@ -216,6 +227,8 @@ def effects(node: fx.Node, modules: Callable[[str], nn.Module]
             return _first_arg(node), extra  # x.T, x.data, ...: the same storage
         if getattr(builtins, getattr(fn, "__name__", ""), None) is fn:
             return [], extra
+        if _pass_through(fn):
+            return _first_arg(node), extra
         name = getattr(fn, "__name__", "")
         mutates = (name.endswith("_") and not name.startswith("_")) or _binds_inplace(fn, node)
         writes = (_first_arg(node) if mutates else []) + extra + _state_writes(fn, node)

@@ -145,6 +145,15 @@ torch function is assumed to return an alias of its tensor arguments
 (``torch.broadcast_tensors``, ``torch.as_tensor``, ``torch.positive``, ``torch.einsum``...):
 a write through its result may write them."""
 
+PASS_THROUGH_FUNCTIONS = frozenset({
+    "torchvision.ops.stochastic_depth.stochastic_depth",
+    "torchvision.models.swin_transformer.shifted_window_attention",
+    "torchvision.models.swin_transformer._get_relative_position_bias",
+})
+"""Functions of other libraries (by ``module.name``) that fxprobe records as one call and that
+return their first argument (or new memory) and write nothing: ``stochastic_depth`` hands
+back its input in eval mode; Swin's attention writes only a clone of its bias."""
+
 NO_TWIN = frozenset("""
 requires_grad_ resize_ resize_as_ set_ detach_ share_memory_ t_ transpose_ swapdims_
 swapaxes_ squeeze_ unsqueeze_ as_strided_ rename_ refine_names_ retain_grad_ copy_ fill_ zero_

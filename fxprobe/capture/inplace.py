@@ -9,9 +9,11 @@ aliasing, run that op out of place (``relu_`` as ``relu``) and copy nothing.
 The engine (:class:`Hazards`) reads a graph through a small adapter (:class:`Graph`) that
 reports, for each node in the order they run, an :class:`Op`: the values it makes and reads,
 those its result may share storage with (views), those it writes in place, and whether it may
-run out of place. Anything an adapter cannot see into (custom modules, unknown functions)
-counts as a writer of everything it is given, so the engine errs toward a copy, never toward a
-stale value. Storage the graph does not own (its inputs, parameters, buffers) is never
+run out of place. Anything an adapter cannot see into (custom modules, containers, unknown
+functions) counts as a writer of everything it is given, whose result is storage the graph
+does not own (it may return its own state); a torch function not known to return new memory
+counts as a view of its tensor arguments: the engine errs toward a copy, never toward a stale
+value. Storage the graph does not own (its inputs, parameters, buffers) is never
 outplaced, only copied: the caller sees a write there after the call.
 
 Adapters: :class:`FxOps` here (fx and dynamo graphs of Python ops); the TorchScript IR and
@@ -30,7 +32,16 @@ from typing import Any, Protocol
 import torch
 from torch import fx, nn
 
-from ..core.ops import INPLACE_OPERATORS, NN_IDENTITY, PURE_OPERATORS, VIEW_OPS, is_torch_callable
+from ..core.ops import (
+    FRESH_OPS,
+    INPLACE_DUNDERS,
+    INPLACE_OPERATORS,
+    NN_IDENTITY,
+    PASS_THROUGH_FUNCTIONS,
+    PURE_OPERATORS,
+    VIEW_OPS,
+    is_torch_callable,
+)
 from ..core.site import STATE
 
 OUT_OF_PLACE = "_fxprobe_out_of_place"
@@ -124,27 +135,83 @@ def _binds_inplace(fn: Callable[..., Any], node: fx.Node) -> bool:
     return False
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _known_leaf(m: nn.Module) -> bool:
+    """A ``torch.nn`` module whose effects fxprobe knows (``nn.ReLU``, ``nn.MultiheadAttention``):
+    not a container (``nn.Sequential`` holding ``ReLU(inplace=True)`` writes its input), none
+    of its modules in place or hooked (a hook may return or write anything)."""
+    return (type(m).__module__.startswith(("torch.nn", "torch.ao.nn"))
+            and not isinstance(m, _CONTAINERS)
+            and not any((s is not m and getattr(s, "inplace", False) is True)
+                        or s._forward_hooks or s._forward_pre_hooks for s in m.modules()))
+
+
+def opaque(node: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
+    """Whether ``node`` runs code fxprobe cannot see into (a user module, a container, a
+    module with hooks, a function not of torch): it may write anything it is given, and return
+    storage the graph does not own (a module's buffer)."""
+    if node.op == "call_module":
+        return not _known_leaf(modules(str(node.target)))
+    if node.op != "call_function" or not callable(node.target):
+        return False
+    fn = node.target
+    return not (fn in INPLACE_OPERATORS or getattr(fn, OUT_OF_PLACE, False) or _pass_through(fn)
+                or fn in PURE_OPERATORS or fn is builtins.getattr or fn in _ALIAS_FUNCTIONS
+                or getattr(builtins, getattr(fn, "__name__", ""), None) is fn
+                or is_torch_callable(fn))
+
+
+def _state_writes(fn: Callable[..., Any], node: fx.Node) -> list[fx.Node]:
+    """The arguments a torch function writes besides an ``out=``: ``F.embedding(max_norm=)``
+    renormalises its weight, ``F.batch_norm(training=True)`` updates the running statistics."""
+    rule = _STATE_WRITERS.get(getattr(fn, "__name__", ""))
+    if rule is None:
+        return []
+    flag, written = rule
+    try:
+        bound = inspect.signature(fn).bind(*node.args, **node.kwargs).arguments
+    except (TypeError, ValueError):
+        return _tensor_args(node)
+    if bound.get(flag) is None or bound.get(flag) is False:
+        return []
+    return [a for w in written if isinstance(a := bound.get(w), fx.Node)]
+
+
+def _pass_through(fn: Any) -> bool:
+    """A library function that returns its first argument or new memory and writes nothing."""
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}"
+    return name in PASS_THROUGH_FUNCTIONS
+
+
+_STATE_WRITERS = {"embedding": ("max_norm", ("weight",)),
+                  "batch_norm": ("training", ("running_mean", "running_var")),
+                  "instance_norm": ("use_input_stats", ("running_mean", "running_var"))}
+
+
 def effects(node: fx.Node, modules: Callable[[str], nn.Module]
              ) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(nodes the result may alias, nodes written in place) for one node."""
+    """(nodes the result may alias, nodes written in place) for one node.
+
+    Conservative where it does not know: code it cannot see (:func:`opaque`) aliases and
+    writes everything it is given; a torch function or method not known to return new memory
+    (``FRESH_OPS``) aliases its tensor arguments."""
+    if opaque(node, modules):
+        everything = _tensor_args(node)
+        return everything, everything
     if node.op == "call_module":
         m = modules(str(node.target))
-        if type(m).__module__.startswith(("torch.nn", "torch.ao.nn")):
-            writes = _first_arg(node) if getattr(m, "inplace", False) is True else []
-            aliases = _first_arg(node) if writes or isinstance(m, NN_IDENTITY) else []
-            return aliases, writes
-        everything = _tensor_args(node)  # code fxprobe cannot see: may alias and write anything
-        return everything, everything
+        writes = _first_arg(node) if getattr(m, "inplace", False) is True else []
+        aliases = _first_arg(node) if writes or isinstance(m, NN_IDENTITY) else []
+        return aliases, writes
     if node.op == "call_method":
         name = str(node.target)
-        mutates = (name.endswith("_") and not name.startswith("_")) or name in (
-            "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-            "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-            "__irshift__",
-        )
+        mutates = (name.endswith("_") and not name.startswith("_")) or name in INPLACE_DUNDERS
         writes = _first_arg(node) if mutates else []
-        aliases = _first_arg(node) if mutates or name.rstrip("_") in VIEW_OPS else []
-        return aliases, writes
+        if mutates or name.rstrip("_") in VIEW_OPS:
+            return _first_arg(node), writes
+        return ([] if name in FRESH_OPS else _tensor_args(node)), writes
     if node.op == "call_function" and callable(node.target):
         fn = node.target
         out = node.kwargs.get("out")
@@ -153,21 +220,21 @@ def effects(node: fx.Node, modules: Callable[[str], nn.Module]
             return _first_arg(node), _first_arg(node) + extra
         if getattr(fn, OUT_OF_PLACE, False):  # fxprobe's rewrite of an in-place op
             return _first_arg(node), extra
-        if fn in PURE_OPERATORS:
-            return (_first_arg(node) if fn is operator.getitem else []), extra
+        if fn in PURE_OPERATORS:  # ``+x`` is ``torch.positive``: x itself
+            return (_first_arg(node) if fn in (operator.getitem, operator.pos) else []), extra
         if (fn is builtins.getattr and len(node.args) > 1
                 and node.args[1] in _VIEW_ATTRIBUTES) or fn in _ALIAS_FUNCTIONS:
             return _first_arg(node), extra  # x.T, x.data, ...: the same storage
         if getattr(builtins, getattr(fn, "__name__", ""), None) is fn:
             return [], extra
-        if is_torch_callable(fn):
-            name = getattr(fn, "__name__", "")
-            mutates = (name.endswith("_") and not name.startswith("_")) or _binds_inplace(fn, node)
-            writes = _first_arg(node) + extra if mutates else extra
-            aliases = _first_arg(node) if mutates or name.rstrip("_") in VIEW_OPS else []
-            return aliases + extra, writes
-        everything = _tensor_args(node)
-        return everything, everything
+        if _pass_through(fn):
+            return _first_arg(node), extra
+        name = getattr(fn, "__name__", "")
+        mutates = (name.endswith("_") and not name.startswith("_")) or _binds_inplace(fn, node)
+        writes = (_first_arg(node) if mutates else []) + extra + _state_writes(fn, node)
+        if mutates or name.rstrip("_") in VIEW_OPS:
+            return _first_arg(node) + extra, writes
+        return ([] if name in FRESH_OPS else _tensor_args(node)) + extra, writes
     return [], []
 
 
@@ -209,7 +276,10 @@ class FxOps:
                      tuple(aliases), tuple(writes), bool(writes) and first and n.op != "output")
 
     def owned(self, value: Hashable) -> bool:
-        return not (isinstance(value, fx.Node) and value.op in ("placeholder", "get_attr"))
+        """Not an input, a parameter or buffer, nor what opaque code returned (its state)."""
+        return not (isinstance(value, fx.Node) and (value.op in ("placeholder", "get_attr")
+                                                     or opaque(value, self.modules)))
+
 
 class Hazards:
     """Answers: is a captured value overwritten by a node that runs after it, and may that

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..core.ops import AUGMENTED_OPERATORS
+from ..core.ops import AUGMENTED_OPERATORS, NO_TWIN
 from ..core.options import Capture, CopyPolicy
 from ..core.site import CALL_ARGS, Site, sites_of
 from .inplace import OUT_OF_PLACE, Hazards, effects, outplace
@@ -59,23 +59,33 @@ class Compiled:
     holder: nn.Module
 
 
-def _method_out_of_place(x: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-    """``x.<name>(...)`` out of place, in ``x``'s dtype as the in-place ``<name>_`` keeps it."""
-    out = getattr(x, name)(*args, **kwargs)
-    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
-        out = out.to(x.dtype)
+def _as_written(x: Any, out: Any, inplace: Callable[[Any], Any]) -> Any:
+    """``out``, the out-of-place result, where it is what the in-place op would have left in
+    ``x``: the same dtype and shape. Else the in-place op runs on a copy of ``x``: eager's cast
+    into ``x``'s dtype (``float16 += float32``), or eager's error (a float result cannot be
+    cast into an integer ``x``; a broadcast larger than ``x``)."""
+    if (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor)
+            and (out.dtype != x.dtype or out.shape != x.shape)):
+        return inplace(x.clone())
     return out
+
+
+def _method_out_of_place(x: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``x.<name>_(...)`` as ``x.<name>(...)``, with the in-place op's dtype and shape."""
+    return _as_written(x, getattr(x, name)(*args, **kwargs),
+                       lambda c: getattr(c, name + "_")(*args, **kwargs))
 
 
 setattr(_method_out_of_place, OUT_OF_PLACE, True)
 
+_AUGMENTED_BY_NAME = {op.__name__: (op, twin) for op, twin in AUGMENTED_OPERATORS.items()}
+
 
 def _operator_out_of_place(x: Any, name: str, y: Any) -> Any:
-    """``x op= y`` as ``operator.<name>(x, y)``, in ``x``'s dtype as the in-place op keeps it."""
-    out = getattr(operator, name)(x, y)
-    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
-        out = out.to(x.dtype)
-    return out
+    """``x op= y`` (``operator.<name>``, ``iadd``) as ``x op y``, with the in-place op's dtype
+    and shape; on numbers, the same value."""
+    op, twin = _AUGMENTED_BY_NAME[name]
+    return _as_written(x, twin(x, y), lambda c: op(c, y))
 
 
 setattr(_operator_out_of_place, OUT_OF_PLACE, True)
@@ -100,7 +110,7 @@ def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
     ``ReLU(inplace=True)`` calls a copy of the module with ``inplace=False``;
     ``F.relu(x, inplace=True)`` gets ``inplace=False``; ``torch.relu_(x)`` becomes
     ``torch.relu(x)``; ``x.add_(y)`` becomes ``x.add(y)`` and ``x += y`` (``operator.iadd``)
-    ``x + y``, each cast back to ``x``'s dtype.
+    ``x + y``, each checked to leave what the in-place op would (:func:`_as_written`).
     """
     if op.op == "call_module":
         m = modules(str(op.target))
@@ -111,7 +121,8 @@ def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
         return False
     if op.op == "call_method":
         name = str(op.target)
-        if name.endswith("_") and not name.startswith("_") and hasattr(torch.Tensor, name[:-1]):
+        if (name.endswith("_") and not name.startswith("_") and name not in NO_TWIN
+                and callable(getattr(torch.Tensor, name[:-1], None))):
             op.op, op.target = "call_function", _method_out_of_place
             op.args = (op.args[0], name[:-1], *op.args[1:])
             return True
@@ -119,10 +130,9 @@ def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
     if op.op != "call_function" or not callable(op.target):
         return False
     fn = op.target
-    twin = AUGMENTED_OPERATORS.get(fn)
-    if twin is not None and len(op.args) == 2 and not op.kwargs:
+    if fn in AUGMENTED_OPERATORS and len(op.args) == 2 and not op.kwargs:
         op.target = _operator_out_of_place
-        op.args = (op.args[0], twin.__name__, op.args[1])
+        op.args = (op.args[0], fn.__name__, op.args[1])
         return True
     if op.kwargs.get("inplace") is True:
         op.kwargs = {**op.kwargs, "inplace": False}
@@ -139,10 +149,22 @@ def run_out_of_place(op: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
     name = getattr(fn, "__name__", "")
     home = sys.modules.get(getattr(fn, "__module__", None) or "")
     twin = getattr(home, name[:-1], None) if name.endswith("_") and home else None
-    if twin is not None and callable(twin) and not name.startswith("_"):
-        op.target = twin
+    if twin is not None and callable(twin) and not name.startswith("_") and name not in NO_TWIN:
+        op.target = _function_out_of_place(fn, twin)
         return True
     return False
+
+
+def _function_out_of_place(inplace: Callable[..., Any], twin: Callable[..., Any]
+                           ) -> Callable[..., Any]:
+    """``torch.relu_(x)`` as ``torch.relu(x)``, with the in-place op's dtype and shape."""
+
+    def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+        return _as_written(x, twin(x, *args, **kwargs), lambda c: inplace(c, *args, **kwargs))
+
+    call.__name__ = call.__qualname__ = f"{twin.__name__}_out_of_place"
+    setattr(call, OUT_OF_PLACE, True)
+    return call
 
 
 def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: set[str], *,
@@ -247,7 +269,7 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
             values.append(value)
     out_node.args = ((out_node.args[0], tuple(values)),)
     graph.lint()
-    return tuple(names), frozenset(copied), frozenset(outplaced)
+    return tuple(names), frozenset(copied), frozenset(outplaced - copied)  # copied anyway
 
 
 def _watch_inputs(pipeline: Pipeline, name: str, node: fx.Node, at: fx.Node,
@@ -302,7 +324,7 @@ def _call_args(node: fx.Node, site: Site) -> tuple[tuple[Any, ...], fx.Node]:
 
 def _needs_copy(policy: CopyPolicy, hazards: Hazards | None, value: fx.Node,
                 consumer: fx.Node, is_input: bool) -> bool:
-    if policy == "never" or value.op == "get_attr":
+    if policy == "never":
         return False
     if policy == "always" or hazards is None:
         return True

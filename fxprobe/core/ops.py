@@ -115,6 +115,52 @@ short bool char byte cpu cuda real imag view_as_real view_as_complex getitem ali
 align_to refine_names rename as_subclass requires_grad dropout feature_alpha_dropout
 alpha_dropout dropout1d dropout2d dropout3d identity
 """.split())
+FRESH_OPS = frozenset("""
+add sub mul div true_divide floor_divide remainder fmod pow matmul mm bmm addmm addmv addbmm
+baddbmm mv dot outer neg abs exp exp2 expm1 log log2 log10 log1p sqrt rsqrt sigmoid tanh relu
+relu6 gelu silu mish hardswish hardsigmoid hardtanh leaky_relu elu selu celu softplus softsign
+glu logsigmoid tanhshrink softshrink hardshrink threshold rrelu prelu sin cos tan asin acos atan
+atan2 sinh cosh erf erfc sign floor ceil round trunc frac reciprocal square clamp clip clamp_min
+clamp_max maximum minimum lerp where masked_fill masked_scatter index_select gather scatter
+scatter_add index_add index_copy index_fill index_put sum mean prod std var norm amax amin argmax
+argmin all any logsumexp cumsum cumprod softmax log_softmax softmin max min sort topk kthvalue
+median mode aminmax var_mean std_mean eq ne lt le gt ge logical_and logical_or logical_not
+logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift
+bitwise_right_shift isnan isinf isfinite clone repeat tile roll flip cat concat concatenate stack
+hstack vstack layer_norm group_norm batch_norm instance_norm rms_norm local_response_norm
+normalize linear bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d
+conv_transpose3d avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d
+adaptive_avg_pool3d max_pool1d max_pool2d max_pool3d adaptive_max_pool1d adaptive_max_pool2d
+adaptive_max_pool3d embedding interpolate pixel_shuffle pixel_unshuffle
+scaled_dot_product_attention zeros_like ones_like empty_like full_like rand_like randn_like
+new_zeros new_ones new_empty new_full tensor zeros ones empty full arange rand randn randint
+cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss binary_cross_entropy
+binary_cross_entropy_with_logits kl_div one_hot
+size dim numel nelement ndimension stride storage_offset element_size is_contiguous
+is_floating_point is_complex item tolist equal allclose get_device
+""".split())
+"""Torch functions and tensor methods whose result is always new memory (``x.relu()``,
+``torch.cat``) or no tensor (``x.size()``): it shares storage with no argument. Any other
+torch function is assumed to return an alias of its tensor arguments
+(``torch.broadcast_tensors``, ``torch.as_tensor``, ``torch.positive``, ``torch.einsum``...):
+a write through its result may write them."""
+
+PASS_THROUGH_FUNCTIONS = frozenset({
+    "torchvision.ops.stochastic_depth.stochastic_depth",
+    "torchvision.models.swin_transformer.shifted_window_attention",
+    "torchvision.models.swin_transformer._get_relative_position_bias",
+})
+"""Functions of other libraries (by ``module.name``) that fxprobe records as one call and that
+return their first argument (or new memory) and write nothing: ``stochastic_depth`` hands
+back its input in eval mode; Swin's attention writes only a clone of its bias."""
+
+NO_TWIN = frozenset("""
+requires_grad_ resize_ resize_as_ set_ detach_ share_memory_ t_ transpose_ swapdims_
+swapaxes_ squeeze_ unsqueeze_ as_strided_ rename_ refine_names_ retain_grad_ copy_ fill_ zero_
+""".split())
+"""In-place ops never run out of place: they change what the tensor is (its shape, storage,
+autograd state), or their ``x.<name>()`` twin is no out-of-place op of the same meaning."""
+
 INPLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,

@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from ..capture.inplace import Hazards, Op, outplace
 from ..capture.rewrite import copy_graph
 from ..core.errors import UnsupportedModelError
 from ..core.irtypes import is_block_type, is_leaf_type, python_type, spelled
-from ..core.ops import method_key, module_key, op_key
+from ..core.ops import NO_TWIN, method_key, module_key, op_key
 from ..core.site import Site, attach, sites_of
 
 _TAG = "fxprobe_taps"
@@ -210,7 +211,7 @@ def _twin(node: fx.Node) -> Any:
     if not isinstance(target, torch._ops.OpOverload):
         return None
     name = target._opname
-    if not name.endswith("_") or name.startswith("_"):
+    if not name.endswith("_") or name.startswith("_") or name in NO_TWIN:
         return None
     packet = getattr(torch.ops.aten, name[:-1], None)
     if packet is None or target._overloadname not in packet.overloads():
@@ -221,7 +222,7 @@ def _twin(node: fx.Node) -> Any:
 def _run_out_of_place(graph: fx.Graph, w: fx.Node) -> dict[Hashable, Hashable] | None:
     """Replace the in-place op ``w`` by its out-of-place twin; ``{w: the new node}``."""
     twin = _twin(w)
-    if twin is None:
+    if twin is None or not _same_as_written(w, twin):
         return None
     with graph.inserting_before(w):
         new = graph.call_function(twin, w.args, w.kwargs)
@@ -229,6 +230,24 @@ def _run_out_of_place(graph: fx.Graph, w: fx.Node) -> dict[Hashable, Hashable] |
     w.replace_all_uses_with(new)
     graph.erase_node(w)
     return {w: new}
+
+
+def _same_as_written(w: fx.Node, twin: Any) -> bool:
+    """Whether the twin's result provably has the dtype and shape that ``w`` leaves in its first
+    argument (run on the nodes' fake values): else eager casts (``float16 += float32``) or
+    raises, and ``w`` stays in place."""
+    x = w.args[0].meta.get("val") if isinstance(w.args[0], fx.Node) else None
+    mode = getattr(x, "fake_mode", None)
+    if not isinstance(x, torch.Tensor) or mode is None:
+        return False
+    args, kwargs = fx.node.map_arg((w.args, w.kwargs), lambda n: n.meta.get("val"))
+    try:
+        with mode:
+            out = twin(*args, **kwargs)
+        return (out.dtype == x.dtype and len(out.shape) == len(x.shape) and all(
+            statically_known_true(a == b) for a, b in zip(out.shape, x.shape, strict=True)))
+    except Exception:  # any doubt (an op the fake values cannot run): no out-of-place twin
+        return False
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:

@@ -201,6 +201,9 @@ class _Proxy(fx.Proxy):
     torchvision's, and the op key (``_ops.op_key``) stays ``add``.
     """
 
+    def __getattr__(self, k: str) -> fx.proxy.Attribute:
+        return _Attribute(self, k)  # ``h.T += 1`` too
+
 
 def _augmented(op: Callable[[Any, Any], Any], twin: Callable[[Any, Any], Any]
                ) -> Callable[[fx.Proxy, Any], fx.Proxy]:
@@ -211,8 +214,17 @@ def _augmented(op: Callable[[Any, Any], Any], twin: Callable[[Any, Any], Any]
     return impl
 
 
+class _Attribute(fx.proxy.Attribute):
+    """fx's attribute proxy (``h.T``, ``h.data``) with :class:`_Proxy`'s ``x += y``: ``v = h.T;
+    v += 1`` writes ``h``."""
+
+    def __getattr__(self, k: str) -> fx.proxy.Attribute:
+        return _Attribute(self, k)
+
+
 for _op, _twin in AUGMENTED_OPERATORS.items():
-    setattr(_Proxy, f"__{_op.__name__}__", _augmented(_op, _twin))
+    for _cls in (_Proxy, _Attribute):
+        setattr(_cls, f"__{_op.__name__}__", _augmented(_op, _twin))
 
 
 def _unbind_augmented(graph: fx.Graph) -> None:

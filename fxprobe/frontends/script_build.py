@@ -28,6 +28,7 @@ from torch import nn
 
 from ..capture.inplace import Hazards, Op, outplace
 from ..core.errors import UnsupportedModelError
+from ..core.ops import NO_TWIN
 from ..core.site import Site
 from .script import Graph, Node, ScriptGraph, Value, quiet_jit
 
@@ -81,6 +82,9 @@ class ScriptOps:
         self.values: dict[int, Value] = {}
         """Every value the graph makes, by id."""
         self._state: dict[int, bool] = {}
+        self._set_attrs = [n.inputsAt(1) for n in graph.findAllNodes("prim::SetAttr")
+                           if n.inputsAt(1).type().kind() != "NoneType"]
+        """Values stored into module attributes: a later ``GetAttr`` may be any of them."""
 
     def ops(self) -> Iterator[Op]:
         g = self.graph
@@ -97,15 +101,16 @@ class ScriptOps:
             written = inputs if pos is None else [inputs[i] for i in pos if i < len(inputs)]
             kind = n.kind()
             twin = (kind.startswith("aten::") and kind.endswith("_") and not kind.endswith("__")
-                    and not _in_loop(n))
+                    and kind[6:] not in NO_TWIN and not _in_loop(n))
             yield Op(n, tuple(v.unique() for v in outs), tuple(v.unique() for v in inputs),
                      writes=tuple(v.unique() for v in written), twin=twin)
 
     def may_share(self, value: Hashable, written: Hashable) -> bool:
         v, x = self.values[value], self.values[written]  # type: ignore[index]
-        if self.is_state(x) and not self.is_state(v):
-            return False  # a module's state update cannot overwrite a computed tensor
-        return bool(self.db.may_contain_alias(v, x))
+        if self.is_state(x) and not self.is_state(v) and not any(
+                self.db.may_contain_alias(v, s) for s in self._set_attrs):
+            return False  # a module's state update cannot overwrite a computed tensor, unless
+        return bool(self.db.may_contain_alias(v, x))  # it was stored in the module (SetAttr)
 
     def owned(self, value: Hashable) -> bool:
         v = self.values[value]  # type: ignore[index]
@@ -129,17 +134,54 @@ def _in_loop(node: Node) -> bool:
 
 
 def _outplace(g: Graph, w: Node) -> Value | None:
-    """Replace the in-place op ``w`` (``aten::relu_``) by its out-of-place twin; its result."""
+    """Replace the in-place op ``w`` (``aten::add_(x, y)``) by its out-of-place twin; its result.
+
+    The twin's result is used where it is what ``w`` would have left in ``x``, the same dtype
+    and shape; else ``w`` runs on a copy of ``x``, for eager's cast (``float16 += float32``)
+    or eager's error (a float result into an integer ``x``, a broadcast larger than ``x``)::
+
+        %r = aten::add(%x, %y, %a)
+        %same = <dtype and size of %r == those of %x>
+        %out = prim::If(%same)
+          block0(): -> (%r)
+          block1(): %c = aten::clone(%x, None); %w = aten::add_(%c, %y, %a) -> (%w)
+    """
+    inputs = list(w.inputs())
     with g.insert_point_guard(w):
-        new = g.insertNode(g.create(w.kind()[:-1], list(w.inputs()), 1))
-    if new.schema() == "(no schema)":  # no out-of-place twin with this signature
-        new.destroy()
-        return None
-    out = new.output()
+        new = g.insertNode(g.create(w.kind()[:-1], inputs, 1))
+        if new.schema() == "(no schema)":  # no out-of-place twin with this signature
+            new.destroy()
+            return None
+        result = new.output()
+        result.setType(torch._C.TensorType.get())
+        same = g.insertGraph(_same_as_written().graph, [inputs[0], result])[0]
+        choice = g.insertNode(g.create("prim::If", [same], 1))
+        kept, redone = choice.addBlock(), choice.addBlock()
+        kept.registerOutput(result)
+        with g.insert_point_guard(redone.returnNode()):
+            copy = _insert_clone(g, inputs[0])
+            again = g.insertNode(g.create(w.kind(), [copy, *inputs[1:]], 1)).output()
+            again.setType(w.output().type())
+        redone.registerOutput(again)
+    out = choice.output()
     out.setType(w.output().type())
     w.output().replaceAllUsesWith(out)
     w.destroy()
     return out
+
+
+_SAME: list[Any] = []
+
+
+def _same_as_written() -> Any:
+    """A scripted ``(x, out) -> bool``: ``out`` has ``x``'s dtype and size."""
+    if not _SAME:
+        def same(x: torch.Tensor, out: torch.Tensor) -> bool:
+            return out.dtype == x.dtype and out.size() == x.size()
+
+        with quiet_jit():
+            _SAME.append(torch.jit.script(same))
+    return _SAME[0]
 
 
 def _dead(node: Node) -> bool:

@@ -140,23 +140,27 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     """Statistics of every site over all ranks of ``group``, with one collective for all sites.
 
     Each rank contributes the last forward's values of ``tapped``: :class:`~fxprobe.Stats`
-    (``reduce="stats"``), or tensors, summarised here with :func:`~fxprobe.stats_vector`.
+    (``reduce="stats"``, as precise as they are: float32 for float32 tensors), or tensors,
+    whose count, mean and sum of squared deviations are computed here in float64.
     They are combined exactly as if one rank had seen every rank's tensor concatenated along
     dim 0: element counts, NaN/Inf counts, zeros, min/max, and mean and variance by Chan's
     parallel formula from each rank's (count, mean, sum of squared deviations), never a mean
-    of means. One ``all_gather`` of a ``(values + 1) x 11`` float64 table per rank; the
-    result is the same on every rank. The first call with a new set of sites first compares
-    the ranks' sites with a 2-float ``all_gather`` (a table of another size would abort gloo).
+    of means. One ``all_gather`` of a ``(values + 1) x 12`` float64 table per rank; the
+    result is the same on every rank (a site that ran on some ranks only is in every rank's
+    result, its shape and dtype sent by one more collective, made only then). The first call
+    with a new set of sites first compares the ranks' sites with a 2-float ``all_gather`` (a
+    table of another size would abort gloo).
 
     Args:
         tapped: a tapped module (or DDP/FSDP wrapping one, or a ``{site: value}`` mapping).
         group: the process group (default: the world).
 
     Returns:
-        ``{site name: Stats}`` in the order of ``tapped.taps`` (a site whose value is a tuple
-        or ``InOut`` keeps that structure, with a ``Stats`` per tensor). ``Stats.shape`` is
-        the ranks' shapes concatenated along dim 0 (flattened to ``(numel,)`` when their
-        trailing dimensions differ); ``dtype`` is this rank's.
+        ``{site name: Stats}`` for every site that ran on some rank, in the tapped module's
+        site order (a site whose value is a tuple or ``InOut`` keeps that structure, with a
+        ``Stats`` per tensor). ``Stats.shape`` is the ranks' shapes concatenated along dim 0
+        (flattened to ``(numel,)`` when their trailing dimensions differ); ``dtype`` is this
+        rank's (the first rank's that ran it, where it did not run here).
 
     Raises:
         ConfigError: torch.distributed is not initialized, or the ranks captured different

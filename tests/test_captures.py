@@ -11,10 +11,12 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import fxprobe
 
@@ -115,3 +117,140 @@ def test_a_corrupted_shard_is_reported_by_name_and_never_read(tmp_path: Path,
         caps.forward(first_bad)
     with pytest.raises(fxprobe.DiskError, match=shards[1].replace(".", r"\.")):
         caps.dataset("1", rows="samples")
+
+
+class Times1(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * 1
+
+
+def two_ranks(path: Path) -> None:
+    """Ranks 0 and 1, 4 forwards each, ``h == mul == 100 * rank + forward`` (2 per shard)."""
+    for rank in (0, 1):
+        with fxprobe.tap(Times1(), to=fxprobe.Disk(path, rank=rank, shard_size=200)) as tapped:
+            for f in range(4):
+                tapped(torch.full((2, 4), float(100 * rank + f)))
+
+
+def edit_header(shard: Path, old: str, new: str) -> None:
+    """Replace ``old`` by ``new`` in the shard's JSON header, keeping its length."""
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n].decode()
+    assert old in header, (old, header[:300])
+    header = header.replace(old, new, 1)
+    shard.write_bytes(data[:8] + header.ljust(n).encode() + data[8 + n:])
+
+
+def first_values(path: Path, verify: bool = True) -> list[float]:
+    caps = fxprobe.open_captures(path, verify=verify)
+    return [caps.forward(i)["mul"][0, 0].item() for i in range(len(caps))]
+
+
+def test_checksums_in_the_index_are_those_of_the_shards_bytes(tmp_path: Path) -> None:
+    two_ranks(tmp_path)
+    assert first_values(tmp_path) == [0, 1, 2, 3, 100, 101, 102, 103]
+    for rank in (0, 1):
+        d = tmp_path / f"rank{rank:05d}"
+        index = json.loads((d / "index.json").read_text())
+        assert index["rank"] == rank
+        for entry in index["shards"]:
+            data = (d / entry["file"]).read_bytes()
+            n = int.from_bytes(data[:8], "little")
+            assert entry["header_crc32"] == zlib.crc32(data[:8 + n])
+            assert entry["crc32"] == zlib.crc32(data[8 + n:])
+            # Still a standard safetensors file: its own reader gives the written values.
+            loaded = load_file(d / entry["file"])
+            for f in range(entry["first"], entry["first"] + entry["count"]):
+                assert torch.equal(loaded[f"{f}/mul/0"], torch.full((2, 4), 100.0 * rank + f))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_shards_swapped_between_ranks_are_refused(tmp_path: Path, verify: bool) -> None:
+    two_ranks(tmp_path)
+    a = tmp_path / "rank00000" / "shard-000000.safetensors"
+    b = tmp_path / "rank00001" / "shard-000000.safetensors"
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    caps = fxprobe.open_captures(tmp_path, verify=verify)
+    assert caps.forward(2)["mul"][0, 0].item() == 2  # the untouched shard still reads
+    for i, name in ((0, "rank00000"), (4, "rank00001")):
+        with pytest.raises(fxprobe.DiskError, match=f"{name}/shard-000000.*written by rank"):
+            caps.forward(i)
+
+
+@pytest.mark.parametrize("damage", [
+    "data byte", "dtype F32->I32", "shape [2,4]->[4,2]", "shape [2,4]->[2,3]", "dtype F32->XX",
+    "key renamed"])
+def test_changed_bytes_or_headers_are_reported_by_name(tmp_path: Path, damage: str) -> None:
+    two_ranks(tmp_path)
+    shard = tmp_path / "rank00000" / "shard-000000.safetensors"
+    if damage == "data byte":
+        data = bytearray(shard.read_bytes())
+        data[-40] ^= 0x40  # inside 1/mul/0 (the last tensor but its pad)
+        shard.write_bytes(bytes(data))
+    elif damage.startswith("dtype"):
+        code = damage.split("->")[1]
+        edit_header(shard, '"1/mul/0":{"dtype":"F32"', f'"1/mul/0":{{"dtype":"{code}"')
+    elif damage.startswith("shape"):
+        new = damage.split("->")[1]
+        edit_header(shard, '"1/mul/0":{"dtype":"F32","shape":[2,4]',
+                    f'"1/mul/0":{{"dtype":"F32","shape":{new}')
+    else:
+        edit_header(shard, '"1/mul/0"', '"1/mul/X"')
+    with pytest.raises(fxprobe.DiskError, match="rank00000/shard-000000.*corrupted"):
+        first_values(tmp_path)
+    # Unverified: what does not need the checksums is still refused, never misread.
+    if damage in ("shape [2,4]->[2,3]", "dtype F32->XX", "key renamed"):
+        with pytest.raises(fxprobe.DiskError, match="rank00000/shard-000000.*corrupted"):
+            first_values(tmp_path, verify=False)
+
+
+def test_indexes_without_checksums_still_read(tmp_path: Path) -> None:
+    two_ranks(tmp_path)
+    for rank in (0, 1):  # as a version without checksums wrote them
+        p = tmp_path / f"rank{rank:05d}" / "index.json"
+        index = json.loads(p.read_text())
+        for entry in index["shards"]:
+            del entry["crc32"], entry["header_crc32"]
+        del index["rank"]
+        p.write_text(json.dumps(index))
+    assert first_values(tmp_path) == [0, 1, 2, 3, 100, 101, 102, 103]
+
+
+def test_an_index_counting_more_forwards_than_its_shards_is_refused(tmp_path: Path) -> None:
+    two_ranks(tmp_path)
+    p = tmp_path / "rank00000" / "index.json"
+    p.write_text(json.dumps(dict(json.loads(p.read_text()), forwards=7)))
+    with pytest.raises(fxprobe.DiskError, match="rank00000/index.json.*7 forwards.*hold 4"):
+        fxprobe.open_captures(tmp_path)
+
+
+def test_one_rank_knows_its_rank_and_mixed_directories_are_refused(tmp_path: Path) -> None:
+    two_ranks(tmp_path)
+    one = fxprobe.open_captures(tmp_path, rank=1)
+    assert [one.rank_of(i) for i in range(len(one))] == [1] * 4
+    assert fxprobe.open_captures(tmp_path / "rank00001").rank_of(-1) == 1
+    with pytest.raises(fxprobe.DiskError, match=r"captures of ranks \[0, 1\].*rank="):
+        fxprobe.Disk(tmp_path)
+    plain = tmp_path / "plain"
+    with fxprobe.tap(Times1(), to=fxprobe.Disk(plain)) as tapped:
+        tapped(torch.ones(2, 4))
+    with pytest.raises(fxprobe.DiskError, match="without a rank"):
+        fxprobe.Disk(plain, rank=0)
+    # Both kinds in one directory (copied there by hand): neither hides the other.
+    (tmp_path / "index.json").write_bytes((plain / "index.json").read_bytes())
+    with pytest.raises(fxprobe.DiskError, match=r"without a rank.*ranks \[0, 1\]"):
+        fxprobe.open_captures(tmp_path)
+
+
+def test_concatenating_values_of_different_trailing_dims_is_refused(tmp_path: Path) -> None:
+    with fxprobe.tap(Times1(), to=fxprobe.Disk(tmp_path)) as tapped:
+        tapped(torch.ones(2, 3))
+        tapped(torch.ones(2, 5))
+    caps = fxprobe.open_captures(tmp_path)
+    with pytest.raises(fxprobe.DiskError, match=r"'mul'.*shape \(2, 5\) in forward 1.*"
+                                                r"\(2, 3\) before"):
+        caps["mul"]
+    assert [tuple(f["mul"].shape) for f in caps] == [(2, 3), (2, 5)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -145,7 +146,7 @@ def test_ranks_read_as_one_dataset(tmp_path: Path) -> None:
     expected = torch.cat([v.reshape(-1, 6) for r in (0, 1) for v in per_rank[r]["lin"]])
     assert torch.equal(torch.stack([ds[i] for i in range(len(ds))]), expected)
     one = fxprobe.open_captures(tmp_path, rank=1)
-    assert len(one) == 3 and one.rank_of(0) is None
+    assert len(one) == 3 and one.rank_of(0) == 1
 
 
 def test_a_dataset_sees_committed_shards_only(tmp_path: Path) -> None:
@@ -197,3 +198,81 @@ def test_the_sae_walkthrough_in_the_docs_runs(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     exec(compile(code, "docs/disk.md (SAE walkthrough)", "exec"), {"__name__": "__docs__"})
     assert capsys.readouterr().out.split() == ["16", "1024", "0", "1", "True"]
+
+
+class Pass(nn.Module):
+    """Records ``h`` and the masks it is given (as inputs), and ``h * 1``."""
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, transposed: torch.Tensor
+                ) -> torch.Tensor:
+        return h * 1
+
+
+def masked_harvest(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    data = []
+    with fxprobe.tap(Pass(), to=fxprobe.Disk(path)) as tapped:
+        for f in range(2):
+            h = torch.arange(4 * 6 * 2, dtype=torch.float32).reshape(4, 6, 2) + 1000 * f
+            mask = torch.rand(4, 6, generator=g) > 0.5
+            tapped(h, mask, mask.T.contiguous())  # [pos, batch]: as many elements, not rows
+            data.append((h, mask))
+    return data
+
+
+def test_a_mask_must_have_the_values_batch_and_positions(tmp_path: Path) -> None:
+    data = masked_harvest(tmp_path)
+    caps = fxprobe.open_captures(tmp_path)
+    ds = caps.dataset("mul", mask="mask")
+    by_hand = torch.cat([h.flatten(0, 1)[m.reshape(-1)] for h, m in data])
+    assert torch.equal(ds[list(range(len(ds)))], by_hand)
+    with pytest.raises(fxprobe.DiskError, match=r"'transposed'.*\(6, 4\).*\[4, 6\]"):
+        caps.dataset("mul", mask="transposed")
+
+
+def test_rows_are_read_by_integers_only(tmp_path: Path) -> None:
+    data = masked_harvest(tmp_path)
+    ds = fxprobe.open_captures(tmp_path).dataset("mul", rows="samples")
+    by_hand = torch.cat([h for h, _ in data])
+    assert torch.equal(ds[np.int64(1)], by_hand[1])
+    assert torch.equal(ds[np.array([3, -1])], by_hand[[3, -1]])
+    assert torch.equal(ds[torch.tensor([5, 0], dtype=torch.int32)], by_hand[[5, 0]])
+    mask = torch.tensor([True, False, False, True, False, False, False, False])
+    for bad, why in ((mask, "torch.bool"), (mask.tolist(), "torch.bool"),
+                     (torch.tensor([0.9, 2.7]), "torch.float32"), ([0.9, 2.7], "float"),
+                     ([[0, 1], [2, 3]], r"shape \(2, 2\)"), (1.0, "float")):
+        with pytest.raises(TypeError, match=why):
+            ds[bad]
+    assert torch.equal(ds[mask.nonzero().flatten()], by_hand[mask])
+
+
+def test_no_rows_keep_the_sites_dtype(tmp_path: Path) -> None:
+    masked_harvest(tmp_path)
+    caps = fxprobe.open_captures(tmp_path)
+    for name, dtype in (("mask", torch.bool), ("mul", torch.float32)):
+        ds = caps.dataset(name, rows="samples")
+        assert ds[[]].dtype == dtype == ds[[0]].dtype
+        assert ds[[]].shape == (0, *caps.forward(0)[name].shape[1:])
+
+
+def test_a_site_whose_dtype_changes_is_refused_when_the_dataset_is_made(tmp_path: Path) -> None:
+    class Double(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h * 2
+
+    with fxprobe.tap(Double(), to=fxprobe.Disk(tmp_path)) as tapped:
+        tapped(torch.ones(2, 3, 4))
+        tapped(torch.ones(2, 3, 4, dtype=torch.bfloat16))
+    with pytest.raises(fxprobe.DiskError, match="'mul'.*bfloat16.*forward 1.*float32 before"):
+        fxprobe.open_captures(tmp_path).dataset("mul")
+
+
+def test_a_dataset_reads_a_shards_data_only_with_its_rows(tmp_path: Path) -> None:
+    masked_harvest(tmp_path)
+    shard = tmp_path / "shard-000000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    ds = fxprobe.open_captures(tmp_path).dataset("mul")  # shapes only: no error yet
+    with pytest.raises(fxprobe.DiskError, match="shard-000000.*checksum"):
+        ds[0]

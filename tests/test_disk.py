@@ -535,3 +535,64 @@ def test_generate_writes_one_forward_per_step(tmp_path: Path) -> None:
     assert len(caps) == len(seen) == 4  # the prompt, then one forward per new token
     for i, logits in enumerate(seen):
         assert torch.equal(caps.forward(i)["lm_head"], logits), i
+
+
+class SmallDisk:
+    """A file on a disk with ``budget`` free bytes, allocated in 4 KiB blocks as written (a
+    seek over a range leaves a hole that takes no space until it is written)."""
+
+    def __init__(self, real: Any, budget: list[int]) -> None:
+        self.real = real
+        self.budget = budget
+        self.blocks: set[int] = set()
+
+    def write(self, data: Any) -> int:
+        n = len(data) if isinstance(data, bytes) else data.nbytes
+        pos = self.real.tell()
+        new = set(range(pos // 4096, (pos + n + 4095) // 4096)) - self.blocks if n else set()
+        if len(new) * 4096 > self.budget[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.budget[0] -= len(new) * 4096
+        self.blocks |= new
+        return int(self.real.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_a_full_disk_keeps_the_complete_forwards_of_the_shard_being_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = [400_000]  # free bytes: room for some forwards of the one shard, not all
+
+    def small_open(path: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        f = open(path, mode, *args, **kw)  # noqa: SIM115
+        return SmallDisk(f, budget) if "w" in mode else f
+
+    monkeypatch.setattr(_shards, "open", small_open, raising=False)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    xs = inputs(100, (16, 64))
+    ref = fxprobe.tap(model, keep="all")
+    with pytest.raises(fxprobe.DiskError, match="No space left"):
+        with torch.no_grad(), fxprobe.tap(model, to=fxprobe.Disk(tmp_path, shard_size="2MB",
+                                                                  queue=1)) as tapped:
+            for x in xs:
+                ref(x)
+                tapped(x)
+    caps = fxprobe.open_captures(tmp_path)  # the shard's complete forwards were committed
+    assert len(caps) >= 10, len(caps)
+    check_same([dict(f.items()) for f in ref.history][: len(caps)], caps)
+    shard = tmp_path / "shard-000000.safetensors"
+    assert len(load_file(shard)) > len(caps)  # safetensors' own reader opens it
+
+
+def test_inputs_that_cannot_be_written_name_the_capture_option(tmp_path: Path) -> None:
+    class Slicer(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:, 1:3]
+
+    for capture in ("input", "both"):
+        with pytest.raises(fxprobe.ConfigError, match=r"'getitem' has a slice.*among its "
+                                                      r"inputs.*capture='output'"):
+            with fxprobe.tap(Slicer(), ops="getitem", capture=capture,
+                             to=fxprobe.Disk(tmp_path / capture)) as tapped:
+                tapped(torch.ones(2, 4))

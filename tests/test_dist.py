@@ -418,6 +418,56 @@ SCENARIOS: dict[str, Callable[[int, Path], None]] = {
 }
 
 
+
+def reduce_stats_in_float64(rank: int, tmp: Path) -> None:
+    # Large means and a small spread: a per-rank mean rounded to float32 (eps 0.06 at 1e6)
+    # would shift the between-rank term of Chan's formula by ~0.4% of the variance.
+    def values(r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(r)
+        return torch.randn(4096, generator=g) + 1e6 + r
+
+    got = fxprobe.dist.reduce_stats({"v": values(rank)})["v"]
+    whole = np.concatenate([values(r).double().numpy() for r in range(WORLD)])
+    assert math.isclose(got.mean, whole.mean(), rel_tol=1e-12), (got.mean, whole.mean())
+    assert math.isclose(got.std, whole.std(ddof=1), rel_tol=1e-9), (got.std, whole.std(ddof=1))
+    assert got.numel == whole.size and got.shape == (WORLD * 4096,)
+
+
+class Branch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ReLU()
+        self.b = nn.Tanh()
+
+    def forward(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        y = self.a(x)
+        return self.b(y) if flag else y
+
+
+def reduce_stats_of_sites_run_on_some_ranks(rank: int, tmp: Path) -> None:
+    def x(r: int) -> torch.Tensor:
+        return torch.arange(6.0).reshape(2, 3) - 2 + 10 * r
+
+    tapped = fxprobe.tap(Branch(), tracer="hooks")
+    tapped(x(rank), rank == 0)  # b runs on rank 0 only
+    got = fxprobe.dist.reduce_stats(tapped)
+    assert list(got) == ["a", "b"], list(got)
+    a = torch.cat([torch.relu(x(r)) for r in range(WORLD)])
+    b = torch.tanh(torch.relu(x(0)))
+    for s, ref in ((got["a"], a), (got["b"], b)):
+        assert s.shape == tuple(ref.shape) and s.dtype == "torch.float32", s
+        for field, value in _torch_stats(ref).items():
+            assert math.isclose(getattr(s, field), value, rel_tol=1e-9, abs_tol=1e-12), (
+                field, getattr(s, field), value)
+    everyone: list[Any] = [None] * WORLD
+    tdist.all_gather_object(everyone, got)
+    assert everyone[0] == everyone[1], "ranks disagree"
+
+
+SCENARIOS.update({f.__name__: f for f in (reduce_stats_in_float64,
+                                          reduce_stats_of_sites_run_on_some_ranks)})
+
+
 def worker(rank: int, port: int, tmp: str) -> None:
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

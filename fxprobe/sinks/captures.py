@@ -4,6 +4,14 @@ The format (see ``_disk.py`` for how it is written): a directory with ``index.js
 commit point, listing safetensors shards of whole forwards; tensors named
 ``"{forward}/{site}/{leaf}"``, the structure of each forward in the header's ``__metadata__``.
 Tensors are returned as views of a memory map of their shard, so nothing is read until used.
+The map is private and copy-on-write: editing a returned tensor in place never changes the
+file, but it does change what later reads through the same :class:`Captures` (and datasets
+made from it) return; ``.clone()`` a value before editing it.
+
+What the index says of a shard is checked before its values are returned: its size, its
+forward range and rank, a header that parses with tensors inside the file whose byte sizes
+match their dtypes and shapes, and (``verify=True``, indexes written since the checksums were
+added) the CRC-32 of its header, and of its data the first time a forward of it is read.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import math
 import mmap
 import os
 import re
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +65,28 @@ def read_index(path: Path) -> dict[str, Any]:
     if index.get("version", 0) > VERSION:
         raise DiskError(f"{str(path)!r} was written by a newer fxprobe (format version "
                         f"{index['version']}); upgrade fxprobe to read it")
+    try:
+        total = 0
+        for shard in index["shards"]:
+            if int(shard["first"]) != total or int(shard["count"]) < 1:
+                raise ValueError(f"shard {shard['file']!r} lists forwards from {shard['first']}"
+                                 f" where {total} was expected")
+            total += int(shard["count"])
+        if int(index["forwards"]) != total:
+            raise ValueError(f"it counts {index['forwards']} forwards where its shards hold "
+                             f"{total}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise DiskError(f"{str(path)!r} is corrupted: {e}; it was edited or overwritten "
+                        "after it was written") from e
     return index
+
+
+def rank_dirs(path: Path) -> list[int]:
+    """The ranks with committed captures under ``path`` (``path/rank00001/index.json``)."""
+    if not path.is_dir():
+        return []
+    return sorted(int(d.name[4:]) for d in path.glob("rank[0-9][0-9][0-9][0-9][0-9]")
+                  if (d / INDEX).exists())
 
 
 class _ShardReader:
@@ -67,8 +97,10 @@ class _ShardReader:
     that fails is reported by name (``DiskError``), never read.
     """
 
-    def __init__(self, path: Path, listed: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: Path, listed: Mapping[str, Any] | None = None,
+                 verify: bool = True) -> None:
         listed = listed or {}
+        self.path = path
         try:
             f = open(path, "rb")
         except OSError as e:
@@ -81,11 +113,15 @@ class _ShardReader:
                 raise DiskError(f"shard {str(path)!r} is corrupted: {size} bytes where the "
                                 f"index says {expected} (truncated or overwritten); its "
                                 "forwards cannot be read")
-            n = int.from_bytes(f.read(8), "little")
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
             try:
                 if not 2 <= n <= size - 8:
                     raise ValueError(f"a header of {n} bytes in a file of {size}")
-                header = json.loads(f.read(n))
+                raw = f.read(n)
+                crc = listed.get("header_crc32")
+                header_ok = not verify or crc is None or zlib.crc32(head + raw) == crc
+                header = json.loads(raw)
                 meta = json.loads(header.pop("__metadata__")["fxprobe"])
                 first, count = int(meta["first"]), len(meta["layout_of"])
             except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -96,28 +132,51 @@ class _ShardReader:
                     f"shard {str(path)!r} holds forwards {first}..{first + count - 1} where the "
                     f"index says {listed['first']}..{listed['first'] + listed['count'] - 1}: "
                     "it is not the file the index committed")
+            if meta.get("rank") is not None and meta["rank"] != listed.get("rank"):
+                raise DiskError(
+                    f"shard {str(path)!r} was written by rank {meta['rank']} where the index "
+                    f"lists one of rank {listed.get('rank')}: it is not the file the index "
+                    "committed (moved between directories?)")
+            if not header_ok:
+                raise DiskError(f"shard {str(path)!r} is corrupted: its header's checksum "
+                                "differs from the index's (edited, or another file); its "
+                                "forwards cannot be read")
             for key, entry in header.items():
-                begin, end = entry.get("data_offsets", (0, 0))
-                if not 0 <= begin <= end <= size - 8 - n:
-                    raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} lies "
-                                    f"outside the file; its forwards cannot be read")
+                _check_entry(path, key, entry, size - 8 - n)
             # ACCESS_COPY: a private, writable map (torch wants writable buffers); the file
             # itself is never changed.
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.start = 8 + n
+        self.crc: int | None = listed.get("crc32") if verify else None
+        """The data's CRC-32 still to check (:meth:`check_data`), or None."""
         self.first: int = first
         self.layouts = [json.loads(s) for s in meta["layouts"]]
         self.layout_of: list[int] = meta["layout_of"]
         self.entries: dict[str, Any] = header
 
+    def check_data(self) -> None:
+        """Check the data's CRC-32 against the index's (once; reads the whole shard)."""
+        if self.crc is None:
+            return
+        with memoryview(self.map) as whole, whole[self.start:] as data:
+            crc = zlib.crc32(data)
+        if crc != self.crc:
+            raise DiskError(f"shard {str(self.path)!r} is corrupted: its data's checksum "
+                            "differs from the index's (changed on disk after it was written); "
+                            "its forwards cannot be read")
+        self.crc = None
+
     def tensor(self, key: str) -> torch.Tensor:
-        e = self.entries[key]
+        e = self.entries.get(key)
+        if e is None:
+            raise DiskError(f"shard {str(self.path)!r} is corrupted: it lacks tensor {key!r}, "
+                            "which its forward's layout lists")
         dtype = _FROM_CODE[e["dtype"]]
         begin, end = e["data_offsets"]
         shape = e["shape"]
         if end == begin:
             return torch.empty(shape, dtype=dtype)
-        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        count = (end - begin) // dtype.itemsize
         flat = torch.frombuffer(self.map, dtype=dtype, count=count, offset=self.start + begin)
         return flat.view(shape)
 
@@ -146,6 +205,28 @@ class _ShardReader:
         if "dict" in s:
             return {k: self._decode(prefix, x, stats) for k, x in s["dict"]}
         return s["v"]
+
+
+def _check_entry(path: Path, key: str, entry: Any, data_size: int) -> None:
+    """A header's tensor entry: a known dtype, a shape whose byte size is the data's, inside
+    the file."""
+    try:
+        begin, end = entry["data_offsets"]
+        shape = [int(d) for d in entry["shape"]]
+        dtype = _FROM_CODE[entry["dtype"]]
+        ok = all(d >= 0 for d in shape)
+    except (KeyError, TypeError, ValueError):
+        raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} has an unknown "
+                        f"dtype or a malformed entry ({entry!r}); its forwards cannot be "
+                        "read") from None
+    if not 0 <= begin <= end <= data_size:
+        raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} lies outside the "
+                        "file; its forwards cannot be read")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not ok or end - begin != nbytes:
+        raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} of shape {shape} "
+                        f"and dtype {entry['dtype']} needs {nbytes} bytes where the file has "
+                        f"{end - begin}; its forwards cannot be read")
 
 
 class CapturedForward(Mapping[str, Any]):
@@ -180,9 +261,12 @@ class CapturedForward(Mapping[str, Any]):
 class Captures:
     """Captures written by :class:`Disk`, read lazily: see :func:`open_captures`."""
 
-    def __init__(self, path: Path, index: dict[str, Any]) -> None:
+    def __init__(self, path: Path, index: dict[str, Any], verify: bool = True) -> None:
         self.path = path
         self._index = index
+        self.verify = verify
+        """Check each shard's checksums (its data's the first time a forward of it is read)."""
+        self._verified: set[int] = set()
         self.names: tuple[str, ...] = tuple(index["sites"])
         """Site names, in the order they were first written."""
         self._shards: list[dict[str, Any]] = index["shards"]
@@ -198,7 +282,10 @@ class Captures:
         if reader is None:
             shard = self._shards[k]
             reader = _ShardReader(self.path / shard["file"],
-                                  dict(shard, first=shard.get("local_first", shard["first"])))
+                                  dict(shard, first=shard.get("local_first", shard["first"]),
+                                       rank=self._rank(k)), self.verify)
+            if k in self._verified:
+                reader.crc = None
             self._open[k] = reader
             if len(self._open) > 64:  # bound open maps; views keep theirs alive
                 self._open.popitem(last=False)
@@ -206,8 +293,20 @@ class Captures:
             self._open.move_to_end(k)
         return reader
 
+    def _rank(self, k: int) -> int | None:
+        rank = self._shards[k].get("rank", self._index.get("rank"))
+        return None if rank is None else int(rank)
+
     def forward(self, i: int) -> CapturedForward:
-        """Forward ``i``'s values (negative counts from the end), as ``keep="all"`` held them."""
+        """Forward ``i``'s values (negative counts from the end), as ``keep="all"`` held them.
+
+        Tensors are views of a private copy-on-write map of the shard: ``.clone()`` one
+        before editing it in place, or later reads through these captures see the edit."""
+        return self._forward(i, check_data=True)
+
+    def _forward(self, i: int, check_data: bool) -> CapturedForward:
+        """Forward ``i``; with ``check_data=False`` its shard's data is not read (nor its
+        checksum checked) to make the views: what a dataset needs to learn the shapes."""
         n = len(self)
         if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
             raise IndexError(f"forward {i!r} out of range: {str(self.path)!r} holds {n} "
@@ -215,13 +314,19 @@ class Captures:
         i %= n
         shard = self._shards[bisect.bisect_right(self._firsts, i) - 1]
         local = i - shard["first"] + shard.get("local_first", shard["first"])
-        return CapturedForward(i, self._shard(i).forward(local), self.names)
+        reader = self._shard(i)
+        if check_data and reader.crc is not None:
+            reader.check_data()
+            self._verified.add(bisect.bisect_right(self._firsts, i) - 1)
+        return CapturedForward(i, reader.forward(local), self.names)
 
     def rank_of(self, i: int) -> int | None:
         """The rank that wrote forward ``i`` (None where no rank was recorded)."""
-        self.forward(i)  # checks i
-        rank = self._shards[bisect.bisect_right(self._firsts, i % len(self)) - 1].get("rank")
-        return None if rank is None else int(rank)
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise IndexError(f"forward {i!r} out of range: {str(self.path)!r} holds {n} "
+                             "forward(s)")
+        return self._rank(bisect.bisect_right(self._firsts, i % n) - 1)
 
     def forwards(self) -> Iterator[CapturedForward]:
         """Every forward in order, one at a time (what is not held can be unmapped)."""
@@ -235,7 +340,7 @@ class Captures:
         """Every forward's tensor of site ``name`` concatenated along dim 0 (in memory)."""
         if name not in self.names:
             CapturedForward(-1, {}, self.names)[name]  # raises with close matches
-        parts = []
+        parts: list[torch.Tensor] = []
         for f in self.forwards():
             if name not in f:
                 continue
@@ -245,7 +350,14 @@ class Captures:
                     f"site {name!r} holds {type(v).__name__} values, which do not concatenate; "
                     f"read them one by one: [f[{name!r}] for f in caps]"
                 )
-            parts.append(v.reshape(1) if v.dim() == 0 else v)
+            v = v.reshape(1) if v.dim() == 0 else v
+            if parts and (v.shape[1:] != parts[0].shape[1:] or v.dtype != parts[0].dtype):
+                raise DiskError(
+                    f"site {name!r} holds {v.dtype} values of shape {tuple(v.shape)} in forward "
+                    f"{f.index} but {parts[0].dtype} of shape {tuple(parts[0].shape)} before: "
+                    "they concatenate along dim 0 only with the same dtype and trailing "
+                    f"dims; read them one by one: [f[{name!r}] for f in caps]")
+            parts.append(v)
         if not parts:
             raise DiskError(f"site {name!r} has no value in any forward")
         return torch.cat(parts)
@@ -290,7 +402,8 @@ class Captures:
                 f"{len(self._shards)} shards)")
 
 
-def open_captures(path: str | os.PathLike[str], rank: int | None = None) -> Captures:
+def open_captures(path: str | os.PathLike[str], rank: int | None = None,
+                  verify: bool = True) -> Captures:
     """Open captures written by ``fxprobe.Disk``; nothing is read until a value is used.
 
     Tensors are memory-mapped views of the shards, so a dataset larger than memory can be
@@ -302,37 +415,46 @@ def open_captures(path: str | os.PathLike[str], rank: int | None = None) -> Capt
         rank: one rank's captures, when several ranks wrote under ``path``; by default all
             of them, one after the other (rank 0's forwards first; ``caps.rank_of(i)`` says
             which rank wrote forward ``i``).
+        verify: check each shard's CRC-32 checksums against the index (its header when it is
+            opened, its data the first time a forward of it is read, which reads the whole
+            shard once per process); ``False`` skips them (sizes, forward ranges, ranks and
+            the header's dtypes and shapes are checked always). Indexes written before the
+            checksums were added are read unchecked.
 
     Returns:
         A :class:`Captures`: ``caps.names``, ``len(caps)`` (forwards), ``caps.forward(i)[name]``
         and ``caps[name]`` (every forward's value concatenated along dim 0).
 
     Raises:
-        DiskError: no captures there, or no captures of ``rank``.
+        DiskError: no captures there, or no captures of ``rank``, or captures both with and
+            without ranks; when a value is read: a shard that is missing, corrupted or not
+            the one the index committed (named in the message).
 
     Example:
         >>> caps = fxprobe.open_captures("acts/")
         >>> caps.forward(0)["layer1.0.relu"].shape, caps["fc"].shape
     """
     p = Path(path)
-    ranks = sorted(int(d.name[4:]) for d in p.glob("rank[0-9][0-9][0-9][0-9][0-9]")
-                   if (d / INDEX).exists()) if p.is_dir() else []
+    ranks = rank_dirs(p)
+    if ranks and (p / INDEX).exists():
+        raise DiskError(f"{str(p)!r} holds captures written without a rank ({INDEX}) and "
+                        f"captures of ranks {ranks} (rank* directories); move one of them to "
+                        "another directory")
     if rank is not None:
         if (p / f"rank{rank:05d}" / INDEX).exists():
             p = p / f"rank{rank:05d}"
-        else:
-            raise DiskError(f"{str(p)!r} holds no captures of rank {rank}; ranks there: "
-                            f"{ranks or 'none'}")
-    elif not (p / INDEX).exists():
+            return Captures(p, dict(read_index(p / INDEX), rank=rank), verify)
+        raise DiskError(f"{str(p)!r} holds no captures of rank {rank}; ranks there: "
+                        f"{ranks or 'none'}")
+    if not (p / INDEX).exists():
         if ranks:
-            return Captures(p, _all_ranks(p, ranks))
+            return Captures(p, _all_ranks(p, ranks), verify)
         raise DiskError(
             f"{str(p)!r} holds no captures ({INDEX} missing): nothing was committed there yet "
             "(a Disk commits on flush(), close() and each full shard)"
             if p.is_dir() else f"{str(p)!r} holds no captures: it does not exist",
         )
-    return Captures(p, read_index(p / INDEX))
-
+    return Captures(p, read_index(p / INDEX), verify)
 
 
 def _all_ranks(path: Path, ranks: list[int]) -> dict[str, Any]:

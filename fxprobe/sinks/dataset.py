@@ -14,6 +14,7 @@ one forward with one gather instead of one Python call per row.
 from __future__ import annotations
 
 import collections
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -58,9 +59,13 @@ class CaptureDataset(Dataset[Any]):
         self._kept: list[torch.Tensor | None] = []
         self.row_shapes: dict[str, tuple[int, ...]] = {}
         """Each name's shape of one row."""
+        self.row_dtypes: dict[str, torch.dtype] = {}
+        """Each name's dtype."""
         total = 0
+        # Shapes only: the data (and its checksum) is read when rows are.
+        peek = getattr(caps, "_forward", None)
         for f in range(len(caps)):
-            values = caps.forward(f)
+            values = peek(f, check_data=False) if peek is not None else caps.forward(f)
             present = [n for n in wanted if n in values]
             if not present:
                 continue
@@ -68,10 +73,11 @@ class CaptureDataset(Dataset[Any]):
                 raise DiskError(f"forward {f} holds {present} but not "
                                 f"{[n for n in wanted if n not in values]}: rows of several "
                                 "sites need every one of them in every forward")
-            count = self._rows_of(f, {n: values[n] for n in wanted})
+            lead = self._rows_of(f, {n: values[n] for n in wanted})
+            count = int(torch.Size(lead).numel())
             kept = None
             if mask is not None:
-                kept = self._masked(f, values, count)
+                kept = self._masked(f, values, lead)
                 count = int(kept.numel())
             self._forwards.append(f)
             self._starts.append(total)
@@ -81,9 +87,10 @@ class CaptureDataset(Dataset[Any]):
         self._cache: collections.OrderedDict[int, dict[str, torch.Tensor]] = \
             collections.OrderedDict()
 
-    def _rows_of(self, f: int, values: dict[str, Any]) -> int:
+    def _rows_of(self, f: int, values: dict[str, Any]) -> tuple[int, ...]:
+        """The sites' leading (row) dims in forward ``f``; checks row shapes and dtypes."""
         lead = 2 if self.rows == "tokens" else 1
-        count = None
+        count: tuple[int, ...] | None = None
         for n, v in values.items():
             if not isinstance(v, torch.Tensor):
                 raise DiskError(f"site {n!r} holds {type(v).__name__} values in forward {f}; "
@@ -92,7 +99,7 @@ class CaptureDataset(Dataset[Any]):
                 raise DiskError(f"site {n!r} has shape {tuple(v.shape)} in forward {f}: "
                                 f"rows={self.rows!r} needs at least {lead} dims "
                                 f"({'[batch, pos, ...]' if lead == 2 else '[batch, ...]'})")
-            here = int(torch.Size(v.shape[:lead]).numel())
+            here = tuple(v.shape[:lead])
             if count is not None and here != count:
                 raise DiskError(
                     f"forward {f}: the sites' leading dims differ "
@@ -103,15 +110,18 @@ class CaptureDataset(Dataset[Any]):
             if self.row_shapes.setdefault(n, shape) != shape:
                 raise DiskError(f"site {n!r}: rows of shape {shape} in forward {f} but "
                                 f"{self.row_shapes[n]} before; a dataset's rows have one shape")
+            if self.row_dtypes.setdefault(n, v.dtype) != v.dtype:
+                raise DiskError(f"site {n!r}: {v.dtype} values in forward {f} but "
+                                f"{self.row_dtypes[n]} before; a dataset's rows have one dtype")
         assert count is not None
         return count
 
-    def _masked(self, f: int, values: Any, count: int) -> torch.Tensor:
+    def _masked(self, f: int, values: Any, lead: tuple[int, ...]) -> torch.Tensor:
         m = values[self.mask]
-        if not isinstance(m, torch.Tensor) or m.dim() != 2 or m.numel() != count:
+        if not isinstance(m, torch.Tensor) or tuple(m.shape) != lead:
             raise DiskError(f"mask {self.mask!r} in forward {f} has shape "
-                            f"{tuple(getattr(m, 'shape', ()))}, expected [batch, pos] "
-                            f"matching the sites' {count} positions")
+                            f"{tuple(getattr(m, 'shape', ()))}, expected the sites' "
+                            f"[batch, pos] {list(lead)}")
         return m.reshape(-1).nonzero().reshape(-1)
 
     def __len__(self) -> int:
@@ -137,9 +147,9 @@ class CaptureDataset(Dataset[Any]):
             self._cache.move_to_end(k)
         return got
 
-    def _gather(self, indices: Any) -> dict[str, torch.Tensor]:
-        """Rows ``indices`` of every name, stacked: one gather per forward they fall in."""
-        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    def _gather(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows ``idx`` (1-d, long) of every name, stacked: one gather per forward they fall
+        in."""
         if idx.numel() and not (-self._len <= int(idx.min()) and int(idx.max()) < self._len):
             bad = idx[(idx < -self._len) | (idx >= self._len)][0]
             raise IndexError(f"row {int(bad)} out of range: the dataset has {self._len} rows")
@@ -163,7 +173,8 @@ class CaptureDataset(Dataset[Any]):
                     out[n] = torch.empty((idx.numel(), *t.shape[1:]), dtype=t.dtype)
                 out[n].index_copy_(0, where, t.index_select(0, rows))
         if not out:  # no rows asked for
-            out = {n: torch.empty((0, *s)) for n, s in self.row_shapes.items()}
+            out = {n: torch.empty((0, *s), dtype=self.row_dtypes[n])
+                   for n, s in self.row_shapes.items()}
         return out
 
     def _pack(self, values: dict[str, torch.Tensor]) -> Any:
@@ -172,16 +183,13 @@ class CaptureDataset(Dataset[Any]):
     def __getitem__(self, i: Any) -> Any:
         """Row ``i``; a list or 1-d tensor of rows gives them stacked (one batch), which is
         the fast way to read: ``DataLoader(ds, batch_size=None, sampler=BatchSampler(...))``."""
-        if isinstance(i, bool) or not isinstance(i, (int, torch.Tensor, Sequence)) or \
-                isinstance(i, str):
-            raise TypeError(f"dataset rows are read by int or a sequence of ints, not {i!r}")
-        scalar = isinstance(i, int) or (isinstance(i, torch.Tensor) and i.dim() == 0)
-        got = self._gather(i)
+        idx, scalar = _indices(i)
+        got = self._gather(idx)
         return self._pack({n: v[0] for n, v in got.items()} if scalar else got)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Many rows at once, as ``DataLoader`` asks for a batch: one gather per forward."""
-        got = self._gather(list(indices))
+        got = self._gather(_indices(list(indices))[0])
         rows = {n: v.unbind(0) for n, v in got.items()}
         return [self._pack({n: rows[n][p] for n in self.names}) for p in range(len(indices))]
 
@@ -189,3 +197,29 @@ class CaptureDataset(Dataset[Any]):
         what = self.names[0] if self._single else list(self.names)
         masked = f", mask={self.mask!r}" if self.mask else ""
         return f"CaptureDataset({what!r}, rows={self.rows!r}{masked}, {self._len} rows)"
+
+
+def _indices(i: Any) -> tuple[torch.Tensor, bool]:
+    """Row numbers as a 1-d long tensor, and whether ``i`` was one number.
+
+    Integers only (Python, numpy or torch; scalars, sequences, 1-d arrays): a bool mask or
+    float would be converted to other row numbers, a nested list flattened."""
+    what = "dataset rows are read by an int or a 1-d sequence (list, tensor, array) of ints"
+    if isinstance(i, (bool, str, bytes)):
+        raise TypeError(f"{what}, not {i!r}")
+    if not isinstance(i, torch.Tensor):
+        try:
+            return torch.tensor([operator.index(i)], dtype=torch.long), True
+        except TypeError:
+            pass
+    try:
+        t = torch.as_tensor(i) if isinstance(i, torch.Tensor) or len(i) else \
+            torch.empty(0, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{what}, not {type(i).__name__} ({e})") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{what}, not {t.dtype} indices (for a bool mask m pass "
+                        "m.nonzero().flatten(); floats are not row numbers)")
+    if t.dim() > 1:
+        raise TypeError(f"{what}, not indices of shape {tuple(t.shape)}")
+    return t.to(torch.long).reshape(-1), t.dim() == 0

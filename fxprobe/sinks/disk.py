@@ -38,7 +38,7 @@ from typing import Any
 
 from ..core.errors import ConfigError, DiskError
 from ..core.options import Sink
-from .captures import INDEX
+from .captures import INDEX, rank_dirs
 from .index import CaptureDir, Mode
 from .shards import Encoder, Job, Shard, protected_storages
 
@@ -57,6 +57,22 @@ def parse_size(what: str, value: int | str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{what}={value!r} must be a positive number of bytes")
     return value
+
+
+def _check_no_mix(root: Path, rank: int | None) -> None:
+    """Refuse to write rank directories beside captures written without a rank, or the
+    reverse: ``open_captures(root)`` could read only one of them."""
+    ranks = rank_dirs(root)
+    if rank is None and ranks:
+        raise DiskError(
+            f"{str(root)!r} holds captures of ranks {ranks} (in rank* directories); a Disk "
+            "without a rank would write beside them and hide them from open_captures. Pass "
+            "fxprobe.Disk(..., rank=...) or another directory")
+    if rank is not None and (root / INDEX).exists():
+        raise DiskError(
+            f"{str(root)!r} holds captures written without a rank ({INDEX}); rank {rank} "
+            f"would write beside them in rank{rank:05d}/, which open_captures would not read. "
+            "Write to another directory (or remove those captures)")
 
 
 # -- the public writer ----------------------------------------------------------------------
@@ -138,7 +154,8 @@ class Disk(Sink):
         self.rank = rank if rank is not None else _default_rank()
         root = Path(path)
         self.path = root / f"rank{self.rank:05d}" if self.rank is not None else root
-        self._dir = CaptureDir(self.path, mode, self.fsync)
+        _check_no_mix(root, self.rank)
+        self._dir = CaptureDir(self.path, mode, self.fsync, self.rank)
         self._next_forward = self._dir.committed
         self._cond = threading.Condition()
         self._jobs: collections.deque[Job | str] = collections.deque()
@@ -193,7 +210,9 @@ class Disk(Sink):
                             "one (mode='append' to add to the same captures)")
         module = self._module() if self._module is not None else None
         protected, input_sites = protected_storages(inputs, module)
-        job = Encoder(protected, input_sites, self.copy).job(-1, values)
+        options = getattr(module, "_options", None)
+        captures_inputs = getattr(options, "capture", "output") == "input"
+        job = Encoder(protected, input_sites, self.copy, captures_inputs).job(-1, values)
         self._dir.check_same_model(job.signature)
         with self._cond:
             if self._thread is None:
@@ -330,7 +349,8 @@ class Disk(Sink):
         jobs = max(1, math.ceil(self.shard_size / max(job.nbytes, 1)))
         header = per_job * jobs * 5 // 4 + len(layout_json) * 2 + 8192
         header = min(max(header, 64 * 1024), 64 * 2**20)
-        return Shard(self.path, self._dir.take_shard_number(), job.forward, header, self.fsync)
+        return Shard(self.path, self._dir.take_shard_number(), job.forward, header, self.fsync,
+                     self.rank)
 
     def _commit(self) -> None:
         shard, self._shard = self._shard, None

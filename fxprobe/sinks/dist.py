@@ -28,7 +28,6 @@ import torch
 import torch.distributed as tdist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..capture.stats.batch import StatsBatch
 from ..capture.stats.math import Stats
 from ..capture.stats.table import stats_table
 from ..core.errors import ConfigError
@@ -36,7 +35,8 @@ from .statslog import EveryN
 
 __all__ = ["StatsLogger", "gather", "reduce_stats"]
 
-_COLS = 11  # n_finite, mean, M2, min, max, absmax, zeros, nan, inf, numel, dim0
+_COLS = 12  # n_finite, mean, M2, min, max, absmax, zeros, nan, inf, numel, dim0, ran
+_CHUNK = 1 << 22  # elements per float64 pass of _tensor_row (32 MiB of float64 temporaries)
 
 
 def _values(source: Any) -> Mapping[str, Any]:
@@ -75,7 +75,41 @@ def _row(s: Stats) -> list[float]:
     dim0 = float(s.shape[0]) if s.shape else 1.0
     zeros = round(s.zero_frac * s.numel) if s.numel else 0  # an empty value's is NaN
     return [float(n), s.mean, m2, s.min, s.max, s.absmax, zeros,
-            float(s.nan_count), float(s.inf_count), float(s.numel), dim0]
+            float(s.nan_count), float(s.inf_count), float(s.numel), dim0, 1.0]
+
+
+def _tensor_row(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's row, computed in float64 on its device (no host sync): the count, mean and
+    sum of squared deviations of its finite elements exactly enough that Chan's combination
+    across ranks loses nothing to a float32 mean (two passes, in chunks of ``_CHUNK``)."""
+    x = t.detach().reshape(-1)
+    dim0 = float(t.shape[0]) if t.dim() else 1.0
+    if x.numel() == 0:
+        return torch.tensor([0.0] * 9 + [0.0, dim0, 1.0], dtype=torch.float64)
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=x.device)
+    n, total, zeros, nan = zero.clone(), zero.clone(), zero.clone(), zero.clone()
+    lo, hi, absmax = zero + math.inf, zero - math.inf, zero - math.inf
+    for c in x.split(_CHUNK):
+        c = c.to(f64)
+        finite = torch.isfinite(c)
+        n += finite.sum()
+        total += torch.where(finite, c, 0.0).sum()
+        zeros += (c == 0).sum()
+        nan += torch.isnan(c).sum()
+        lo = torch.minimum(lo, torch.where(finite, c, math.inf).min())
+        hi = torch.maximum(hi, torch.where(finite, c, -math.inf).max())
+        absmax = torch.maximum(absmax, torch.where(finite, c.abs(), -math.inf).max())
+    mean = total / n.clamp(min=1)
+    m2 = zero.clone()
+    for c in x.split(_CHUNK):
+        c = c.to(f64)
+        d = torch.where(torch.isfinite(c), c - mean, 0.0)
+        m2 += (d * d).sum()
+    numel = float(x.numel())
+    inf = numel - n - nan
+    return torch.stack([n, mean, m2, lo, hi, absmax, zeros, nan, inf, zero + numel,
+                        zero + dim0, zero + 1.0])
 
 
 def _combine(rows: torch.Tensor, shape: tuple[int, ...], dtype: str) -> Stats:
@@ -106,23 +140,27 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     """Statistics of every site over all ranks of ``group``, with one collective for all sites.
 
     Each rank contributes the last forward's values of ``tapped``: :class:`~fxprobe.Stats`
-    (``reduce="stats"``), or tensors, summarised here with :func:`~fxprobe.stats_vector`.
+    (``reduce="stats"``, as precise as they are: float32 for float32 tensors), or tensors,
+    whose count, mean and sum of squared deviations are computed here in float64.
     They are combined exactly as if one rank had seen every rank's tensor concatenated along
     dim 0: element counts, NaN/Inf counts, zeros, min/max, and mean and variance by Chan's
     parallel formula from each rank's (count, mean, sum of squared deviations), never a mean
-    of means. One ``all_gather`` of a ``(values + 1) x 11`` float64 table per rank; the
-    result is the same on every rank. The first call with a new set of sites first compares
-    the ranks' sites with a 2-float ``all_gather`` (a table of another size would abort gloo).
+    of means. One ``all_gather`` of a ``(values + 1) x 12`` float64 table per rank; the
+    result is the same on every rank (a site that ran on some ranks only is in every rank's
+    result, its shape and dtype sent by one more collective, made only then). The first call
+    with a new set of sites first compares the ranks' sites with a 2-float ``all_gather`` (a
+    table of another size would abort gloo).
 
     Args:
         tapped: a tapped module (or DDP/FSDP wrapping one, or a ``{site: value}`` mapping).
         group: the process group (default: the world).
 
     Returns:
-        ``{site name: Stats}`` in the order of ``tapped.taps`` (a site whose value is a tuple
-        or ``InOut`` keeps that structure, with a ``Stats`` per tensor). ``Stats.shape`` is
-        the ranks' shapes concatenated along dim 0 (flattened to ``(numel,)`` when their
-        trailing dimensions differ); ``dtype`` is this rank's.
+        ``{site name: Stats}`` for every site that ran on some rank, in the tapped module's
+        site order (a site whose value is a tuple or ``InOut`` keeps that structure, with a
+        ``Stats`` per tensor). ``Stats.shape`` is the ranks' shapes concatenated along dim 0
+        (flattened to ``(numel,)`` when their trailing dimensions differ); ``dtype`` is this
+        rank's (the first rank's that ran it, where it did not run here).
 
     Raises:
         ConfigError: torch.distributed is not initialized, or the ranks captured different
@@ -135,43 +173,69 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     _check_initialized("reduce_stats")
     values = dict(_values(tapped).items())
     flat = {name: tree_flatten(v) for name, v in values.items()}
-    pending: dict[tuple[str, int], torch.Tensor] = {}
-    for name, (leaves, _) in flat.items():
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and not leaf.is_complex():
-                pending[(name, i)] = leaf
-    fetched = StatsBatch.from_tensors({f"{n}\0{i}": t for (n, i), t in pending.items()}).fetch() \
-        if pending else {}
+    device = _device(group)
     # One row per leaf of every selected site, in site order, also for sites that did not run
     # here (an empty row): the table has the same size on every rank that taps the same sites.
-    slots: list[tuple[str, int, Stats | None]] = []
+    slots: list[tuple[str, int]] = []
+    metas: _Meta = {}  # slot -> this rank's shape and dtype
+    rows: list[torch.Tensor] = []
     for name in _site_names(tapped, values):
         leaves = flat[name][0] if name in flat else [None]
         for i, leaf in enumerate(leaves):
-            stats = leaf if isinstance(leaf, Stats) else fetched.get(f"{name}\0{i}")
-            slots.append((name, i, stats))
-    crc = float(zlib.crc32(repr([(n, i) for n, i, _ in slots]).encode()))
-    device = _device(group)
+            k = len(slots)
+            slots.append((name, i))
+            if isinstance(leaf, Stats):
+                metas[k] = (leaf.shape, leaf.dtype)
+                rows.append(torch.tensor(_row(leaf), dtype=torch.float64))
+            elif isinstance(leaf, torch.Tensor) and not leaf.is_complex():
+                metas[k] = (tuple(leaf.shape), str(leaf.dtype))
+                rows.append(_tensor_row(leaf))
+            else:
+                rows.append(torch.zeros(_COLS, dtype=torch.float64))
+    crc = float(zlib.crc32(repr(slots).encode()))
     world = tdist.get_world_size(group)
     key = (id(group), len(slots), crc)
     if key not in _VERIFIED:
         _verify(len(slots), crc, world, device, group)
         _VERIFIED.add(key)
-    header = [float(len(slots)), crc] + [0.0] * (_COLS - 2)
-    table = torch.tensor([header] + [_row(s) if s is not None else [0.0] * _COLS
-                                     for _, _, s in slots], dtype=torch.float64)
+    header = torch.tensor([float(len(slots)), crc] + [0.0] * (_COLS - 2), dtype=torch.float64)
+    table = torch.stack([header.to(device)] + [r.to(device) for r in rows])
     out = torch.empty((world * table.shape[0], _COLS), dtype=torch.float64, device=device)
-    _all_gather(out, table.to(device), group)  # the one collective
+    _all_gather(out, table, group)  # the one collective
     per_rank = out.cpu().view(world, table.shape[0], _COLS)
     if not all(torch.equal(per_rank[r, 0], per_rank[0, 0]) for r in range(world)):
         raise ConfigError(_DIFFERENT_SITES)
-    combined = {(name, i): _combine(per_rank[:, k + 1], s.shape, s.dtype)
-                for k, (name, i, s) in enumerate(slots) if s is not None}
+    ran = (per_rank[:, 1:, _COLS - 1] > 0).tolist()  # [rank][slot], the same on every rank
+    some = [k for k in range(len(slots)) if any(r[k] for r in ran)]
+    if any(not all(r[k] for r in ran) for k in some):
+        # A site that ran on some ranks only: those that lack its shape and dtype get them
+        # from the first rank that has them (a second collective, only in this case).
+        metas = _share_metas(metas, ran, some, world, group)
+    combined = {slots[k]: _combine(per_rank[:, k + 1], *metas[k]) for k in some}
     result: dict[str, Any] = {}
-    for name, (leaves, spec) in flat.items():
-        new = [combined.get((name, i), leaf) for i, leaf in enumerate(leaves)]
-        result[name] = tree_unflatten(new, spec)
+    for name in dict.fromkeys(n for n, _ in slots):
+        if name in flat:
+            leaves, spec = flat[name]
+            new = [combined.get((name, i), leaf) for i, leaf in enumerate(leaves)]
+            result[name] = tree_unflatten(new, spec)
+        elif (name, 0) in combined:
+            result[name] = combined[(name, 0)]
     return result
+
+
+_Meta = dict[int, tuple[tuple[int, ...], str]]
+
+
+def _share_metas(metas: _Meta, ran: list[list[bool]], some: list[int], world: int,
+                 group: Any) -> _Meta:
+    partial = [k for k in some if not all(r[k] for r in ran)]
+    everyone: list[Any] = [None] * world
+    tdist.all_gather_object(everyone, {k: metas[k] for k in partial if k in metas}, group=group)
+    merged = dict(metas)
+    for k in partial:
+        if k not in merged:
+            merged[k] = next(m[k] for m in everyone if k in m)
+    return merged
 
 
 _VERIFIED: set[tuple[int, int, float]] = set()

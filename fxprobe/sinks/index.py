@@ -27,9 +27,10 @@ class CaptureDir:
             or (``mode="new"``) it already holds captures.
     """
 
-    def __init__(self, path: Path, mode: Mode, fsync: bool) -> None:
+    def __init__(self, path: Path, mode: Mode, fsync: bool, rank: int | None = None) -> None:
         self.path = path
         self.fsync = fsync
+        self.rank = rank
         self.index: dict[str, Any] = {}
         """The committed ``index.json``: sites, their signatures, forwards, shards."""
         self.appending = False
@@ -94,6 +95,8 @@ class CaptureDir:
         else:
             self.index = {"format": FORMAT, "version": VERSION, "sites": [],
                           "signature": {}, "forwards": 0, "shards": []}
+        if self.rank is not None:
+            self.index["rank"] = self.rank
         self.appending = bool(self.index["forwards"])
         numbers = [int(m.group(1)) for s in self.index["shards"]
                    if (m := SHARD_RE.match(s["file"]))]

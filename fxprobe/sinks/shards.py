@@ -3,10 +3,13 @@
 thread appends jobs to a :class:`Shard`, a ``.partial`` file that ``commit()`` makes a
 safetensors file.
 
-A shard is written as one stream: data first, from an offset that leaves room for the header,
-then the header (JSON padded with spaces, as the format allows), then ``fsync`` and an atomic
-rename. Tensors are named ``"{forward}/{site}/{leaf}"``; every one starts on a 64-byte boundary
-of the file (mmap-friendly), the gaps filled with named pads (safetensors allows no holes).
+A shard is written as one stream: a header area of real bytes first (spaces, so that a full
+disk cannot refuse the header later and lose the shard's complete forwards), then the data,
+then the header over that area (JSON padded with spaces, as the format allows), ``fsync`` and an
+atomic rename. The index entry of a shard holds a CRC-32 of its data (computed as it is
+written) and of its header, which the reader checks before it trusts the shard. Tensors are
+named ``"{forward}/{site}/{leaf}"``; every one starts on a 64-byte boundary of the file
+(mmap-friendly), the gaps filled with named pads (safetensors allows no holes).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +56,8 @@ class Job:
 class Encoder:
     """Turns ``{site: value}`` into a :class:`Job` on the forward's thread."""
 
-    def __init__(self, protected: set[int], inputs: frozenset[str], copy: bool) -> None:
+    def __init__(self, protected: set[int], inputs: frozenset[str], copy: bool,
+                 captures_inputs: bool = False) -> None:
         self.protected = protected
         self.inputs = inputs
         self.copy = copy
@@ -60,6 +65,9 @@ class Encoder:
         self.stats: list[list[float]] = []
         self.cuda = False
         self.nbytes = 0
+        self.captures_inputs = captures_inputs
+        """capture="input": every value is a site's inputs."""
+        self.in_inputs = False
 
     def job(self, forward: int, values: Mapping[str, Any]) -> Job:
         layout: dict[str, Any] = {}
@@ -68,6 +76,7 @@ class Encoder:
             if not isinstance(name, str) or "/" in name:
                 raise ConfigError(f"site name {name!r} cannot be written to disk (a '/' in it)")
             self.leaf = 0
+            self.in_inputs = self.captures_inputs
             self.force_copy = self.copy or name in self.inputs
             struct, sig = self.encode(name, value)
             layout[name] = struct
@@ -90,7 +99,12 @@ class Encoder:
             struct = {"s": len(self.stats) - 1, "shape": list(v.shape), "dtype": v.dtype}
             return struct, {"s": v.dtype, "tail": list(v.shape[1:])}
         if isinstance(v, InOut):
-            (a, sa), (b, sb) = self.encode(name, v.inputs), self.encode(name, v.output)
+            self.in_inputs = True
+            try:
+                a, sa = self.encode(name, v.inputs)
+            finally:
+                self.in_inputs = self.captures_inputs
+            b, sb = self.encode(name, v.output)
             return {"inout": [a, b]}, {"inout": [sa, sb]}
         if isinstance(v, (tuple, list)) and type(v) in (tuple, list):
             kind = type(v).__name__
@@ -102,6 +116,12 @@ class Encoder:
                     {"dict": [[k, e[1]] for k, e in items]})
         if v is None or isinstance(v, (bool, int, float, str)):
             return {"v": v}, {"v": type(v).__name__}
+        if self.in_inputs:
+            raise ConfigError(
+                f"site {name!r} has a {type(v).__name__} ({v!r:.60}) among its inputs, which "
+                "fxprobe.Disk cannot write (it writes tensors, numbers, strings, None and "
+                "tuples/lists/dicts of them); with capture='input' or 'both', select sites "
+                "whose inputs are those (ops=...), or capture='output'")
         raise ConfigError(
             f"site {name!r} captured a {type(v).__name__}, which fxprobe.Disk cannot write; "
             "it writes tensors, fxprobe.Stats, and tuples/lists/dicts of them (a reduce= "
@@ -186,16 +206,25 @@ def _entry(key: str, code: str, shape: list[int], begin: int, end: int) -> str:
 class Shard:
     """A ``.partial`` file receiving whole forwards; ``commit()`` makes it a safetensors file."""
 
-    def __init__(self, path: Path, number: int, first: int, header: int, fsync: bool) -> None:
+    def __init__(self, path: Path, number: int, first: int, header: int, fsync: bool,
+                 rank: int | None = None) -> None:
         self.number = number
         self.final = path / f"shard-{number:06d}.safetensors"
         self.partial = self.final.with_name(self.final.name + ".partial")
         # 8 bytes of length + header must end on an aligned offset.
         self.header = header + (-(8 + header)) % _ALIGN
         self.fsync = fsync
+        self.rank = rank
         self.file = open(self.partial, "wb")  # noqa: SIM115 (closed by commit/abort)
-        self.file.seek(8 + self.header)
+        try:
+            # Real bytes, not a hole: writing the header over them at commit needs no new
+            # space, so the complete forwards of a shard survive a full disk.
+            self.file.write(b"\0" * 8 + b" " * self.header)
+        except BaseException:
+            self.abort()
+            raise
         self.pos = 0  # bytes of data written
+        self.crc = 0  # CRC-32 of the data written
         self.entries: list[str] = []
         self.entries_len = 0
         self.pads = 0
@@ -203,7 +232,7 @@ class Shard:
         self.layouts: list[str] = []
         self.layout_ids: dict[str, int] = {}
         self.layout_of: list[int] = []
-        self.meta_len = 64
+        self.meta_len = 96
 
     def fits(self, job: Job, layout_json: str) -> bool:
         extra = sum(len(k) + 128 + 12 * t.dim() for k, t in job.tensors)
@@ -213,13 +242,14 @@ class Shard:
     def add(self, job: Job, layout_json: str) -> None:
         """Write one forward; on failure the file is cut back to the forwards before it."""
         start_pos, start_entries, start_pads = self.pos, len(self.entries), self.pads
+        start_crc = self.crc
         try:
             for key, t in job.tensors:
                 self._write_tensor(f"{job.forward}/{key}", t)
         except BaseException:
             with contextlib.suppress(OSError):
                 self.file.truncate(8 + self.header + start_pos)
-            self.pos, self.pads = start_pos, start_pads
+            self.pos, self.pads, self.crc = start_pos, start_pads, start_crc
             del self.entries[start_entries:]
             self.entries_len = sum(len(e) + 1 for e in self.entries)
             raise
@@ -243,6 +273,7 @@ class Shard:
         n = len(data) if isinstance(data, bytes) else data.nbytes
         if n:
             self.file.write(data)
+            self.crc = zlib.crc32(data, self.crc)  # releases the GIL for large buffers
         e = _entry(key, code, shape, self.pos, self.pos + n)
         self.entries.append(e)
         self.entries_len += len(e) + 1
@@ -254,7 +285,7 @@ class Shard:
 
     def commit(self) -> dict[str, Any]:
         """Write the header, fsync, rename to the final name; return the index entry."""
-        meta = json.dumps({"first": self.first, "count": self.forwards,
+        meta = json.dumps({"first": self.first, "count": self.forwards, "rank": self.rank,
                            "layouts": self.layouts, "layout_of": self.layout_of},
                           separators=(",", ":"))
         md = json.dumps({"__metadata__": {"format": f"{FORMAT}/{VERSION}", "fxprobe": meta}},
@@ -264,17 +295,19 @@ class Shard:
             raise DiskError(f"internal: shard header of {len(header)} bytes exceeds the "
                             f"{self.header} reserved; please report this")
         header += b" " * (self.header - len(header))
+        header = len(header).to_bytes(8, "little") + header
         f = self.file
         f.flush()
         f.seek(0)
-        f.write(len(header).to_bytes(8, "little") + header)
+        f.write(header)
         f.flush()
         if self.fsync:
             os.fsync(f.fileno())
         f.close()
         os.replace(self.partial, self.final)
         return {"file": self.final.name, "first": self.first, "count": self.forwards,
-                "bytes": 8 + self.header + self.pos}
+                "bytes": 8 + self.header + self.pos, "crc32": self.crc,
+                "header_crc32": zlib.crc32(header)}
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):

@@ -157,9 +157,9 @@ def test_tapped_program_saves_and_loads_with_its_taps(tmp_path: Path) -> None:
     torch.export.save(tapped.exported(), tmp_path / "tapped.pt2")
     loaded = torch.export.load(tmp_path / "tapped.pt2")
     out2, values = loaded.module()(x)
-    assert torch.equal(out2, out) and len(values) == len(tapped.sites)
-    for site, value in zip(tapped.sites, values, strict=True):
-        assert torch.equal(value, tapped.taps[site.name])
+    assert torch.equal(out2, out) and list(values) == [s.name for s in tapped.sites]
+    for name, value in values.items():
+        assert torch.equal(value, tapped.taps[name])
     again = fxprobe.tap(loaded)
     again(x)
     assert again.sites == tapped.sites
@@ -215,3 +215,76 @@ def test_to_dot_and_cli_read_the_program(tmp_path: Path, capsys: pytest.CaptureF
     assert _cli.main(["sites", str(tmp_path / "m.pt2"), "--ops", "op:softmax"]) == 0
     assert capsys.readouterr().out.splitlines()[2].split()[:2] == [
         "attn.softmax", "aten.softmax.int"]
+
+
+# Run by a Python that has torch but cannot import fxprobe: what a deployment user does with
+# a tapped .pt (TorchScript) and a tapped .pt2 (torch.export), as docs/artifacts.md says.
+_WITHOUT_FXPROBE = """
+import sys
+sys.modules["fxprobe"] = None  # import fxprobe raises ImportError from here on
+try:
+    import fxprobe
+except ImportError:
+    pass
+else:
+    raise SystemExit("fxprobe was importable")
+import torch
+
+x = torch.load("x.pt")
+ep = torch.export.load("tapped.pt2")
+spec_names = list(ep.call_spec.out_spec.child(1).context)  # without running anything
+out2, taps2 = ep.module()(x)
+m = torch.jit.load("tapped.pt")
+out1, values = m(x)
+taps1 = dict(zip(m.fxprobe_names, values))
+torch.save({"spec_names": spec_names, "pt2": (out2, taps2), "pt": (out1, taps1)}, "read.pt")
+"""
+
+
+def test_saved_tapped_artifacts_name_their_values_without_fxprobe(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from reference import hook_values
+
+    model, (x,), _ = zoo.make("resnet")
+    ops = [nn.Conv2d, "layer1", "fc"]
+    torch.export.save(fxprobe.tap(torch.export.export(model, (x,)), ops=ops).exported(),
+                      tmp_path / "tapped.pt2")
+    fxprobe.tap(torch.jit.script(model), ops=ops).save(tmp_path / "tapped.pt")
+    torch.save(x, tmp_path / "x.pt")
+    paths = [p for p, m in model.named_modules() if isinstance(m, nn.Conv2d)] + ["layer1", "fc"]
+    out, expected = hook_values(model, paths, x)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-c", _WITHOUT_FXPROBE], cwd=tmp_path, env=env,
+                   check=True, timeout=300)
+    read = torch.load(tmp_path / "read.pt")
+    assert sorted(read["spec_names"]) == sorted(paths)
+    for kind in ("pt2", "pt"):
+        out_k, taps = read[kind]
+        assert torch.equal(out_k, out), kind
+        assert sorted(taps) == sorted(paths), kind
+        for name, value in taps.items():
+            assert torch.equal(value, expected[name]), (kind, name)
+    assert list(read["pt2"][1]) == read["spec_names"] == list(read["pt"][1])
+
+
+def test_a_program_tapped_before_the_values_were_named_still_reads() -> None:
+    # tests/saved/tapped-tuple.pt2: made by fxprobe at 34ceebf, whose tapped programs returned
+    # (output, (values...)): fc2(relu(fc1(x))) with Linear(6, 8) and Linear(8, 3), ops=[nn.Linear,
+    # F.relu]. Its values are checked against the weights it holds, computed by hand.
+    loaded = torch.export.load(Path(__file__).parent / "saved" / "tapped-tuple.pt2")
+    out_spec = loaded.call_spec.out_spec
+    assert out_spec.child(1).type is tuple  # the old structure indeed
+    tapped = fxprobe.tap(loaded)
+    assert [s.name for s in tapped.sites] == ["fc1", "relu", "fc2"]
+    assert [s.name for s in fxprobe.sites(loaded).records] == ["fc1", "relu", "fc2"]
+    x = torch.randn(2, 6)  # the batch it was exported with
+    out = tapped(x)
+    sd = loaded.state_dict
+    fc1 = x @ sd["fc1.weight"].T + sd["fc1.bias"]
+    fc2 = fc1.clamp(min=0) @ sd["fc2.weight"].T + sd["fc2.bias"]
+    assert torch.allclose(out, fc2, atol=1e-6)
+    for name, want in [("fc1", fc1), ("relu", fc1.clamp(min=0)), ("fc2", fc2)]:
+        assert torch.allclose(tapped.taps[name], want, atol=1e-6), name

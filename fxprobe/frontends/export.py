@@ -6,7 +6,8 @@ by the enclosing module and the op (``layer1.0.add`` for ``aten.add_.Tensor``), 
 suffixed. Functions select every ATen spelling: ``F.softmax`` matches ``aten.softmax.int``.
 
 The tapped program is a new ExportedProgram whose graph returns the selected values as extra
-user outputs, so that ``program.module()(x)`` returns ``(output, (values...))``::
+user outputs, so that ``program.module()(x)`` returns ``(output, {site name: value})`` (programs
+tapped before fxprobe named them there return ``(output, (values...))`` and stay readable)::
 
     conv2d = aten.conv2d(x, w)            conv2d = aten.conv2d(x, w)
     relu_ = aten.relu_(conv2d)      ->    clone = aten.clone(conv2d)   # relu_ overwrites it
@@ -321,8 +322,11 @@ def rewrite(eg: ExportGraph, selected: Sequence[Site], copy_policy: str
         warnings.simplefilter("ignore", FutureWarning)
         calls = copy.deepcopy(ep.module_call_graph)
     old_spec = calls[0].signature.out_spec
+    # A dict keyed by site name: the names travel in the output structure, which
+    # torch.export.save keeps, so a reader without fxprobe finds them (``ep.module()(x)[1]``,
+    # ``ep.call_spec.out_spec``); node.meta["custom"] carries the rest of each site.
     calls[0].signature.out_spec = pytree.treespec_tuple(
-        [old_spec, pytree.tree_structure(tuple(range(len(taps))))])
+        [old_spec, pytree.tree_structure(dict.fromkeys(names, 0))])
     program = ExportedProgram(
         root=gm, graph=gm.graph, graph_signature=signature, state_dict=ep.state_dict,
         range_constraints=copy.deepcopy(ep.range_constraints), module_call_graph=calls,
@@ -336,6 +340,8 @@ def saved_taps(ep: Any) -> list[Site] | None:
     if spec is None or spec.type is not tuple or spec.num_children != 2:
         return None
     taps_spec = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
+    if taps_spec.type not in (tuple, dict):
+        return None
     n = taps_spec.num_leaves
     out = next(node for node in ep.graph.nodes if node.op == "output")
     tail = list(out.args[0])[-n:] if n else []
@@ -348,6 +354,8 @@ def saved_taps(ep: Any) -> list[Site] | None:
         k = seen.get(t, 0)
         seen[t] = k + 1
         sites.append(Site.from_row(t.meta["custom"][_TAG][k], "export"))
+    if taps_spec.type is dict and list(taps_spec.context) != [s.name for s in sites]:
+        return None  # keys that are not the tagged sites' names: not fxprobe's structure
     return sites
 
 

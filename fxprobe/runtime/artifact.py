@@ -1,9 +1,11 @@
 """Tapped deployed artifacts: what ``fxprobe.tap`` returns for a ScriptModule or an ExportedProgram.
 
-Both frontends build a new artifact whose forward returns ``(output, (values...))``; the classes
-here run it, keep what it returns (history, offload, statistics) and read it back like
-:class:`fxprobe.TappedModule` does. Capture modes that would need Python at every tap (``fn=``,
-``grad=``, ``reduce=`` with a function) cannot live in a saved graph and are refused.
+Both frontends build a new artifact whose forward returns the model's output and the tapped
+values: ``(output, (values...))`` named by the ScriptModule's ``fxprobe_names`` attribute, and
+``(output, {site name: value})`` for a program; the classes here run it, keep what it returns
+(history, offload, statistics) and read it back like :class:`fxprobe.TappedModule` does.
+Capture modes that would need Python at every tap (``fn=``, ``grad=``, ``reduce=`` with a
+function) cannot live in a saved graph and are refused.
 """
 
 from __future__ import annotations
@@ -273,7 +275,10 @@ class TappedExport(TappedArtifact):
     """A tapped torch.export program (``fxprobe.tap(exported_program)``).
 
     ``exported()`` is the tapped ``ExportedProgram``: save it with ``torch.export.save``; its
-    ``module()`` returns ``(output, (values...))``.
+    ``module()`` returns ``(output, {site name: value})``, in the order of :attr:`sites`, and
+    the names are in its output structure (``ep.call_spec.out_spec.child(1).context``), so a
+    reader without fxprobe finds them. (A program tapped by fxprobe before the values were
+    named returns ``(output, (values...))``; it is read the same way.)
     """
 
     def __init__(self, program: Any, sites: Sequence[Site], options: TapOptions,
@@ -283,6 +288,12 @@ class TappedExport(TappedArtifact):
         module = program.module()
         super().__init__(module, [s.name for s in sites], sites, options, copied,
                          outplaced)
+
+    def _split(self, result: Any) -> tuple[Any, Sequence[Any]]:
+        out, values = result
+        if isinstance(values, dict):  # named by site (older tapped programs: a tuple)
+            return out, [values[n] for n in self._names]
+        return out, values
 
     def exported(self) -> Any:
         """The tapped ``ExportedProgram`` (``torch.export.save(tapped.exported(), "t.pt2")``)."""

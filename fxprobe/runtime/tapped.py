@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +33,7 @@ from ..frontends.mirror import (
     own_forward,
     user_hooks,
 )
+from .intervene import Cache, Intervention, run_with_cache
 from .program import Program, View, build_program, captures_of, check_found, graphs_of
 from .shapes import propagate
 
@@ -339,6 +340,22 @@ class TappedModule(nn.Module, Viewable):
             raise AttributeError(f"{self._model_name} has no generate() method")
         self._program()
         return gen(self._root, *args, **kwargs)
+
+    def intervene(self, fns: Mapping[Any, Callable[[Site, Any], Any]]) -> Intervention:
+        """A block whose calls (this thread's) apply ``fn(site, value)`` at the sites each
+        selector picks, as ``fn=`` does; no new capture (see docs/transformers.md).
+
+        Example:
+            >>> with tapped.intervene({"transformer.h.1.add_1": lambda s, v: v * 0}):
+            ...     out = tapped(input_ids=ids)
+        """
+        return Intervention(self, fns)
+
+    def run_with_cache(self, *args: Any, names: Any = None, **kwargs: Any) -> tuple[Any, Cache]:
+        """``(output, cache)``: one forward and the values of the sites ``names`` selects
+        (every site by default), by name. Example: ``out, cache = tapped.run_with_cache(ids)``.
+        """
+        return run_with_cache(self, args, kwargs, names)
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)

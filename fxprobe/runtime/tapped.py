@@ -25,6 +25,7 @@ from ..frontends.dynamo import CaptureInfo, DynamoRegion, dynamo_failed
 from ..frontends.fx import Fallback
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
+    HookWatch,
     adopt,
     count_changes,
     drop_overrides,
@@ -92,6 +93,11 @@ class TappedModule(nn.Module, Viewable):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
+        # Hooks put on the model's own modules after tap() would never run here: say so
+        # (on the modules the copy shares, they run).
+        shared = {id(m) for m in root.modules()}
+        d["_model_hooks"] = HookWatch({p: m for p, m in model.named_modules(
+            remove_duplicate=False) if id(m) not in shared})
         d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
         # Callers read the model's signature to decide what to pass (transformers' generate()
         # builds position_ids from the attention mask only where forward accepts them).
@@ -276,6 +282,13 @@ class TappedModule(nn.Module, Viewable):
                         "tap() to avoid the second trace.")
         else:
             prog = self._program()
+        late = self._model_hooks.changed()
+        if late:
+            warnings.warn(
+                f"fxprobe: hooks were registered on the model's {_some(late)} after tap(); "
+                "the tapped module runs its own copy of the module tree, where they do not "
+                "run. Register them on the tapped module (tapped.get_submodule(path)), or "
+                "call fxprobe.tap() again after registering them.", stacklevel=4)
         # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
         # so that torch.compile adds no Python guard that the two paths agree.
         state = self._pipeline.rec.begin(prog.hook_names)

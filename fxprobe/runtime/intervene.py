@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.errors import ConfigError, InterventionError, SelectorError, UnknownSiteError
 from ..core.select import Selector, as_selector, as_selectors, no_match_message
 from ..core.site import Site
 from ..frontends.dynamo import DynamoRegion, attention_probs
+from .program import Program
 
-if TYPE_CHECKING:
-    from .program import Program
-    from .tapped import TappedModule
+TappedModule = Any
+"""``tapped.TappedModule``, which imports this module (no import back: no cycle)."""
 
 Fn = Callable[[Site, Any], Any]
 Entry = tuple[Selector, Fn, str | None]

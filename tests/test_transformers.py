@@ -420,3 +420,16 @@ def test_an_edited_attention_pattern_under_sdpa_drives_the_output(family: str) -
     kept = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo", fn=lambda s, v: None)
     with torch.no_grad():
         assert torch.equal(kept(**kw).logits, plain) and kept.taps.replaced == set()
+
+
+@torch.no_grad()
+def test_generate_history_is_one_frame_per_forward_across_calls(gpt2_sdpa: Any) -> None:
+    """The documented rule: ``keep="all"`` keeps every forward, so a second generate() call
+    appends its steps; its frames are the last ``steps`` ones (``keep=N`` bounds them)."""
+    model, _ = gpt2_sdpa
+    tapped = fxprobe.tap(model, ops=fxprobe.attention_probs, tracer="dynamo", keep="all")
+    ids = torch.randint(2, 100, (1, 5))
+    tapped.generate(ids, max_new_tokens=3, do_sample=False)
+    tapped.generate(ids[:, :4], max_new_tokens=2, do_sample=False)
+    keys = [f["transformer.h.0.attn.attention_probs"].shape[-2:] for f in tapped.history]
+    assert keys == [(5, 5), (1, 6), (1, 7), (4, 4), (1, 5)]

@@ -98,6 +98,7 @@ def test_a_hook_registered_on_the_tapped_module_after_tap_runs(where: str, trace
     handle = tapped.get_submodule(where).register_forward_hook(_double)
     model.get_submodule(where).register_forward_hook(_double)
     want = model(X)
+    tapped._model_hooks.changed()  # the model's own hook: said elsewhere (the test below)
     assert not torch.equal(want, before)  # the hook changes the output
     inlined = where == "a" or tracer == "dynamo"  # dynamo inlines every module call
     if inlined:  # fxprobe notices the new hook and traces again
@@ -119,7 +120,8 @@ def test_the_models_hooks_registered_after_tap_stay_out() -> None:
     tapped = fxprobe.tap(model, ops="a.add")
     want = tapped(X)
     model.a.register_forward_hook(_double)
-    assert torch.equal(tapped(X), want)
+    with pytest.warns(UserWarning, match="registered on the model's 'a' after tap"):
+        assert torch.equal(tapped(X), want)  # never silently
 
 
 def test_a_backward_hook_on_a_traced_through_module_fires() -> None:
@@ -195,3 +197,25 @@ def test_a_hook_on_a_swapped_in_module_reached_by_hooks_is_moved() -> None:
         warnings.simplefilter("ignore")
         tapped(X)
     assert torch.equal(tapped.taps["0.lin"], new(X))
+
+
+def test_a_hook_put_on_the_model_after_tap_warns_at_the_next_forward() -> None:
+    """The tapped module runs a copy of the module tree: a hook the user registers on the
+    model's own module afterwards cannot run there, and is never silently dropped."""
+    import warnings
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    x = torch.randn(2, 4)
+    tapped = fxprobe.tap(model, ops=nn.Linear)
+    tapped(x)
+    fired: list[int] = []
+    handle = model[1].register_forward_hook(lambda *a: fired.append(1))
+    try:
+        with pytest.warns(UserWarning, match=r"registered on the model's '1' after tap\(\)"):
+            tapped(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tapped(x)  # said once
+    finally:
+        handle.remove()
+    assert fired == []

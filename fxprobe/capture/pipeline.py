@@ -17,8 +17,9 @@ options need none of steps 1-3 costs no call at all: the rewrite hands its value
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -27,6 +28,7 @@ from ..core.errors import InterventionError
 from ..core.options import TapOptions
 from ..core.record import Frame, InOut, Recording
 from ..core.site import Site
+from .inplace import OUT_OF_PLACE
 from .stats.cpu import NUMPY_MAX as _CPU_SMALL
 from .stats.cpu import batched_max, host_reads_free
 from .stats.math import _SMALL, _check, checked_vectors, cpu_table, stats_vector
@@ -52,6 +54,30 @@ def detach_tree(value: Any) -> Any:
     return map_tensors(torch.Tensor.detach, value)
 
 
+class CallTable(Protocol):
+    """One call's per-call interventions and cache (``runtime.intervene`` makes them):
+    what :meth:`Pipeline.point` reads at every intervention point."""
+
+    fns: dict[str, tuple[Site, tuple[Callable[[Site, Any], Any], ...]]]
+    """The sites to intervene on: their site and the functions to apply, in order."""
+    cache: frozenset[str]
+    """The sites whose values this call keeps (``run_with_cache``)."""
+    values: dict[str, Any]
+    """The kept values, by site name, in the order the sites ran."""
+    replaced: set[str]
+    """The sites whose value a function replaced in this call."""
+
+    def check(self, region: Any) -> None:
+        """Resolve the selectors against ``region``'s sites if it found new ones."""
+
+
+class _PerCall(threading.local):
+    """The calling thread's :class:`CallTable` (None: no ``intervene`` block, no cache)."""
+
+    def __init__(self) -> None:
+        self.table: CallTable | None = None
+
+
 class Pipeline:
     """The options of one tapped module, applied to values at sites (see the module docstring).
 
@@ -75,6 +101,8 @@ class Pipeline:
         self.arity: dict[str, int] = {}
         """Positional inputs of each such site (the length of its ``grads[name].inputs``)."""
         self.finalize = _resolve_stats if options.reduce == "stats" else None
+        self.per_call = _PerCall()
+        """This thread's per-call table: graphs run with intervention points while it is set."""
 
     @property
     def per_site(self) -> bool:
@@ -150,6 +178,37 @@ class Pipeline:
         if state.active:
             state.frame.replaced.add(name)
         return new
+
+    def point(self, value: Any, names: tuple[str, ...], risky: bool, writes: bool) -> Any:
+        """An intervention point (``capture.points``): the per-call step at a node whose
+        sites are ``names``. Each function of the calling thread's table for a name may
+        replace the value (``fn(site, value)``, a replacement or None, as ``fn=``); what
+        flows on is kept for the cache (copied where a later in-place op would overwrite it,
+        ``risky``). ``writes``: the node wrote its first argument in place, which the code
+        after it reads, so a replacement is written there too."""
+        table = self.per_call.table
+        if table is None:  # a graph with points runs only under a table; a thread without
+            return value
+        flow = value
+        for name in names:
+            hit = table.fns.get(name)
+            if hit is not None:
+                site, fns = hit
+                for fn in fns:
+                    new = fn(site, flow)
+                    if new is not None and new is not flow:
+                        _check_replacement("intervene", name, flow, new)
+                        flow = new
+                        table.replaced.add(name)
+                        state = self.rec.state
+                        if state.active:
+                            state.frame.replaced.add(name)
+            if name in table.cache:
+                kept = clone_tree(flow) if risky else flow
+                table.values[name] = detach_tree(kept)
+        if writes and flow is not value:
+            write_back(value, flow)
+        return flow
 
     def _watch(self, name: str, value: Any) -> Any:
         """Hook the gradient of ``value``; return what flows on in its place."""
@@ -239,6 +298,11 @@ class Pipeline:
             values = tuple(
                 v.detach() if isinstance(v, torch.Tensor) else detach_tree(v) for v in values)
         state.frame.parts.append((names, values))
+
+
+# Returns its first argument or a replacement, and writes no argument (the in-place analysis);
+# a replacement written back (``writes``) is the in-place op's own write, made again.
+setattr(Pipeline.point, OUT_OF_PLACE, True)
 
 
 CUDAGRAPH_DEVICES = frozenset({"cuda"})

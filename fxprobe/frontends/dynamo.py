@@ -31,6 +31,7 @@ from torch import fx, nn
 
 from ..capture.inplace import OUT_OF_PLACE
 from ..capture.pipeline import Pipeline
+from ..capture.points import insert_points
 from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import CaptureError, InterventionError
 from ..core.names import join
@@ -219,7 +220,7 @@ class _Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
     __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix", "named",
-                 "ran", "repeat", "count")
+                 "ran", "repeat", "count", "pointed")
 
     def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph, repeat: int = 0
                  ) -> None:
@@ -242,6 +243,9 @@ class _Instrumented:
         self.count = ""
         """The key counting the runs of its code for its instance in a forward
         (``Frame.hook_calls``; set by ``_Captured``)."""
+        self.pointed: _Instrumented | None = None
+        """The same graph with an intervention point at every site (``capture.points``):
+        what runs while the calling thread has a per-call table (``tapped.intervene``)."""
 
 
 class _Captured:
@@ -337,6 +341,13 @@ class _Captured:
             calls[version.count] = n + 1
             if n:
                 version = self.version(args, n)
+        table = region.pipeline.per_call.table
+        if table is not None:  # one check per graph run: per-call interventions or a cache
+            table.check(region)
+            if version.pointed is None:  # no dynamo: the captured graph, rewritten again
+                version.pointed = region.instrument(self.gm, self.captured_prefix,
+                                                    version.prefix, version.repeat, True)
+            version = version.pointed
         result = version.fn(version.holder, *args)
         if self.stamp != region.calls:  # the first run of this graph in this forward
             self.stamp = region.calls
@@ -376,6 +387,8 @@ class DynamoRegion:
         self.sites: dict[str, Site] = {}
         self.modules: set[str] = set()
         """The paths of the modules whose code ran in a captured graph."""
+        self.pointable: set[str] = set()
+        """The sites that have an intervention point in a graph built so far."""
         self.captured: list[_Captured] = []
         self.graphs = 0
         self.calls = 0
@@ -457,9 +470,10 @@ class DynamoRegion:
             return False
 
     def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str,
-                   repeat: int = 0) -> _Instrumented:
+                   repeat: int = 0, points: bool = False) -> _Instrumented:
         """Name the graph's nodes for the module instance at ``prefix`` (for its run
-        ``repeat`` in one forward, from 0) and insert its taps."""
+        ``repeat`` in one forward, from 0) and insert its taps (with ``points``, after an
+        intervention point at every site, ``capture.points``)."""
         graph = copy_graph(gm.graph)
         named: NamedGraph = name_graph(
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
@@ -474,7 +488,7 @@ class DynamoRegion:
         for node, probs in [*named.scores.items(), *named.sdpa.items()]:
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
-            if self.pipeline.fn is not None:  # an edited pattern or scores must reach the output
+            if self.pipeline.fn is not None or points:  # an edit must reach the output
                 extra = _drive_output(graph, node, probs)
             else:
                 with graph.inserting_after(node):
@@ -483,6 +497,10 @@ class DynamoRegion:
         if self.on_sites is not None:
             self.on_sites(new, selected)
         named_graph = copy_graph(graph)
+        if points:  # not beside SDPA where not computed (a pattern not selected at tap())
+            self.pointable |= insert_points(graph, gm.get_submodule, self.pipeline,
+                                            lambda s: s.target is attention_probs
+                                            and s.name not in chosen)
         # A captured graph returns to dynamo's bytecode (the code between graph breaks, or
         # the caller), which fxprobe does not see and which may write into what it returns.
         order, copied, outplaced = insert_taps(

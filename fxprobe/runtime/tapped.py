@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ from ..core.site import Site
 from ..core.view import CaptureInfo, Fallback, Viewable
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
+    HookWatch,
     adopt,
     count_changes,
     drop_overrides,
@@ -32,6 +33,7 @@ from ..frontends.mirror import (
     own_forward,
     user_hooks,
 )
+from .intervene import Cache, Intervention, run_with_cache
 from .lifecycle import Lifecycle, State, fall_back_all
 from .program import Program, SiteNames, View, build_program
 from .shapes import propagate
@@ -91,6 +93,11 @@ class TappedModule(nn.Module, Viewable):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
+        # Hooks put on the model's own modules after tap() would never run here: say so
+        # (on the modules the copy shares, they run).
+        shared = {id(m) for m in root.modules()}
+        d["_model_hooks"] = HookWatch({p: m for p, m in model.named_modules(
+            remove_duplicate=False) if id(m) not in shared})
         d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
         # Callers read the model's signature to decide what to pass (transformers' generate()
         # builds position_ids from the attention mask only where forward accepts them).
@@ -242,6 +249,13 @@ class TappedModule(nn.Module, Viewable):
             life = self._lifecycle()
         if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written
             fall_back_all(life)
+        late = self._model_hooks.changed()
+        if late:
+            warnings.warn(
+                f"fxprobe: hooks were registered on the model's {_some(late)} after tap(); "
+                "the tapped module runs its own copy of the module tree, where they do not "
+                "run. Register them on the tapped module (tapped.get_submodule(path)), or "
+                "call fxprobe.tap() again after registering them.", stacklevel=4)
         # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
         # so that torch.compile adds no Python guard that the two paths agree.
         state = self._pipeline.rec.begin(life.hook_names)
@@ -307,6 +321,22 @@ class TappedModule(nn.Module, Viewable):
             raise AttributeError(f"{self._model_name} has no generate() method")
         self._lifecycle()
         return gen(self._root, *args, **kwargs)
+
+    def intervene(self, fns: Mapping[Any, Callable[[Site, Any], Any]]) -> Intervention:
+        """A block whose calls (this thread's) apply ``fn(site, value)`` at the sites each
+        selector picks, as ``fn=`` does; no new capture (see docs/transformers.md).
+
+        Example:
+            >>> with tapped.intervene({"transformer.h.1.add_1": lambda s, v: v * 0}):
+            ...     out = tapped(input_ids=ids)
+        """
+        return Intervention(self, fns)
+
+    def run_with_cache(self, *args: Any, names: Any = None, **kwargs: Any) -> tuple[Any, Cache]:
+        """``(output, cache)``: one forward and the values of the sites ``names`` selects
+        (every site by default), by name. Example: ``out, cache = tapped.run_with_cache(ids)``.
+        """
+        return run_with_cache(self, args, kwargs, names)
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)

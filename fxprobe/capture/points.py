@@ -1,0 +1,68 @@
+"""Intervention points: one call at every site of a graph, for per-call interventions.
+
+A graph with points is a second version of a captured graph (the dynamo frontend builds it the
+first time a call runs under an ``intervene`` block or ``run_with_cache``, and never asks dynamo
+for anything): after each node that carries sites, one call of :meth:`Pipeline.point` looks the
+sites up in the calling thread's table, and every later user of the node reads what it
+returns::
+
+    before:  prev -> node -> next
+    after:   prev -> node -> pipeline.point(node, names, risky, writes) -> next
+
+The node's sites move to the point, so the taps of ``tap()`` (inserted after this pass) keep
+the value that flows on, after the per-call functions, as they do after ``fn=``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import fx, nn
+
+from ..core.site import CALL_ARGS, SITES, Site, sites_of
+from .inplace import Hazards
+from .pipeline import Pipeline
+from .rewrite import _writes_first
+
+
+def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline: Pipeline,
+                  skip: Callable[[Site], bool], escapes: bool = True) -> frozenset[str]:
+    """Insert an intervention point after every node with a site, in place; return the names
+    of the sites that got one (those ``skip`` leaves).
+
+    Args:
+        graph: a copy of a captured graph whose nodes carry their sites.
+        modules: resolves a ``call_module`` target (for the in-place analysis).
+        pipeline: the tapped module's pipeline, whose ``point`` the graph calls.
+        skip: sites that get no point (their value is not the node's, or not editable).
+        escapes: what the graph returns goes to code fxprobe does not see.
+    """
+    hazards = Hazards(graph, modules, escapes)
+    pointed: list[str] = []
+    for node in list(graph.nodes):
+        sites = [s for s in sites_of(node) if not skip(s)]
+        if not sites or node.op in ("output", "get_attr"):
+            continue
+        names = tuple(s.name for s in sites)
+        risky = hazards.output_at_risk(node)
+        writes = node.op != "placeholder" and _writes_first(node, modules)
+        anchor = node
+        if node.op == "placeholder":
+            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            point = graph.call_function(pipeline.point, (node, names, risky, writes))
+        node.replace_all_uses_with(point, delete_user_cb=lambda user, p=point: user is not p)
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in node.meta:
+                point.meta[key] = node.meta[key]
+        # The sites (and a module call's inputs, still the call's) go with the value.
+        moved = [s for s in sites_of(node) if s.name in names]
+        node.meta[SITES] = [s for s in sites_of(node) if s.name not in names]
+        point.meta[SITES] = moved
+        calls = node.meta.get(CALL_ARGS)
+        if calls:
+            point.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(node.args), node))
+                                     for s in moved}
+        pointed.extend(names)
+    graph.lint()
+    return frozenset(pointed)

@@ -34,7 +34,7 @@ from .core.record import Grads, InOut, Taps
 from .core.select import Selector, where
 from .core.site import Site
 from .core.view import CaptureInfo, Fallback
-from .frontends.dynamo import attention_probs
+from .frontends.attention import attention_probs
 from .present.summary import Table
 from .runtime.artifact import TappedArtifact, TappedExport, TappedScript
 from .runtime.extract import extractor

@@ -41,7 +41,8 @@ FRONTEND_FAMILIES: dict[str, tuple[str, ...]] = {
     "fx_tracer": ("fx_tracer",),
     "hooks": ("hooks",),
     "mirror": (),
-    "dynamo": ("dynamo", "dynamo_names", "dynamo_quiet", "canonical"),
+    "dynamo": ("dynamo", "dynamo_names", "dynamo_quiet", "canonical", "attention"),
+    "attention": ("attention",),
     "dynamo_names": ("dynamo_names",),
     "dynamo_quiet": ("dynamo_quiet",),
     "canonical": ("canonical", "canonical_graph", "dynamo_names"),
@@ -206,3 +207,21 @@ def test_every_layer_is_a_package_with_a_docstring(layer: str) -> None:
     init = PACKAGE / layer / "__init__.py"
     assert init.exists(), f"fxprobe/{layer}/ is no package"
     assert ast.get_docstring(ast.parse(init.read_text())), f"fxprobe/{layer}/__init__.py"
+
+
+def test_design_doc_names_every_module_and_layer_rule() -> None:
+    """docs/design.md is the map of the code: every module of every layer is on it, and its
+    table of layers states what this test enforces."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    missing = [f"{p.parent.name}/{p.stem}" for layer in LAYERS
+               for p in sorted((PACKAGE / layer).rglob("*.py"))
+               if p.stem != "__init__" and p.stem not in text]
+    assert not missing, f"docs/design.md does not mention {missing}"
+    for layer, allowed in ALLOWED.items():
+        row = next((line for line in text.splitlines() if line.startswith(f"| `{layer}/`")),
+                   None)
+        assert row is not None, f"docs/design.md has no row for {layer}/"
+        said = row.split("|")[2]
+        for other in allowed:
+            if other != layer:
+                assert other in said, f"design.md's {layer}/ row does not allow {other}"

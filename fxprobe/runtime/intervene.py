@@ -17,7 +17,8 @@ from typing import Any
 from ..core.errors import ConfigError, InterventionError, SelectorError, UnknownSiteError
 from ..core.select import Selector, as_selector, as_selectors, no_match_message
 from ..core.site import Site
-from ..frontends.dynamo import DynamoRegion, attention_probs
+from ..frontends.attention import attention_probs
+from ..frontends.dynamo import DynamoRegion
 from .lifecycle import Lifecycle, State
 
 TappedModule = Any

@@ -5,7 +5,6 @@ and read here; what running a program changes is its ``Lifecycle`` (``runtime.li
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -33,6 +32,7 @@ from ..frontends.mirror import (
     own_forward,
     user_hooks,
 )
+from .dispatch import module_dispatcher, root_dispatcher, signed
 from .intervene import Cache, Intervention, run_with_cache
 from .lifecycle import Lifecycle, State, fall_back_all
 from .program import Program, SiteNames, View, build_program
@@ -101,7 +101,7 @@ class TappedModule(nn.Module, Viewable):
         d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
         # Callers read the model's signature to decide what to pass (transformers' generate()
         # builds position_ids from the attention mask only where forward accepts them).
-        d["forward"] = _signed(self._forward_of_instance(), own_forward(root))
+        d["forward"] = signed(self._forward_of_instance(), own_forward(root))
         self._lifecycle(strict=True)
         if options.sink is not None:
             options.sink.attach(self)
@@ -153,48 +153,10 @@ class TappedModule(nn.Module, Viewable):
             install_override(root, self._root_dispatcher())
 
     def _dispatcher(self, module: nn.Module, path: str) -> Callable[..., Any]:
-        lives, rec, store = self._lives, self._rec, self._pipeline.store
-        own = own_forward(module)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            life = lives.get(module.training)
-            if life is None:
-                return own(*args, **kwargs)
-            prog = life.program
-            comp = prog.compiled.get(path)
-            if comp is None:
-                dyn = prog.dynamo.get(path)
-                if dyn is None:
-                    return own(*args, **kwargs)
-                if path in prog.deferred:  # tracer="auto": the lifecycle decides what runs
-                    return life.run(path, own, args, kwargs)
-                return dyn(*args, **kwargs)
-            state = rec.state
-            running = state.running
-            running[path] = running.get(path, 0) + 1
-            try:
-                result = comp.fn(comp.holder, *args, **kwargs)
-            finally:
-                running[path] -= 1
-            store(comp.names, result[1])
-            if state.active:
-                calls = state.frame.hook_calls
-                for name in prog.guarded.get(path, ()):
-                    calls[name] = calls.get(name, 0) + 1
-            return result[0]
-
-        return _signed(forward, own)
+        return module_dispatcher(self._lives, self._rec, self._pipeline.store, module, path)
 
     def _root_dispatcher(self) -> Callable[..., Any]:
-        rec = self._rec
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if rec.state.active:  # called by fxprobe (the root's hooks ran) or by the model
-                life = self._lives.get(self._root.training) or self._lifecycle()
-                return self._body(life, args, kwargs)
-            return self._run(args, kwargs, through_root=False)  # generate(): a new frame
-
-        return _signed(forward, own_forward(self._root))
+        return root_dispatcher(self)
 
     def _moved(self, life: Lifecycle, path: str, state: State) -> None:
         """A deferred module moved to ``state``: its hooks and inner regions are installed
@@ -509,17 +471,6 @@ class TappedModule(nn.Module, Viewable):
         dyn = sum(1 for s in selected if s.how == "dynamo")
         text = f"sites={len(selected)} (fx={len(selected) - hooks - dyn}, hook={hooks}"
         return text + (f", dynamo={dyn} found so far)" if life.program.dynamo else ")")
-
-
-def _signed(forward: Callable[..., Any], like: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward``, showing ``like``'s signature to ``inspect.signature`` (it still takes any
-    arguments: the model's forward checks them)."""
-    try:
-        signature = inspect.signature(like)
-    except (TypeError, ValueError):  # a builtin or a callable without one: nothing to show
-        return forward
-    forward.__signature__ = signature  # type: ignore[attr-defined]
-    return forward
 
 
 def _some(paths: Sequence[str]) -> str:

@@ -255,3 +255,24 @@ def test_a_model_fx_traces_whole_needs_tracer_dynamo() -> None:
     tapped = fxprobe.tap(model)
     with pytest.raises(fxprobe.ConfigError, match="tracer='dynamo'"):
         tapped.intervene({"0": _zero_pos(0)}).__enter__()
+
+
+@torch.no_grad()
+def test_canonical_names_select_per_call_and_read_the_cache(gpt2: Any) -> None:
+    """A canonical name as an exact key of intervene() (it was looked up among site names
+    only: SelectorError) and as a key of the cache run_with_cache returns."""
+    model, tapped, ids = gpt2
+    ref = _hooked(model, {"transformer.h.1": _zero_pos(2)}, ids)
+    for key in ["blocks.1.resid_post", "blocks.2.resid_pre"]:  # one value, two roles
+        with tapped.intervene({key: _zero_pos(2)}):
+            assert torch.equal(tapped(input_ids=ids).logits, ref), key
+    kept: list[torch.Tensor] = []
+    handle = model.transformer.h[0].register_forward_hook(lambda m, a, o: kept.append(o.clone()))
+    model(input_ids=ids)
+    handle.remove()
+    _, cache = tapped.run_with_cache(input_ids=ids, names="blocks.*.resid_post")
+    assert list(cache) == [f"transformer.h.{i}.add_1" for i in range(3)]  # own names
+    assert torch.equal(cache["blocks.0.resid_post"], kept[0])
+    assert cache["blocks.1.resid_pre"] is cache["transformer.h.0.add_1"]
+    with pytest.raises(fxprobe.UnknownSiteError, match="blocks.1.resid_post"):
+        cache["blocks.1.resid_psot"]

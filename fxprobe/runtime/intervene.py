@@ -62,7 +62,7 @@ class Table:
         cached = set(self.cache)
         sites: Iterable[Site] = region.sites.values()
         names = [name for _, _, name in self.entries]
-        if self.cache_selectors == () and all(names):  # exact names: no scan
+        if self.cache_selectors == () and all(n in region.sites for n in names):  # no scan
             sites = [region.sites[n] for n in dict.fromkeys(names) if n in region.sites]
         for site in sites:
             fns = []
@@ -204,22 +204,27 @@ def run_with_cache(tapped: TappedModule, args: tuple[Any, ...], kwargs: dict[str
         out = tapped(*args, **kwargs)
     finally:
         per_call.table = outer
-    table.unmatched([s for r in _regions(table.prog) for s in r.sites.values()])
-    return out, Cache(table.values)
+    sites = {s.name: s for r in _regions(table.prog) for s in r.sites.values()}
+    table.unmatched(list(sites.values()))
+    aliases = {c: n for n in table.values if n in sites for c in sites[n].canonical}
+    return out, Cache(table.values, aliases)
 
 
 class Cache(Mapping[str, Any]):
-    """The values of one call's selected sites, by site name, in the order they ran
-    (``tapped.run_with_cache``); detached, copied where a later in-place op overwrote them."""
+    """The values of one call's selected sites, by site name (or canonical name,
+    ``blocks.0.resid_post``), in the order they ran (``tapped.run_with_cache``); detached,
+    copied where a later in-place op overwrote them."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: dict[str, Any], aliases: Mapping[str, str] | None = None) -> None:
         self._values = values
+        self._aliases = dict(aliases or {})
 
     def __getitem__(self, name: str) -> Any:
         try:
-            return self._values[name]
+            return self._values[name if name in self._values else self._aliases.get(name, name)]
         except KeyError:
-            close = difflib.get_close_matches(name, list(self._values), n=5, cutoff=0.5)
+            close = difflib.get_close_matches(name, [*self._values, *self._aliases], n=5,
+                                              cutoff=0.5)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise UnknownSiteError(
                 f"{name!r} is not in this cache ({len(self._values)} site(s) that ran and "

@@ -7,8 +7,10 @@ knows an architecture by name; each role is found from the structure of the grap
 module tree:
 
 - **blocks**: an attention kernel (``F.scaled_dot_product_attention``, or a softmax whose
-  probabilities multiply the values) inside a child of a ``ModuleList`` whose children are of
-  one class; the child's index is ``L``. Several such lists are several stacks: the one whose
+  probabilities multiply the values; the scores by ``matmul``, ``bmm`` or ``baddbmm``, from q
+  and k computed in the block itself) inside a child of a ``ModuleList`` whose children are
+  distinct modules of one class; the child's index is ``L``. A block run more than once in a
+  graph (a shared layer) has no names. Several such lists are several stacks: the one whose
   blocks hold a cross-attention (keys and values from outside the block's stream) is
   ``decoder.``, the other ``encoder.``.
 - **resid_pre**: the input of the block that one of the block's additions reads directly
@@ -16,11 +18,12 @@ module tree:
   through the residual adds in order; after each, it is the add's value, or the norm of it
   when the block normalizes the sum (post-LN, as BERT).
 - **attn_out / mlp_out**: the other operand of each residual add: an attention's when an
-  attention kernel is among its ancestors (a ``cross_attn_out`` when that kernel's keys do not
-  come from the stream), the MLP's when none is. An operand that is itself the sum of an
-  attention output and an MLP output is a parallel block (GPT-J, GPT-NeoX, Falcon): there is
-  no ``resid_mid``.
-- **resid_mid** (and **resid_mid_cross**): the stream between two residual adds;
+  attention kernel is among its ancestors (a ``cross_attn_out`` when that kernel's keys come
+  neither from the stream nor from any block of the same list), the MLP's when none is. An
+  operand that is itself the sum of an attention output and an MLP output is a parallel block
+  (GPT-J, GPT-NeoX, Falcon): there is no ``resid_mid``.
+- **resid_mid** (and **resid_mid_cross**): the stream between two residual adds, where the
+  second add's branch reads it (``x + attn(x) + mlp(x)`` as two adds is parallel: none);
   **resid_post**: the stream that leaves the block.
 - **attn.q/k/v**: the kernel's arguments, walked back through views and head repeats (so the
   model's own key/value heads, after rotary); **attn.scores**: the softmax's input, or beside
@@ -36,13 +39,15 @@ module tree:
   indexed by a graph input is ``embed``; the largest other table, with at least as many rows
   as positions, ``pos_embed``.
 - **ln_final**: a norm (a module whose parameters are all one-dimensional and whose output has
-  its input's shape) that reads the last block's stream; **logits**: a value the graph returns,
-  computed from that stream through an op reading a weight, one row per position.
+  its input's shape), outside the blocks, that reads the stream of the block that ran last;
+  **logits**: a value the graph returns, computed from that stream through an op reading a
+  weight, one row per position.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import sympy
 from torch import fx, nn
@@ -181,7 +186,8 @@ def _blocks(g: GraphIndex, kernels: list[Kernel]) -> dict[str, dict[int, str]]:
                 continue
             lst = g.module(parent)
             if isinstance(lst, (nn.ModuleList, nn.Sequential)) and len(lst) > 0 and len(
-                    {type(m) for m in lst}) == 1:
+                    {type(m) for m in lst}) == 1 and len({id(m) for m in lst}) == len(lst):
+                # (one module listed twice runs more than once: no index per call)
                 stacks.setdefault(parent, {})[int(child)] = f"{parent}.{child}"
                 break
     return stacks
@@ -192,13 +198,6 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
     stacks = _blocks(g, kernels)
     if not stacks:
         return
-    by_block: dict[str, list[Kernel]] = {}
-    for k in kernels:
-        path = g.path(k.node) or ""
-        for blocks in stacks.values():
-            for b in blocks.values():
-                if path == b or path.startswith(b + "."):
-                    by_block.setdefault(b, []).append(k)
     members: dict[str, set[fx.Node]] = {}
     for n in g.nodes:
         p = g.path(n)
@@ -208,13 +207,32 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
             for b in blocks.values():
                 if p == b or p.startswith(b + "."):
                     members.setdefault(b, set()).add(n)
+    by_block: dict[str, list[Kernel]] = {}
+    for k in kernels:
+        path = g.path(k.node) or ""
+        for blocks in stacks.values():
+            for b in blocks.values():
+                inside = members.get(b, set())
+                # q and k computed in this block, not read from another block's internals
+                if (path == b or path.startswith(b + ".")) and all(
+                        x is None or x in inside for x in (k.q, k.k, k.qk)):
+                    by_block.setdefault(b, []).append(k)
+    calls = Counter(s.module_path for n in g.nodes for s in n.meta.get(SITES, ())
+                    if s.kind == "call_module")
     results: dict[str, dict[int, _Block]] = {}
+    last_ran: dict[str, int | None] = {}
     for lst, blocks in stacks.items():
         results[lst] = {}
+        list_nodes = set().union(*(members.get(b, set()) for b in blocks.values()))
         for i, b in sorted(blocks.items()):
-            blk = _block(g, members.get(b, set()), by_block.get(b, []))
+            if calls[b] > 1:  # one block run several times: its calls would share names
+                continue
+            blk = _block(g, members.get(b, set()), by_block.get(b, []), list_nodes)
             if blk is not None:
                 results[lst][i] = blk
+        ran = [(max(g.index[n] for n in members[b]), i) for i, b in blocks.items()
+               if members.get(b)]
+        last_ran[lst] = max(ran)[1] if ran else None
     crossing = [lst for lst, r in results.items() if any(b.cross for b in r.values())]
     ordered = sorted(results, key=lambda lst: min(
         (g.index[b.stream_in] for b in results[lst].values() if b.stream_in is not None),
@@ -233,7 +251,8 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
         for i, blk in results[lst].items():
             blk.name(f"{pre}blocks.{i}.", out)
         if results[lst]:
-            _ends(g, results[lst], pre, out, last=lst == ordered[-1])
+            _ends(g, results[lst], pre, out, last=lst == ordered[-1], lst=lst,
+                  last_ran=last_ran[lst])
 
 
 @dataclasses.dataclass
@@ -251,6 +270,8 @@ class _Block:
     mlp_pre: fx.Node | None = None
     mlp_post: fx.Node | None = None
     cross: bool = False
+    no_mid: set[int] = dataclasses.field(default_factory=set)
+    """The adds whose value no later branch reads (parallel branches): not a resid_mid."""
 
     def name(self, pre: str, out: _RoleNames) -> None:
         out.put(self.stream_in, pre + "resid_pre")
@@ -267,7 +288,7 @@ class _Block:
                 out.put(node, f"{pre}{part}_out")
             if i == len(self.roles) - 1:
                 out.put(self.resid[i], pre + "resid_post")
-            elif role in mids:
+            elif role in mids and i not in self.no_mid:
                 out.put(self.resid[i], pre + mids[role])
         out.put(self.mlp_pre, pre + "mlp.pre")
         out.put(self.mlp_post, pre + "mlp.post")
@@ -277,8 +298,10 @@ class _Block:
 
 
 
-def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel]) -> _Block | None:
-    """The roles of one block, from its nodes and its attention kernels."""
+def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
+           list_nodes: set[fx.Node]) -> _Block | None:
+    """The roles of one block, from its nodes and its attention kernels (``list_nodes``: the
+    nodes of every block of its list)."""
     if not inside or not kernels:
         return None
     blk = _Block()
@@ -336,10 +359,16 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel]) -> _Block
                        or n is r and not any(u in inside for u in n.users)]
             leaving = [n for n in leaving if g.shape(n) == shape] or leaving
             blk.resid.append(min(leaving, key=g.index.__getitem__) if leaving else None)
-    for r, s in zip(resid, operands, strict=True):
+    for i, (r, s) in enumerate(zip(resid, operands, strict=True)):
         other = [x for x in r.all_input_nodes if x is not s]
         branch = other[0] if other else None
-        role, parts = _classify(g, branch, inside, stops, kernel_nodes, stream_nodes=stops)
+        role, parts = _classify(g, branch, inside, stops, kernel_nodes, stream_nodes=stops,
+                                foreign=list_nodes - inside)
+        if i > 0 and (branch is None or not closure(g, resid[i - 1], inside) & g.ancestors(
+                branch, inside, set())):
+            # ``(x + attn(x)) + mlp(x)``: the branch reads the block's input, not the stream
+            # after the previous add (a parallel block written as two adds): no resid_mid
+            blk.no_mid.add(i - 1)
         blk.roles.append(role)
         blk.branch.append(parts)
         for part, node in parts.items():
@@ -364,9 +393,11 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel]) -> _Block
 
 
 def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops: set[fx.Node],
-              kernels: dict[fx.Node, Kernel], stream_nodes: set[fx.Node]
-              ) -> tuple[str, dict[str, fx.Node | None]]:
-    """What a residual add adds: an attention's output, the MLP's, or both (parallel)."""
+              kernels: dict[fx.Node, Kernel], stream_nodes: set[fx.Node],
+              foreign: set[fx.Node]) -> tuple[str, dict[str, fx.Node | None]]:
+    """What a residual add adds: an attention's output, the MLP's, or both (parallel).
+    ``foreign``: the nodes of the other blocks of the list (a key computed from them is
+    neither the block's own stream nor an encoder's output: not named)."""
     if branch is None:
         return "other", {}
     found = kernels_in(g, branch, inside, stops, kernels)
@@ -385,6 +416,8 @@ def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops
     k = kernel.k
     own = k is not None and (k in stream_nodes or any(
         a in stream_nodes for x in g.ancestors(k, inside, set()) for a in x.all_input_nodes))
+    if not own and (k is None or g.ancestors(k, set(g.nodes), set()) & foreign):
+        return "other", {}
     role = "attn" if own else "cross_attn"
     return role, {role: branch}
 
@@ -393,9 +426,13 @@ def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops
 
 
 
-def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: _RoleNames, last: bool) -> None:
-    """``embed``, ``pos_embed``, ``ln_final`` and (for the last stack) ``logits``."""
-    first = blocks[min(blocks)]
+def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: _RoleNames, last: bool,
+          lst: str, last_ran: int | None) -> None:
+    """``embed``, ``pos_embed``, ``ln_final`` and (for the last stack) ``logits``: around the
+    first block and the block that ran last (in graph order, whatever their index), where
+    those were recognised; ``lst``: the blocks' ``ModuleList``."""
+    first = min(blocks.values(), key=lambda b: g.index[b.stream_in] if b.stream_in is not None
+                else len(g.nodes))
     if first.stream_in is not None:
         anc = g.ancestors(first.stream_in, set(g.nodes), set())
         embeds = [n for n in anc if g.key(n) == "embedding"]
@@ -419,10 +456,13 @@ def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: _RoleNames, l
             if rest:
                 out.put(g.call_of(max(rest, key=lambda t: int(t[0]) if t[0].is_number else 0)[1]),
                         pre + "pos_embed")
-    end = blocks[max(blocks)].resid[-1] if blocks[max(blocks)].resid else None
+    final_block = blocks.get(last_ran) if last_ran is not None else None
+    end = final_block.resid[-1] if final_block is not None and final_block.resid else None
     if end is None:
         return
-    norms = norms_after(g, end)
+    norms = [n for n in norms_after(g, end) if not any(
+        s.kind == "call_module" and (s.module_path + ".").startswith(lst + ".")
+        for s in n.meta.get(SITES, ()))]  # not the next block's own norm
     final = min(norms, key=g.index.__getitem__) if norms else None
     out.put(final, pre + "ln_final")
     if not last:

@@ -75,6 +75,11 @@ ADDS = frozenset({"add"})
 MATMULS = frozenset({"matmul", "bmm"})
 
 
+SCORE_MATMULS = MATMULS | {"baddbmm"}
+"""Ops that compute ``q @ k.T``: ``baddbmm(input, batch1, batch2)`` too (Bloom, GPT-2 with
+``reorder_and_upcast_attn``), whose q and k are ``batch1`` and ``batch2``."""
+
+
 class GraphIndex:
     """The graph as the derivation reads it: each call node's key, shape and module path."""
 
@@ -219,6 +224,8 @@ class Kernel:
     v: fx.Node | None
     scores: fx.Node | None
     pattern: fx.Node | None
+    qk: fx.Node | None = None
+    """The op that computed ``q @ k.T`` (eager attention; None beside SDPA)."""
 
 
 def find_kernels(g: GraphIndex, named: NamedGraph) -> list[Kernel]:
@@ -264,17 +271,24 @@ def eager_kernel(g: GraphIndex, softmax: fx.Node) -> Kernel | None:
         if x in seen or len(seen) > 64:
             continue
         seen.add(x)
-        if g.key(x) in MATMULS:
+        if g.key(x) in SCORE_MATMULS:
             qk = x
             break
         todo.extend(a for a in x.all_input_nodes if not g.is_param(a))
-    if qk is None or len(qk.args) < 2:
+    if qk is None:
         return None
-    q, k = qk.args[0], qk.args[1]
+    if g.key(qk) == "baddbmm":
+        args = list(qk.args) + [None] * 3
+        q = args[1] if args[1] is not None else qk.kwargs.get("batch1")
+        k = args[2] if args[2] is not None else qk.kwargs.get("batch2")
+    elif len(qk.args) < 2:
+        return None
+    else:
+        q, k = qk.args[0], qk.args[1]
     v = pv.args[1] if len(pv.args) > 1 else None
     return Kernel(pv, q if isinstance(q, fx.Node) else None,
                    k if isinstance(k, fx.Node) else None,
-                   v if isinstance(v, fx.Node) else None, scores, softmax)
+                   v if isinstance(v, fx.Node) else None, scores, softmax, qk)
 
 
 def head_source(g: GraphIndex, n: fx.Node | None, transposed: bool = False) -> fx.Node | None:

@@ -45,6 +45,30 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
         >>> out = tapped(input_ids=ids)
         >>> tapped.taps["transformer.h.0.attn.attention_probs"].shape  # (batch, heads, q, k)
     """
+    scores = attention_scores(query, key, attn_mask=attn_mask, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+    return _safe_softmax(scores)
+
+
+def attention_scores(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """The attention scores inside ``F.scaled_dot_product_attention(query, key, ...)``.
+
+    ``query @ key.T * scale + mask`` as the math path of SDPA computes it, before the softmax;
+    positions the mask excludes are ``-inf`` (a boolean mask, ``is_causal``) or carry the
+    float mask's value. Beside every SDPA call the dynamo frontend captured, a site
+    ``<module path>.attention_scores`` holds them (computed only where selected); its
+    canonical name is ``blocks.{L}.attn.scores``.
+
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
+            ``F.scaled_dot_product_attention`` (``value`` and ``dropout_p`` are not used).
+
+    Returns:
+        A tensor shaped ``(..., heads, query length, key length)``.
+    """
     q_len, k_len = query.size(-2), key.size(-2)
     if scale is None:
         scale = 1.0 / math.sqrt(query.size(-1))
@@ -59,9 +83,24 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor 
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
         else:
             scores = scores + attn_mask
+    return scores
+
+
+def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """``softmax(scores)`` as SDPA's math path (a "safe" softmax) gives it: rows that attend
+    to nothing are zeros, not NaN."""
     probs = torch.softmax(scores, dim=-1)
-    # SDPA's math path (a "safe" softmax) gives rows that attend to nothing zeros, not NaN.
     return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+
+
+def _weigh(pattern: torch.Tensor, value: torch.Tensor, dropout_p: float,
+           enable_gqa: bool) -> torch.Tensor:
+    """``pattern @ value`` after SDPA's dropout, grouped-query heads repeated."""
+    if dropout_p > 0.0:
+        pattern = torch.nn.functional.dropout(pattern, dropout_p)
+    if enable_gqa and value.dim() >= 3 and value.size(-3) != pattern.size(-3):
+        value = value.repeat_interleave(pattern.size(-3) // value.size(-3), dim=-3)
+    return torch.matmul(pattern.to(value.dtype), value)
 
 
 @functools.cache
@@ -87,11 +126,7 @@ def _attend(out: torch.Tensor, pattern: torch.Tensor, made: tuple[torch.Tensor, 
     ``pattern @ value`` (after SDPA's dropout), so that an edited pattern drives the output."""
     if pattern is made[0] and pattern._version == made[1]:
         return out
-    if dropout_p > 0.0:
-        pattern = torch.nn.functional.dropout(pattern, dropout_p)
-    if enable_gqa and value.dim() >= 3 and value.size(-3) != pattern.size(-3):
-        value = value.repeat_interleave(pattern.size(-3) // value.size(-3), dim=-3)
-    return torch.matmul(pattern.to(value.dtype), value)
+    return _weigh(pattern, value, dropout_p, enable_gqa)
 
 
 def _attend_scores(out: torch.Tensor, raw: torch.Tensor, scores: torch.Tensor,
@@ -110,13 +145,7 @@ def _attend_scores(out: torch.Tensor, raw: torch.Tensor, scores: torch.Tensor,
             "fn= edited both the attention scores and the attention pattern of one SDPA "
             "call; only one of them can drive its output: edit one, or use "
             "attn_implementation='eager'")
-    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
-    probs = probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
-    if dropout_p > 0.0:
-        probs = torch.nn.functional.dropout(probs, dropout_p)
-    if enable_gqa and value.dim() >= 3 and value.size(-3) != probs.size(-3):
-        value = value.repeat_interleave(probs.size(-3) // value.size(-3), dim=-3)
-    return torch.matmul(probs, value)
+    return _weigh(_safe_softmax(scores.float()).to(value.dtype), value, dropout_p, enable_gqa)
 
 
 # Returns its first argument or new memory, and writes nothing (for the in-place analysis).

@@ -53,13 +53,13 @@ import sympy
 from torch import fx, nn
 
 from ..core.site import SITES, Site, node_site
+from .attention import attention_scores
 from .canonical_graph import (
     ADDS,
     PASS,
     VIEWS,
     GraphIndex,
     Kernel,
-    attention_scores,
     closure,
     descendants,
     find_kernels,

@@ -1,12 +1,11 @@
 """The graph reading behind the canonical transformer names (``frontends/canonical.py``):
-an index of a captured graph (users, shapes, what reads a weight), the attention kernels
-(SDPA calls, or a softmax that weighs the values) and the attention scores beside SDPA."""
+an index of a captured graph (users, shapes, what reads a weight) and the attention kernels
+(SDPA calls, or a softmax that weighs the values)."""
 
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,43 +16,6 @@ from torch import fx, nn
 from ..core.ops import VIEW_OPS
 from ..core.site import CALL_ARGS, SITES, Site, node_site
 from .dynamo_names import NamedGraph, dynamo_op_key, is_state
-
-
-def attention_scores(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
-                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                     is_causal: bool = False, scale: float | None = None,
-                     enable_gqa: bool = False) -> torch.Tensor:
-    """The attention scores inside ``F.scaled_dot_product_attention(query, key, ...)``.
-
-    ``query @ key.T * scale + mask`` as the math path of SDPA computes it, before the softmax;
-    positions the mask excludes are ``-inf`` (a boolean mask, ``is_causal``) or carry the
-    float mask's value. Beside every SDPA call the dynamo frontend captured, a site
-    ``<module path>.attention_scores`` holds them (computed only where selected); its
-    canonical name is ``blocks.{L}.attn.scores``.
-
-    Args:
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
-            ``F.scaled_dot_product_attention`` (``value`` and ``dropout_p`` are not used).
-
-    Returns:
-        A tensor shaped ``(..., heads, query length, key length)``.
-    """
-    q_len, k_len = query.size(-2), key.size(-2)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.size(-1))
-    if enable_gqa and key.dim() >= 3 and key.size(-3) != query.size(-3):
-        key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
-    if is_causal:
-        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-        else:
-            scores = scores + attn_mask
-    return scores
-
 
 # Ops that only change a value's shape, layout or dtype (the same numbers): walked through.
 VIEWS = frozenset(VIEW_OPS - {"dropout", "feature_alpha_dropout", "alpha_dropout",

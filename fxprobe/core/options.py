@@ -180,6 +180,15 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
     if isinstance(to, Sink):  # not a device: a sink that receives each forward's values
         to.check_options(keep_n)
         sink, to = to, None
+    if to is not None and callable(to):
+        what = getattr(to, "__name__", None) or f"{type(to).__name__}(...)"
+        raise ConfigError(
+            f"to={what} is not accepted: to= takes a device ('cpu', 'cuda', "
+            "'cuda:N') or fxprobe.Disk(path). A stats sink called as sink(step, stats), such as "
+            "fxprobe.CallbackSink or fxprobe.TensorBoardSink, goes to a stats logger: "
+            "fxprobe.StatsLogger(tapped, every=N, sink=...), stepped after each forward; a "
+            "function called at each site with its value is fn="
+        )
     if to is not None:
         try:
             device = torch.device(to)

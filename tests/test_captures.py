@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
-import time
 import zlib
 from pathlib import Path
+from typing import IO, NamedTuple
 
 import pytest
 import torch
@@ -23,17 +24,28 @@ import fxprobe
 ROOT = Path(__file__).resolve().parent.parent
 
 HARVEST = textwrap.dedent("""
-    import sys, torch
+    import json, os, sys, torch
     from torch import nn
     import fxprobe
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
     g = torch.Generator().manual_seed(1)
     mode = sys.argv[2]
+    index = os.path.join(sys.argv[1], "index.json")
+    told = False
     with torch.no_grad(), fxprobe.tap(model, ops="1", to=fxprobe.Disk(
             sys.argv[1], shard_size=4000, mode=mode)) as tapped:
         for i in range(int(sys.argv[3])):
             tapped(torch.randn(4, 8, generator=g))
+            if not told and mode == "new" and os.path.exists(index):
+                try:
+                    with open(index) as f:
+                        shards = len(json.load(f)["shards"])
+                except (OSError, ValueError):  # read while it was replaced
+                    shards = 0
+                if shards >= 3:  # tell the parent, and go on writing until it kills us
+                    print("3 shards", flush=True)
+                    told = True
 """)
 
 
@@ -45,28 +57,41 @@ def expected_values(n: int) -> list[torch.Tensor]:
         return [model(torch.randn(4, 8, generator=g)) for _ in range(n)]
 
 
-def run(path: Path, mode: str, forwards: int) -> subprocess.Popen[bytes]:
+class Harvest(NamedTuple):
+    proc: subprocess.Popen[str]
+    err: IO[str]
+    """Its stderr (a file: a pipe nobody reads could fill and stop it)."""
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()[-2000:]
+
+
+def run(path: Path, mode: str, forwards: int) -> Harvest:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-c", HARVEST, str(path), mode, str(forwards)],
-                            env=env, stderr=subprocess.PIPE)
+    err = tempfile.TemporaryFile("w+")
+    return Harvest(subprocess.Popen([sys.executable, "-c", HARVEST, str(path), mode,
+                                     str(forwards)], env=env, stdout=subprocess.PIPE,
+                                    stderr=err, text=True), err)
 
 
 def test_a_writer_killed_mid_harvest_loses_at_most_the_shard_in_flight(tmp_path: Path) -> None:
-    proc = run(tmp_path, "new", 10**6)
-    index = tmp_path / "index.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if index.exists() and len(json.loads(index.read_text())["shards"]) >= 3:
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"the harvest ended early: {proc.stderr.read().decode()[-2000:]}")
-        time.sleep(0.05)
-    else:
+    path = tmp_path / "acts"
+    harvest = run(path, "new", 10**7)
+    proc = harvest.proc
+    try:
+        # No deadline: the harvest says when 3 shards are committed (or ends, and says why).
+        said = proc.stdout.readline() if proc.stdout else ""
+        if said != "3 shards\n":
+            proc.wait()
+            pytest.fail(f"the harvest ended before 3 shards (exit {proc.returncode}): "
+                        f"{harvest.stderr()}")
+        proc.send_signal(signal.SIGKILL)  # mid-harvest: it goes on writing until killed
+    finally:
         proc.kill()
-        pytest.fail("the harvest committed no 3 shards in 120 s")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    caps = fxprobe.open_captures(tmp_path)
+        proc.wait()
+    index = path / "index.json"
+    caps = fxprobe.open_captures(path)
     n = len(caps)
     listed = json.loads(index.read_text())
     assert n == listed["forwards"] == sum(s["count"] for s in listed["shards"]) > 0
@@ -76,10 +101,10 @@ def test_a_writer_killed_mid_harvest_loses_at_most_the_shard_in_flight(tmp_path:
     ds = caps.dataset("1", rows="samples")
     assert torch.equal(torch.stack([ds[i] for i in range(len(ds))]), torch.cat(ref[:n]))
     # resuming removes what the kill left behind and continues the numbering
-    proc = run(tmp_path, "append", 5)
-    assert proc.wait() == 0, proc.stderr.read().decode()[-2000:]
-    assert not list(tmp_path.glob("*.partial"))
-    caps = fxprobe.open_captures(tmp_path)
+    resumed = run(path, "append", 5)
+    assert resumed.proc.wait() == 0, resumed.stderr()
+    assert not list(path.glob("*.partial"))
+    caps = fxprobe.open_captures(path)
     assert len(caps) == n + 5
     for i in range(n):
         assert torch.equal(caps.forward(i)["1"], ref[i]), i
@@ -89,8 +114,8 @@ def test_a_writer_killed_mid_harvest_loses_at_most_the_shard_in_flight(tmp_path:
 
 
 def committed(tmp_path: Path, forwards: int = 40) -> list[str]:
-    proc = run(tmp_path, "new", forwards)
-    assert proc.wait() == 0, proc.stderr.read().decode()[-2000:]
+    harvest = run(tmp_path, "new", forwards)
+    assert harvest.proc.wait() == 0, harvest.stderr()
     return [s["file"] for s in json.loads((tmp_path / "index.json").read_text())["shards"]]
 
 

@@ -1,4 +1,4 @@
-"""The ``fxprobe`` command: the installed script in subprocesses (run side by side), and its
+"""The ``fxprobe`` command: ``python -m fxprobe`` in subprocesses (run side by side), and its
 parsing in process."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -51,38 +52,42 @@ MODELS = textwrap.dedent("""\
     instance = nn.Linear(2, 2)
     """)
 
-FXPROBE = shutil.which("fxprobe")
 HAS_DOT = shutil.which("dot") is not None
+FXPROBE = [sys.executable, "-m", "fxprobe"]  # this interpreter's, whatever PATH holds
 
 # name -> (command, expected exit status, text expected in stdout or stderr)
 COMMANDS: dict[str, tuple[list[str], int, str]] = {
-    "demo": (["fxprobe", "demo"], 0, "wrote fxprobe-demo.svg"),
-    "bad spec": (["fxprobe", "sites", "models.py"], 2,
+    "demo": ([*FXPROBE, "demo"], 0, "wrote fxprobe-demo.svg"),
+    "bad spec": ([*FXPROBE, "sites", "models.py"], 2,
                  "is not package.module:factory or path/to/file.py:factory"),
-    "missing file": (["fxprobe", "graph", "nowhere/models.py:good"], 2,
+    "missing file": ([*FXPROBE, "graph", "nowhere/models.py:good"], 2,
                      "no such file: nowhere/models.py"),
-    "missing factory": (["fxprobe", "sites", "models.py:godo"], 2,
+    "missing factory": ([*FXPROBE, "sites", "models.py:godo"], 2,
                         "models.py has no 'godo' (MODEL 'models.py:godo'); did you mean good?"),
-    "not a module": (["fxprobe", "graph", "models.py:not_module"], 2,
+    "not a module": ([*FXPROBE, "graph", "models.py:not_module"], 2,
                      "returned list, not a torch.nn.Module"),
-    "bad input": (["fxprobe", "graph", "models.py:good", "--input", "3xq"], 2,
+    "bad input": ([*FXPROBE, "graph", "models.py:good", "--input", "3xq"], 2,
                   "--input '3xq': sizes must be positive integers"),
-    "huge input": (["fxprobe", "graph", "models.py:good", "--input", "100000x100000x100000"], 2,
+    "huge input": ([*FXPROBE, "graph", "models.py:good", "--input", "100000x100000x100000"], 2,
                    "--input '100000x100000x100000' would take"),
-    "missing folder": (["fxprobe", "graph", "models.py:good", "-o", "/nonexistent/a.svg"], 2,
+    "missing folder": ([*FXPROBE, "graph", "models.py:good", "-o", "/nonexistent/a.svg"], 2,
                        "the folder '/nonexistent' does not exist"),
-    "empty ops": (["fxprobe", "sites", "models.py:good", "--ops", ""], 2,
+    "empty ops": ([*FXPROBE, "sites", "models.py:good", "--ops", ""], 2,
                   "--ops was given but is empty"),
+    # torch.export.load logs a traceback before it raises: neither may show.
+    "text as pt2": ([*FXPROBE, "sites", "text.pt2"], 2,
+                    "cannot load text.pt2: it is not a zip archive; a .pt MODEL must be written "
+                    "by torch.jit.save, a .pt2 MODEL by torch.export.save"),
+    "zip as pt2": ([*FXPROBE, "graph", "other.pt2"], 2, "cannot load other.pt2: RuntimeError:"),
+    "text as pt": ([*FXPROBE, "sites", "text.pt"], 2, "cannot load text.pt: it is not a zip"),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every command of COMMANDS, started together (each pays for importing torch)."""
-    if FXPROBE is None:
-        pytest.skip("the fxprobe command is not installed (pip install -e .)")
-    # The installed script, running this checkout's fxprobe (an editable install may point
-    # to another worktree).
+    """Every command of COMMANDS, started together (each pays for importing torch), each
+    waited for until it exits, however long a loaded machine takes."""
+    # This checkout's fxprobe (an editable install may point to another worktree).
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     results: dict[str, Any] = {}
@@ -90,10 +95,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, (cmd, _, _) in COMMANDS.items():
         cwd = tmp_path_factory.mktemp(name.replace(" ", "_"))
         (cwd / "models.py").write_text(MODELS)
+        (cwd / "text.pt2").write_text("not a program\n")
+        (cwd / "text.pt").write_text("not a program\n")
+        with zipfile.ZipFile(cwd / "other.pt2", "w") as z:
+            z.writestr("notes.txt", "a zip archive, not a saved program")
         procs[name] = (subprocess.Popen(cmd, cwd=cwd, env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE), cwd)
     for name, (proc, cwd) in procs.items():
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate()
         results[name] = types.SimpleNamespace(rc=proc.returncode, out=out, err=err, cwd=cwd)
     return results
 

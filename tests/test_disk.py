@@ -379,8 +379,7 @@ def test_a_crash_loses_at_most_the_unfinished_shard(tmp_path: Path) -> None:
                 tapped(torch.randn(4, 16, generator=g))
         os._exit(3)  # no close, no atexit: the shard being written is left unfinished
     """)
-    proc = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 3, proc.stderr
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
@@ -412,8 +411,7 @@ def test_interpreter_exit_flushes_and_commits(tmp_path: Path) -> None:
                 tapped(torch.full((2, 4), float(i)))
         # no remove(), no close(): leaving the interpreter must commit the 5 forwards
     """)
-    proc = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)

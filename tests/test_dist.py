@@ -37,7 +37,11 @@ import fxprobe
 WORLD = 2
 # The collective reduce_stats makes (renamed in torch 2.13).
 GATHER = "all_gather_single" if hasattr(tdist, "all_gather_single") else "all_gather_into_tensor"
-DEADLINE_S = 120
+# No deadline for the whole run: a loaded machine is slow, not wrong. A collective waits up to
+# WAIT_S for the other rank (gloo's timeout: a rank that never comes is an error, not a hang),
+# and the run is given up only when no scenario has finished for STALL_S.
+WAIT_S = float(os.environ.get("FXPROBE_TEST_DIST_WAIT_S", "900"))
+STALL_S = 2 * WAIT_S + 60
 
 
 class Block(nn.Module):
@@ -464,14 +468,40 @@ def reduce_stats_of_sites_run_on_some_ranks(rank: int, tmp: Path) -> None:
     assert everyone[0] == everyone[1], "ranks disagree"
 
 
+def reduce_stats_where_a_rank_ran_no_forward(rank: int, tmp: Path) -> None:
+    """Rank 1 has not run the tapped module yet: every rank is told so (rank 1 tapped the same
+    sites, which it may not know yet under dynamo), and after its forward the reduction runs."""
+    for kw in ({"reduce": "stats"}, {"tracer": "dynamo"}):  # sites known / not yet known
+        tapped = fxprobe.tap(net(), ops=["blocks.*.relu", "head"], **kw)
+        if rank == 0:
+            with torch.no_grad():
+                tapped(batch(0, 7))
+        try:
+            fxprobe.dist.reduce_stats(tapped)
+        except fxprobe.ConfigError as e:
+            said = str(e)
+            assert "rank 1 ran no forward of the tapped module" in said, (kw, said)
+            assert "rank 0 did" in said and "different sites" not in said, (kw, said)
+        else:
+            raise AssertionError(f"{kw}: reduced without rank 1")
+        if rank == 1:
+            with torch.no_grad():
+                tapped(batch(1, 7))
+        got = fxprobe.dist.reduce_stats(tapped)  # the ranks are still in step
+        want = torch.cat([net()(batch(r, 7)) for r in range(WORLD)]).detach()
+        assert got["head"].numel == want.numel(), (kw, got["head"])
+        assert math.isclose(got["head"].mean, want.double().mean().item(), rel_tol=1e-6), kw
+
+
 SCENARIOS.update({f.__name__: f for f in (reduce_stats_in_float64,
-                                          reduce_stats_of_sites_run_on_some_ranks)})
+                                          reduce_stats_of_sites_run_on_some_ranks,
+                                          reduce_stats_where_a_rank_ran_no_forward)})
 
 
 def worker(rank: int, port: int, tmp: str) -> None:
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+                             world_size=WORLD, timeout=datetime.timedelta(seconds=WAIT_S))
     out = Path(tmp) / f"rank{rank}.json"
     verdicts: dict[str, str] = {}
     try:
@@ -481,7 +511,8 @@ def worker(rank: int, port: int, tmp: str) -> None:
                 verdicts[name] = "ok"
             except Exception:  # noqa: BLE001 (reported by the test of that scenario)
                 verdicts[name] = traceback.format_exc()
-            out.write_text(json.dumps(verdicts))
+            out.with_suffix(".tmp").write_text(json.dumps(verdicts))
+            out.with_suffix(".tmp").replace(out)  # whole, for the parent that reads it
             tdist.barrier()
     finally:
         tdist.destroy_process_group()
@@ -498,11 +529,24 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ctx = mp.start_processes(worker, args=(port, str(tmp)), nprocs=WORLD, join=False,
                              start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
+    files = [tmp / f"rank{r}.json" for r in range(WORLD)]
+
+    def progress() -> list[int]:  # scenarios each rank has finished (its file, rewritten)
+        return [len(json.loads(f.read_text())) if f.exists() else 0 for f in files]
+
+    seen, since = progress(), time.monotonic()
     try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {WORLD} ranks did not finish in {DEADLINE_S} s")
+        while not ctx.join(timeout=5):
+            now = progress()
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > STALL_S:
+                running = [list(SCENARIOS)[n] if n < len(SCENARIOS) else "(the end)"
+                           for n in seen]
+                raise TimeoutError(
+                    f"no scenario finished for {STALL_S:.0f} s; the ranks are in {running}: "
+                    f"a hang (each collective waits {WAIT_S:.0f} s; FXPROBE_TEST_DIST_WAIT_S "
+                    "raises it on a very slow machine)")
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -104,3 +104,51 @@ def test_leaf_module_paths_must_name_modules(leaf: object, close: str) -> None:
     # A path that is one keeps the module a single call: its insides are no sites.
     names = [s.name for s in fxprobe.tap(model, leaf_modules="layer1").sites]
     assert "layer1" in names and not any(n.startswith("layer1.") for n in names)
+
+
+def test_every_table_checks_fmt_the_same_way() -> None:
+    model, (x,), _ = zoo.make("shared")
+    tapped = fxprobe.tap(model, ops=["fc", "out"], reduce="stats")
+    tapped(x)
+    tables = {
+        "stats_table": lambda fmt: fxprobe.stats_table(tapped.taps, fmt=fmt),
+        "TappedModule.summary": lambda fmt: tapped.summary(fmt=fmt),
+        "summary": lambda fmt: fxprobe.summary(fxprobe.sites(model), fmt=fmt),
+        "Table.render": lambda fmt: tapped.summary().render(fmt),
+        "StatsLogger": lambda fmt: fxprobe.StatsLogger(tapped, fmt=fmt),
+        "dist.StatsLogger": lambda fmt: fxprobe.dist.StatsLogger(tapped, fmt=fmt),
+    }
+    for bad in ("bogus", "Github", 3):
+        said = set()
+        for name, make in tables.items():
+            with pytest.raises(fxprobe.ConfigError) as err:
+                make(bad)
+            said.add(str(err.value))
+            assert f"fmt={bad!r} is not a table format" in str(err.value), name
+        assert len(said) == 1, said  # one check, one message
+    for good in ("text", "github", "markdown", "html", "plain"):
+        for make in tables.values():
+            make(good)
+    assert fxprobe.stats_table(tapped.taps, fmt="text") == fxprobe.stats_table(tapped.taps)
+    for fmt in ("github", "markdown"):
+        assert fxprobe.stats_table(tapped.taps, fmt=fmt).startswith("| site")
+        assert str(tapped.summary(fmt=fmt)).startswith("| name")
+
+
+@pytest.mark.parametrize("sink", ["callback", "tensorboard", "function"])
+def test_a_stats_sink_in_to_says_where_it_goes(sink: str) -> None:
+    class Writer:
+        def add_scalar(self, *args: object) -> None:
+            pass
+
+    made = {"callback": lambda: fxprobe.CallbackSink(print),
+            "tensorboard": lambda: fxprobe.TensorBoardSink(Writer()),
+            "function": lambda: print}[sink]()
+    model, _, _ = zoo.make("shared")
+    with pytest.raises(fxprobe.ConfigError) as err:
+        fxprobe.tap(model, to=made)
+    said = str(err.value)
+    what = "print" if sink == "function" else f"{type(made).__name__}(...)"
+    assert f"to={what} is not accepted" in said, said
+    assert "fxprobe.StatsLogger(tapped, every=N, sink=...)" in said and "fn=" in said
+    assert "not a device torch knows" not in said

@@ -136,8 +136,8 @@ def test_html_escapes_cells() -> None:
 def test_bad_format_and_bad_object() -> None:
     model, args, _ = zoo.make("shared")
     tapped = fxprobe.tap(model)
-    with pytest.raises(fxprobe.ConfigError, match="'latex' is not a table format"):
-        tapped.summary(fmt="latex")
+    with pytest.raises(fxprobe.ConfigError, match="'bogus' is not a table format"):
+        tapped.summary(fmt="bogus")
     with pytest.raises(fxprobe.UnsupportedModelError, match="takes a TappedModule"):
         fxprobe.summary(42)
 

@@ -276,6 +276,6 @@ def test_each_thread_reads_the_values_of_its_own_last_forward(tracer: str) -> No
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join()  # however long a loaded machine takes
     assert not any(t.is_alive() for t in threads)
     assert wrong == []

@@ -4,14 +4,17 @@ a model (or a deployed artifact), example tensors and selectors; every mistake a
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
+import logging
 import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,14 +128,40 @@ def _load_artifact(spec: str) -> Any:
 
     if not os.path.isfile(spec):
         raise UsageError(f"no such file: {spec} (MODEL)")
+    written_by = ("a .pt MODEL must be written by torch.jit.save, a .pt2 MODEL by "
+                  "torch.export.save")
+    if not zipfile.is_zipfile(spec):  # what both write; torch would log a traceback first
+        raise UsageError(f"cannot load {spec}: it is not a zip archive; {written_by}")
+    held: list[logging.LogRecord] = []
     try:
         if spec.endswith(".pt2"):
-            return torch.export.load(spec)
+            with _held_logs("torch.export", held):
+                program = torch.export.load(spec)
+            for record in held:  # a program that loads: torch's warnings, as torch gives them
+                logging.getLogger(record.name).handle(record)
+            return program
         with quiet_jit():
             return torch.jit.load(spec)
     except Exception as e:
-        raise UsageError(f"cannot load {spec}: {one_line(e)}; a .pt MODEL must be written by "
-                         "torch.jit.save, a .pt2 MODEL by torch.export.save") from e
+        # torch.export.load logs its first error with a traceback and raises another one.
+        first = next((r.exc_info[1] for r in held if r.exc_info and r.exc_info[1]), e)
+        raise UsageError(f"cannot load {spec}: {one_line(first)}; {written_by}") from e
+
+
+@contextlib.contextmanager
+def _held_logs(name: str, held: list[logging.LogRecord]) -> Iterator[None]:
+    """Keep the records of logger ``name`` in ``held`` instead of printing them."""
+    logger = logging.getLogger(name)
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hold)
 
 
 def _import_file(target: str, spec: str) -> Any:

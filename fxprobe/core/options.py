@@ -49,6 +49,31 @@ def check_choice(name: str, value: Any, allowed: Any) -> None:
         )
 
 
+TABLE_FORMATS = {"text": "simple", "github": "github", "markdown": "github", "html": "html"}
+"""fxprobe's names of table formats, each with the ``tabulate`` format it is; a ``tabulate``
+format name (``"simple"``, ``"plain"``, ``"grid"`` ...) is accepted as well."""
+
+
+def table_format(fmt: Any) -> str:
+    """The ``tabulate`` format that ``fmt=`` names, or :class:`~fxprobe.ConfigError`.
+
+    The one check of ``fmt=`` for every table fxprobe prints (``summary``, ``Table.render``,
+    ``stats_table`` and the stats loggers): one of :data:`TABLE_FORMATS` or a ``tabulate``
+    format name.
+    """
+    if isinstance(fmt, str):
+        if fmt in TABLE_FORMATS:
+            return TABLE_FORMATS[fmt]
+        from tabulate import tabulate_formats
+
+        if fmt in tabulate_formats:
+            return fmt
+    raise ConfigError(
+        f"fmt={fmt!r} is not a table format; use one of {', '.join(map(repr, TABLE_FORMATS))} "
+        "(or a tabulate format: 'simple', 'plain', 'grid', ...)"
+    )
+
+
 def check_flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} is not accepted; use True or False")
@@ -155,6 +180,15 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
     if isinstance(to, Sink):  # not a device: a sink that receives each forward's values
         to.check_options(keep_n)
         sink, to = to, None
+    if to is not None and callable(to):
+        what = getattr(to, "__name__", None) or f"{type(to).__name__}(...)"
+        raise ConfigError(
+            f"to={what} is not accepted: to= takes a device ('cpu', 'cuda', "
+            "'cuda:N') or fxprobe.Disk(path). A stats sink called as sink(step, stats), such as "
+            "fxprobe.CallbackSink or fxprobe.TensorBoardSink, goes to a stats logger: "
+            "fxprobe.StatsLogger(tapped, every=N, sink=...), stepped after each forward; a "
+            "function called at each site with its value is fn="
+        )
     if to is not None:
         try:
             device = torch.device(to)

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from ..core.errors import ConfigError
+from ..core.options import TABLE_FORMATS, table_format
 from ..core.record import InOut
 from ..core.site import Site
 from ..core.view import ValueInfo, View
 
-FORMATS = {"text": "simple", "github": "github", "markdown": "github", "html": ""}
-"""Accepted ``fmt`` values and the tabulate format each one uses."""
+FORMATS = TABLE_FORMATS
+"""fxprobe's ``fmt`` names and the tabulate format each one is (``"html"`` is written here);
+a tabulate format name is accepted too (:func:`~fxprobe.core.options.table_format`)."""
 
 _NOT_RUN = "(not run)"
 _SHOWN_ITEMS = 4  # elements of a tuple/list/dict value spelled out before "..."
@@ -146,14 +147,15 @@ class Table:
     notes: tuple[str, ...] = ()
     """Lines shown under the table: totals, and modules that run as written (hook fallback)."""
     fmt: str = "text"
-    """Format of ``str(table)``: ``"text"``, ``"github"`` (also ``"markdown"``) or ``"html"``."""
+    """Format of ``str(table)``: ``"text"``, ``"github"`` (also ``"markdown"``) or ``"html"``
+    (or a tabulate format name)."""
     numeric: frozenset[str] = frozenset()
     """Headers of the columns aligned to the right."""
 
     def render(self, fmt: str | None = None) -> str:
         """The table as text in ``fmt`` (default: ``self.fmt``)."""
-        fmt = check_format(self.fmt if fmt is None else fmt)
-        if fmt == "html":
+        tablefmt = table_format(self.fmt if fmt is None else fmt)
+        if tablefmt == "html":
             return self._html()
         try:
             from tabulate import tabulate
@@ -161,8 +163,8 @@ class Table:
             raise ImportError("fxprobe tables need tabulate: pip install tabulate") from e
         align = tuple("right" if h in self.numeric else "left" for h in self.headers)
         body = tabulate([list(r) for r in self.rows], headers=list(self.headers),
-                        tablefmt=FORMATS[fmt], disable_numparse=True, colalign=align)
-        bullet = "- " if fmt in ("github", "markdown") else ""
+                        tablefmt=tablefmt, disable_numparse=True, colalign=align)
+        bullet = "- " if tablefmt in ("github", "pipe") else ""
         return body + "\n\n" + "\n".join(bullet + n for n in self.notes) if self.notes else body
 
     def _html(self) -> str:
@@ -197,10 +199,8 @@ class Table:
 
 
 def check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise ConfigError(
-            f"fmt={fmt!r} is not a table format; use one of {', '.join(map(repr, FORMATS))}"
-        )
+    """``fmt`` once :func:`~fxprobe.core.options.table_format` accepts it."""
+    table_format(fmt)
     return fmt
 
 
@@ -301,7 +301,7 @@ def summary(view: View, fmt: str = "text") -> Table:
     ``fxprobe.summary`` (``fxprobe.runtime.views``) hands this the view of what it is given.
 
     Raises:
-        ConfigError: ``fmt`` is not one of :data:`FORMATS`.
+        ConfigError: ``fmt`` is not one of :data:`FORMATS` nor a tabulate format.
     """
     check_format(fmt)
     if not view.tapped:

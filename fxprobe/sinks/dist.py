@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -148,7 +149,7 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     of means. One ``all_gather`` of a ``(values + 1) x 12`` float64 table per rank; the
     result is the same on every rank (a site that ran on some ranks only is in every rank's
     result, its shape and dtype sent by one more collective, made only then). The first call
-    with a new set of sites first compares the ranks' sites with a 2-float ``all_gather`` (a
+    with a new set of sites first compares the ranks' sites with a 3-float ``all_gather`` (a
     table of another size would abort gloo).
 
     Args:
@@ -163,8 +164,9 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
         rank's (the first rank's that ran it, where it did not run here).
 
     Raises:
-        ConfigError: torch.distributed is not initialized, or the ranks captured different
-            sites (different models, or a branch taken on some ranks only).
+        ConfigError: torch.distributed is not initialized, some ranks ran no forward (they
+            hold no values) while others did, or the ranks captured different sites
+            (different models, or a branch taken on some ranks only).
 
     Example:
         >>> stats = fxprobe.dist.reduce_stats(tapped)
@@ -172,6 +174,7 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     """
     _check_initialized("reduce_stats")
     values = dict(_values(tapped).items())
+    idle = 0.0 if values else 1.0  # this rank ran no forward (or was handed no values)
     flat = {name: tree_flatten(v) for name, v in values.items()}
     device = _device(group)
     # One row per leaf of every selected site, in site order, also for sites that did not run
@@ -195,14 +198,17 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     crc = float(zlib.crc32(repr(slots).encode()))
     world = tdist.get_world_size(group)
     key = (id(group), len(slots), crc)
-    if key not in _VERIFIED:
-        _verify(len(slots), crc, world, device, group)
-        _VERIFIED.add(key)
-    header = torch.tensor([float(len(slots)), crc] + [0.0] * (_COLS - 2), dtype=torch.float64)
+    verified = _verified(tapped)
+    if key not in verified:
+        _verify(len(slots), crc, idle, world, device, group)
+        verified.add(key)
+    header = torch.tensor([float(len(slots)), crc, idle] + [0.0] * (_COLS - 3),
+                          dtype=torch.float64)
     table = torch.stack([header.to(device)] + [r.to(device) for r in rows])
     out = torch.empty((world * table.shape[0], _COLS), dtype=torch.float64, device=device)
     _all_gather(out, table, group)  # the one collective
     per_rank = out.cpu().view(world, table.shape[0], _COLS)
+    _check_idle(per_rank[:, 0, 2].tolist())
     if not all(torch.equal(per_rank[r, 0], per_rank[0, 0]) for r in range(world)):
         raise ConfigError(_DIFFERENT_SITES)
     ran = (per_rank[:, 1:, _COLS - 1] > 0).tolist()  # [rank][slot], the same on every rank
@@ -238,7 +244,20 @@ def _share_metas(metas: _Meta, ran: list[list[bool]], some: list[int], world: in
     return merged
 
 
-_VERIFIED: set[tuple[int, int, float]] = set()
+_Layout = tuple[int, int, float]  # (id of the group, rows, crc of the rows' sites)
+_VERIFIED: weakref.WeakKeyDictionary[Any, set[_Layout]] = weakref.WeakKeyDictionary()
+_VERIFIED_VALUES: set[_Layout] = set()
+
+
+def _verified(source: Any) -> set[_Layout]:
+    """The layouts verified on every rank, per tapped module: a rank that ran no forward of a
+    new tapped module (no sites yet under dynamo) verifies its layout as the others do, even
+    where they verified the same sites of another tapped module before (a collective of
+    another size would abort gloo). Mappings of values share one set."""
+    for obj in (source, getattr(source, "module", None)):
+        if obj is not None and not isinstance(obj, Mapping) and hasattr(obj, "taps"):
+            return _VERIFIED.setdefault(obj, set())
+    return _VERIFIED_VALUES
 _DIFFERENT_SITES = (
     "fxprobe.dist.reduce_stats: the ranks captured different sites; every rank must tap the "
     "same model with the same ops= (and be in the same train/eval mode)"
@@ -260,20 +279,41 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
-def _verify(rows: int, crc: float, world: int, device: torch.device, group: Any) -> None:
+def _verify(rows: int, crc: float, idle: float, world: int, device: torch.device,
+            group: Any) -> None:
     """Compare the table layout of every rank once, with a fixed-size exchange.
 
     Collectives of different sizes abort gloo (and hang NCCL), so a layout is checked once
     before its first table is sent; later calls with a verified layout send the table alone.
+    A rank that ran no forward (``idle``) knows no sites under dynamo: it is named as such.
     """
-    mine = torch.tensor([float(rows), crc], dtype=torch.float64, device=device)
-    out = torch.empty(world * 2, dtype=torch.float64, device=device)
+    mine = torch.tensor([float(rows), crc, idle], dtype=torch.float64, device=device)
+    out = torch.empty(world * 3, dtype=torch.float64, device=device)
     _all_gather(out, mine, group)
-    layouts = out.cpu().view(world, 2).tolist()
+    gathered = out.cpu().view(world, 3).tolist()
+    _check_idle([g[2] for g in gathered])
+    layouts = [g[:2] for g in gathered]
     differ = [r for r, layout in enumerate(layouts) if layout != layouts[0]]
     if differ:
         raise ConfigError(f"{_DIFFERENT_SITES} (ranks {differ} differ from rank 0; this rank "
                           f"has {rows} values)")
+
+
+def _check_idle(idle: list[float]) -> None:
+    """Refuse a reduction where some ranks ran no forward and others did (``idle`` per rank,
+    the same list on every rank, so every rank raises the same error)."""
+    none = [r for r, flag in enumerate(idle) if flag]
+    if none and len(none) < len(idle):
+        ran = [r for r, flag in enumerate(idle) if not flag]
+        raise ConfigError(
+            f"fxprobe.dist.reduce_stats: {_ranks(none)} ran no forward of the tapped module "
+            f"(no values to reduce; {_ranks(ran)} did): call reduce_stats after a forward on "
+            "every rank (a rank without data can run one on an empty batch)"
+        )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def gather(tapped: Any, names: Sequence[str] | str | None = None, dst: int = 0,

@@ -14,6 +14,7 @@ from ..capture.stats.batch import collect
 from ..capture.stats.math import Stats
 from ..capture.stats.table import stats_table
 from ..core.errors import ConfigError
+from ..core.options import table_format
 
 StatsSource = Callable[[], Mapping[str, Any]]
 
@@ -30,6 +31,7 @@ class EveryN:
         if sink is not None and not callable(sink):
             raise ConfigError(f"StatsLogger(sink={sink!r}): sink must be callable as "
                               "sink(step, stats)")
+        table_format(fmt)  # refused now, not at the first logging step
         self.every = every
         self.logger = logger if logger is not None else logging.getLogger("fxprobe")
         self.level = level

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ...core.errors import ConfigError
+from ...core.options import table_format
 from .batch import collect
 from .math import Stats
 
@@ -22,10 +23,12 @@ def stats_table(stats: Mapping[str, Any], fmt: str = "simple") -> str:
     Args:
         stats: site name -> :class:`Stats` or tensor (a :class:`StatsBatch` is fetched;
             tensors are summarised with :func:`stats_vector`, as ``tapped.taps`` holds them).
-        fmt: any ``tabulate`` table format (``"simple"``, ``"github"``, ``"plain"`` ...).
+        fmt: ``"text"``, ``"github"`` (or ``"markdown"``), ``"html"``, as ``summary`` takes
+            them, or any ``tabulate`` table format (``"simple"``, ``"plain"`` ...).
 
     Raises:
-        ConfigError: a value is neither Stats nor a real tensor.
+        ConfigError: ``fmt`` is no table format, or a value is neither Stats nor a real
+            tensor.
 
     Returns:
         The table; columns site, shape, dtype, mean, std, min, max, absmax, zeros %, nan, inf.
@@ -35,6 +38,7 @@ def stats_table(stats: Mapping[str, Any], fmt: str = "simple") -> str:
     """
     from tabulate import tabulate
 
+    tablefmt = table_format(fmt)
     if not all(isinstance(v, Stats) for v in stats.values()):
         bad = [f"{n!r} ({type(v).__name__}{', complex' if isinstance(v, torch.Tensor) else ''})"
                for n, v in stats.items() if not isinstance(v, Stats) and not (
@@ -48,6 +52,6 @@ def stats_table(stats: Mapping[str, Any], fmt: str = "simple") -> str:
         shape = "x".join(map(str, s.shape)) if s.shape else "scalar"
         rows.append([name, shape, s.dtype.removeprefix("torch."), s.mean, s.std, s.min, s.max,
                      s.absmax, 100.0 * s.zero_frac, s.nan_count, s.inf_count])
-    return tabulate(rows, headers=_HEADERS, tablefmt=fmt,
+    return tabulate(rows, headers=_HEADERS, tablefmt=tablefmt,
                     floatfmt=("", "", "", ".4g", ".4g", ".4g", ".4g", ".4g", ".1f", "", ""),
                     disable_numparse=[0, 1, 2])

@@ -1,0 +1,171 @@
+"""Per-call interventions and caches over a tapped module's life: the tenth ``intervene``
+block or ``run_with_cache`` sees the same sites, canonical names and values as the first.
+
+References: forward hooks (and pre-hooks) that edit or clone a module's output (or input) on
+the untapped model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fxprobe
+
+tf = pytest.importorskip("transformers")
+
+# canonical name -> (module path, "in": its first input / "out": its output)
+Where = dict[str, tuple[str, str]]
+
+
+def _gpt2() -> nn.Module:
+    return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                            bos_token_id=0, eos_token_id=0))
+
+
+def _llama() -> nn.Module:
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, vocab_size=100, bos_token_id=0, eos_token_id=0))
+
+
+def _gptj() -> nn.Module:  # a parallel block: x + attn(ln(x)) + mlp(ln(x))
+    return tf.GPTJForCausalLM(tf.GPTJConfig(n_layer=2, n_embd=32, n_head=2, rotary_dim=8,
+                                            vocab_size=100, bos_token_id=0, eos_token_id=0))
+
+
+def _where(block: str, attn: str, out_proj: str, act: str, mlp_proj: str) -> Where:
+    return {
+        "blocks.1.attn.z": (f"{block}.{attn}.{out_proj}", "in"),
+        "blocks.1.attn_out": (f"{block}.{attn}", "out"),
+        "blocks.1.mlp.pre": (f"{block}.mlp.{act}", "in"),
+        "blocks.1.mlp.post": (f"{block}.mlp.{mlp_proj}", "in"),
+        "blocks.1.mlp_out": (f"{block}.mlp", "out"),
+        "blocks.1.resid_post": (block, "out"),
+        "logits": ("lm_head", "out"),
+    }
+
+
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], Where]] = {
+    "gpt2": (_gpt2, _where("transformer.h.1", "attn", "c_proj", "act", "c_proj")),
+    "llama": (_llama, _where("model.layers.1", "self_attn", "o_proj", "act_fn", "down_proj")),
+    "gptj": (_gptj, _where("transformer.h.1", "attn", "out_proj", "act", "fc_out")),
+}
+
+
+def _flip(site: Any, value: torch.Tensor) -> torch.Tensor:
+    """Negate position 1: an edit that tells positions (and so sites) apart."""
+    value = value.clone()
+    value[:, 1] = -value[:, 1]
+    return value
+
+
+def _double(site: Any, value: torch.Tensor) -> torch.Tensor:
+    return value * 2
+
+
+def _first(x: Any) -> torch.Tensor:
+    return x[0] if isinstance(x, tuple) else x
+
+
+def _hooks(model: nn.Module, where: tuple[str, str], fn: Callable[[torch.Tensor], Any]
+           ) -> Any:
+    """A hook on the module at ``where`` calling ``fn`` on its first input or output; a
+    tensor ``fn`` returns replaces it."""
+    path, side = where
+    module = model.get_submodule(path)
+    if side == "in":
+        def pre(m: nn.Module, args: tuple[Any, ...]) -> Any:
+            new = fn(args[0])
+            return None if new is None else (new, *args[1:])
+        return module.register_forward_pre_hook(pre)
+
+    def post(m: nn.Module, args: Any, out: Any) -> Any:
+        new = fn(_first(out))
+        if new is None:
+            return None
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+    return module.register_forward_hook(post)
+
+
+def _edited(model: nn.Module, where: tuple[str, str], ids: torch.Tensor) -> torch.Tensor:
+    handle = _hooks(model, where, lambda v: _flip(None, v))
+    try:
+        return model(input_ids=ids).logits
+    finally:
+        handle.remove()
+
+
+def _cloned(model: nn.Module, wheres: Where, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    kept: dict[str, torch.Tensor] = {}
+    handles = [_hooks(model, w, lambda v, n=n: kept.__setitem__(n, v.detach().clone()))
+               for n, w in wheres.items()]
+    try:
+        model(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return kept
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, whatever the per-head split (``attn.z`` is ``(batch, pos, heads,
+    head_dim)``; what the output projection reads, ``(batch, pos, heads * head_dim)``)."""
+    return a.numel() == b.numel() and torch.allclose(a.reshape(b.shape), b, atol=1e-6)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: Any) -> tuple[nn.Module, Any, torch.Tensor, Where]:
+    build, where = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = build().eval()
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(2, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    tapped = fxprobe.tap(model, ops="blocks.0.resid_post", tracer="dynamo")
+    with torch.no_grad():
+        tapped(input_ids=ids)
+    return model, tapped, ids, where
+
+
+@torch.no_grad()
+def test_every_intervene_block_edits_the_same_sites(family: Any) -> None:
+    """The first block built the graph with intervention points, whose canonical names came
+    out short (dynamo drops where each graph input came from once the backend returns: the
+    weights read by ``attn.z``, ``mlp.pre/post`` and ``logits`` were found no more)."""
+    model, tapped, ids, where = family
+    plain = model(input_ids=ids).logits
+    glob = []
+    for _ in range(3):
+        with tapped.intervene({"blocks.1.attn.*": _double}):
+            glob.append(tapped(input_ids=ids).logits)
+    assert not torch.equal(glob[0], plain)
+    assert torch.equal(glob[0], glob[1]) and torch.equal(glob[1], glob[2])
+    for name, w in where.items():
+        ref = _edited(model, w, ids)
+        assert not torch.equal(ref, plain), name
+        for _ in range(3):
+            with tapped.intervene({name: _flip}):
+                assert torch.allclose(tapped(input_ids=ids).logits, ref, atol=1e-5), name
+    assert torch.equal(tapped(input_ids=ids).logits, plain)
+
+
+@torch.no_grad()
+def test_every_cache_holds_the_same_sites_and_values(family: Any) -> None:
+    model, tapped, ids, where = family
+    ref = _cloned(model, where, ids)
+    first = None
+    for _ in range(3):
+        _, cache = tapped.run_with_cache(input_ids=ids, names=list(where))
+        for name in where:
+            assert _same(cache[name], ref[name]), name
+        _, block = tapped.run_with_cache(input_ids=ids, names="blocks.0.*")
+        keys = (list(cache), list(block))
+        assert first is None or keys == first
+        first = keys
+        with tapped.intervene({"blocks.1.attn.*": _double}):
+            tapped(input_ids=ids)
+    assert len(first[0]) == len(where)  # one site per name (none of them shares a value)

@@ -169,3 +169,97 @@ def test_every_cache_holds_the_same_sites_and_values(family: Any) -> None:
         with tapped.intervene({"blocks.1.attn.*": _double}):
             tapped(input_ids=ids)
     assert len(first[0]) == len(where)  # one site per name (none of them shares a value)
+
+
+class _Inner(nn.Module):
+    """A module dynamo runs as frames of its own (a graph break inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x).relu()
+        torch._dynamo.graph_break()
+        return self.fc2(y) * 2
+
+
+class _Plain(nn.Module):
+    """The same without parameters: which instance runs a frame is told by its code."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x) + 1
+        torch._dynamo.graph_break()
+        return y * 3
+
+
+class _Twice(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(self.inner(x) + 1))
+
+
+# the site names of both calls, in the order they run -> (module path, "out")
+TWICE: dict[str, tuple[Callable[[], nn.Module], dict[str, tuple[str, str]]]] = {
+    "params": (_Inner, {"inner.fc": ("inner.fc", "out"), "inner.fc2": ("inner.fc2", "out"),
+                        "inner.fc_1": ("inner.fc", "out"),
+                        "inner.fc2_1": ("inner.fc2", "out")}),
+    "plain": (_Plain, {"inner.mul": ("inner", "out"), "inner.mul_1": ("inner", "out")}),
+}
+
+
+def _calls(model: nn.Module, x: torch.Tensor, sites: dict[str, tuple[str, str]],
+           edit: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The output, and each site's value cloned by a hook (the n-th call of a module is its
+    n-th site in ``sites``), the site ``edit`` negated."""
+    kept: dict[str, torch.Tensor] = {}
+    order: dict[str, list[str]] = {}
+    for name, w in sites.items():
+        order.setdefault(w[0], []).append(name)
+
+    def hook(path: str) -> Callable[[torch.Tensor], Any]:
+        def fn(v: torch.Tensor) -> Any:
+            name = order[path][sum(n in kept for n in order[path])]
+            kept[name] = v.detach().clone()
+            return -v if name == edit else None
+        return fn
+
+    handles = [_hooks(model, (p, "out"), hook(p)) for p in order]
+    try:
+        return model(x), kept
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("kind", sorted(TWICE))
+@torch.no_grad()
+def test_a_module_dynamo_runs_as_its_own_frame_called_twice(kind: str) -> None:
+    """Each call's sites are sites of their own (``inner.fc``, then ``inner.fc_1``), in the
+    graph with intervention points too: built for the wrong call, the cache held two values,
+    not four, and an edit of the second call's site landed on the first."""
+    build, sites = TWICE[kind]
+    torch.manual_seed(0)
+    model = _Twice(build()).eval()
+    x = torch.randn(2, 4)
+    plain, ref = _calls(model, x, sites)
+    assert len(ref) == len(sites)
+    tapped = fxprobe.tap(model, ops="head", tracer="dynamo")
+    for _ in range(3):  # the first per-call run is the first forward: no site known before
+        out, cache = tapped.run_with_cache(x, names="inner.*")
+        assert torch.equal(out, plain)
+        assert [n for n in cache if n in sites] == list(sites)
+        for name in sites:
+            assert torch.equal(cache[name], ref[name]), name
+    for name in sites:
+        edited, _ = _calls(model, x, sites, edit=name)
+        assert not torch.equal(edited, plain)
+        for _ in range(2):
+            with tapped.intervene({name: lambda s, v: -v}):
+                assert torch.equal(tapped(x), edited), name
+    assert torch.equal(tapped(x), plain)

@@ -263,3 +263,52 @@ def test_a_module_dynamo_runs_as_its_own_frame_called_twice(kind: str) -> None:
             with tapped.intervene({name: lambda s, v: -v}):
                 assert torch.equal(tapped(x), edited), name
     assert torch.equal(tapped(x), plain)
+
+
+class _Contexts(nn.Module):
+    """Calls whose values are no tensors (a context manager, None), and a split (a tuple)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            y = self.fc(x)
+        with torch.set_grad_enabled(False):
+            z = y * 2
+        a, b = z.split(4, -1)
+        return a + b
+
+
+def test_a_cache_of_every_site_holds_tensors_only() -> None:
+    torch.manual_seed(0)
+    model = _Contexts().eval()
+    x = torch.randn(2, 4)
+    tapped = fxprobe.tap(model, ops="fc", tracer="dynamo")
+    tapped(x)
+    y = model.fc(x).detach()
+    for names in (None, "*"):
+        _, cache = tapped.run_with_cache(x, names=names)
+        assert torch.equal(cache["fc"], y)
+        assert torch.equal(cache["mul"], y * 2)
+        assert isinstance(cache["split"], tuple)  # a tuple of tensors is kept
+        assert all(torch.equal(a, b) for a, b in zip(cache["split"], (y * 2).split(4, -1),
+                                                     strict=True))
+        assert all(isinstance(v, (torch.Tensor, tuple)) for v in cache.values()), dict(cache)
+        assert "set_grad_enabled" not in cache and "enter_autocast" not in cache
+        with pytest.raises(fxprobe.UnknownSiteError, match="NoneType, not a tensor"):
+            cache["set_grad_enabled"]
+        with pytest.raises(fxprobe.UnknownSiteError, match="Autocast, not a tensor"):
+            cache["enter_autocast"]
+
+
+@torch.no_grad()
+def test_a_transformer_cache_of_every_site_holds_tensors_only(family: Any) -> None:
+    model, tapped, ids, where = family
+    _, cache = tapped.run_with_cache(input_ids=ids)
+    odd = {n: type(v).__name__ for n, v in cache.items() if not isinstance(v, torch.Tensor)
+           and not (isinstance(v, (tuple, list)) and all(
+               isinstance(t, torch.Tensor) for t in v))}
+    assert not odd
+    assert torch.equal(cache["logits"], model(input_ids=ids).logits)

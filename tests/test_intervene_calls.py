@@ -138,6 +138,8 @@ def test_every_intervene_block_edits_the_same_sites(family: Any) -> None:
     weights read by ``attn.z``, ``mlp.pre/post`` and ``logits`` were found no more)."""
     model, tapped, ids, where = family
     plain = model(input_ids=ids).logits
+    canonical = _canonical(tapped)
+    assert set(where) <= {c for names in canonical.values() for c in names}
     glob = []
     for _ in range(3):
         with tapped.intervene({"blocks.1.attn.*": _double}):
@@ -151,6 +153,11 @@ def test_every_intervene_block_edits_the_same_sites(family: Any) -> None:
             with tapped.intervene({name: _flip}):
                 assert torch.allclose(tapped(input_ids=ids).logits, ref, atol=1e-5), name
     assert torch.equal(tapped(input_ids=ids).logits, plain)
+    assert _canonical(tapped) == canonical  # what fxprobe lists too
+
+
+def _canonical(tapped: Any) -> dict[str, tuple[str, ...]]:
+    return {s.name: s.canonical for s in tapped.known_sites().records if s.canonical}
 
 
 @torch.no_grad()

@@ -100,12 +100,13 @@ def _edited(model: nn.Module, where: tuple[str, str], ids: torch.Tensor) -> torc
         handle.remove()
 
 
-def _cloned(model: nn.Module, wheres: Where, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def _cloned(model: nn.Module, wheres: Where, *args: Any, **kwargs: Any
+            ) -> dict[str, torch.Tensor]:
     kept: dict[str, torch.Tensor] = {}
     handles = [_hooks(model, w, lambda v, n=n: kept.__setitem__(n, v.detach().clone()))
                for n, w in wheres.items()]
     try:
-        model(input_ids=ids)
+        model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -163,7 +164,7 @@ def _canonical(tapped: Any) -> dict[str, tuple[str, ...]]:
 @torch.no_grad()
 def test_every_cache_holds_the_same_sites_and_values(family: Any) -> None:
     model, tapped, ids, where = family
-    ref = _cloned(model, where, ids)
+    ref = _cloned(model, where, input_ids=ids)
     first = None
     for _ in range(3):
         _, cache = tapped.run_with_cache(input_ids=ids, names=list(where))
@@ -319,3 +320,68 @@ def test_a_transformer_cache_of_every_site_holds_tensors_only(family: Any) -> No
                isinstance(t, torch.Tensor) for t in v))}
     assert not odd
     assert torch.equal(cache["logits"], model(input_ids=ids).logits)
+
+
+class _Attn(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2)
+                   for y in self.qkv(x).split(d, -1))
+        p = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1)
+        return self.o((p @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class _Block(nn.Module):
+    """A block dynamo runs as a frame of its own (a graph break after its work): the graph
+    captured for ``blocks.0`` runs ``blocks.1`` and ``blocks.2`` too, named for each later."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = _Attn(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        torch._dynamo.graph_break()
+        return x
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@torch.no_grad()
+def test_a_graph_reused_for_another_block_has_its_canonical_names() -> None:
+    """Named for ``blocks.1`` after dynamo's backend returned, the graph knew its weights no
+    more: ``blocks.*.attn.z`` (and ``mlp.pre/post``) selected block 0's alone, silently."""
+    torch.manual_seed(0)
+    model = _Stack().eval()
+    x = torch.randn(2, 5, 16)
+    wheres = {f"blocks.{i}.{name}": (f"blocks.{i}.{path}", "in")
+              for i in range(3) for name, path in [("attn.z", "attn.o"), ("mlp.pre", "mlp.1"),
+                                                   ("mlp.post", "mlp.2")]}
+    ref = _cloned(model, wheres, x)
+    tapped = fxprobe.tap(model, ops=["blocks.*.attn.z", "blocks.*.mlp.pre", "blocks.*.mlp.post"],
+                         tracer="dynamo")
+    assert torch.equal(tapped(x), model(x))
+    assert len(tapped.taps) == len(wheres)
+    _, cache = tapped.run_with_cache(x, names=list(wheres))
+    for name in wheres:
+        assert _same(tapped.taps[name], ref[name]), name
+        assert _same(cache[name], ref[name]), name
+

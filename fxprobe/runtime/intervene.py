@@ -82,7 +82,7 @@ class Table:
     def _cached(self, site: Site) -> bool:
         sels = self.cache_selectors
         if sels is None:
-            return not site.inlined and self._reason(site) is None
+            return self._reason(site) is None
         hit = False
         for i, sel in enumerate(sels):
             if sel(site):
@@ -209,14 +209,18 @@ def run_with_cache(tapped: TappedModule, args: tuple[Any, ...], kwargs: dict[str
     sites = {s.name: s for r in _regions(table.prog) for s in r.sites.values()}
     table.unmatched(list(sites.values()))
     values: dict[str, Any] = {}
+    calls: dict[str, Any] = {}
     others: dict[str, str] = {}
     for name, value in table.values.items():
-        if _tensors(value):
-            values[name] = value
-        else:  # a call's None (set_grad_enabled), a context manager (autocast), a size
+        if not _tensors(value):  # a call's None (set_grad_enabled), autocast's object, a size
             others[name] = type(value).__name__
-    aliases = {c: n for n in [*values, *others] if n in sites for c in sites[n].canonical}
-    return out, Cache(values, aliases, others)
+        elif names is None and name in sites and sites[name].inlined:
+            calls[name] = value  # a module call's value: another site's, listed once
+        else:
+            values[name] = value
+    aliases = {c: n for n in [*values, *calls, *others] if n in sites
+               for c in sites[n].canonical}
+    return out, Cache(values, aliases, others, calls)
 
 
 def _tensors(value: Any) -> bool:
@@ -236,16 +240,20 @@ class Cache(Mapping[str, Any]):
     copied where a later in-place op overwrote them."""
 
     def __init__(self, values: dict[str, Any], aliases: Mapping[str, str] | None = None,
-                 others: Mapping[str, str] | None = None) -> None:
+                 others: Mapping[str, str] | None = None,
+                 calls: Mapping[str, Any] | None = None) -> None:
         self._values = values
         self._aliases = dict(aliases or {})
         self._others = dict(others or {})
         """The selected sites whose value was no tensor: the type of that value."""
+        self._calls = dict(calls or {})
+        """Cached without ``names=``: the values of module calls fx would keep whole
+        (``transformer.h.0``), readable by name but not listed: each is another site's."""
 
     def __getitem__(self, name: str) -> Any:
         key = name if name in self._values else self._aliases.get(name, name)
         try:
-            return self._values[key]
+            return self._values[key] if key in self._values else self._calls[key]
         except KeyError:
             if key in self._others:
                 raise UnknownSiteError(

@@ -271,6 +271,11 @@ def test_a_module_dynamo_runs_as_its_own_frame_called_twice(kind: str) -> None:
             with tapped.intervene({name: lambda s, v: -v}):
                 assert torch.equal(tapped(x), edited), name
     assert torch.equal(tapped(x), plain)
+    fresh = fxprobe.tap(model, ops="head", tracer="dynamo")
+    assert torch.equal(fresh(x), plain)  # the graphs of tap() first, then the per-call ones
+    _, cache = fresh.run_with_cache(x, names=list(sites))
+    assert list(cache) == list(sites)
+    assert all(torch.equal(cache[n], ref[n]) for n in sites)
 
 
 class _Contexts(nn.Module):

@@ -7,6 +7,7 @@ the untapped model.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -177,6 +178,44 @@ def test_every_cache_holds_the_same_sites_and_values(family: Any) -> None:
         with tapped.intervene({"blocks.1.attn.*": _double}):
             tapped(input_ids=ids)
     assert len(first[0]) == len(where)  # one site per name (none of them shares a value)
+
+
+@torch.no_grad()
+def test_a_seeded_sequence_of_per_call_runs_agrees_with_hooks(family: Any) -> None:
+    """Blocks, nested blocks, a block whose function raises, caches inside blocks, on two
+    input shapes in a seeded order: each step against hooks on the untapped model."""
+    model, tapped, ids, where = family
+    rng = random.Random(7)
+    inputs = [ids, ids[:1, :5]]
+    names = sorted(where)
+
+    def boom(site: Any, value: torch.Tensor) -> torch.Tensor:
+        raise KeyError("boom")
+
+    for step in range(10):
+        x, a, b = rng.choice(inputs), rng.choice(names), rng.choice(names)
+        op = ["nested", "raise", "cache"][step % 3]
+        handle = _hooks(model, where[a], lambda v: _flip(None, v))
+        try:
+            one = model(input_ids=x).logits
+            kept = _cloned(model, {b: where[b]}, input_ids=x)
+            second = _hooks(model, where[b], lambda v: _flip(None, v))
+            two = model(input_ids=x).logits
+            second.remove()
+        finally:
+            handle.remove()
+        with tapped.intervene({a: _flip}):
+            if op == "nested":
+                with tapped.intervene({b: _flip}):
+                    assert torch.allclose(tapped(input_ids=x).logits, two, atol=1e-5), step
+            elif op == "raise":
+                with pytest.raises(KeyError, match="boom"), tapped.intervene({b: boom}):
+                    tapped(input_ids=x)
+            else:
+                _, cache = tapped.run_with_cache(input_ids=x, names=b)
+                assert _same(cache[b], kept[b]) and len(cache) == 1, step
+            assert torch.allclose(tapped(input_ids=x).logits, one, atol=1e-5), step
+        assert torch.equal(tapped(input_ids=x).logits, model(input_ids=x).logits), step
 
 
 class _Inner(nn.Module):

@@ -18,6 +18,11 @@ SITES = "fxprobe_sites"
 STATE = "fxprobe_state"
 """``node.meta`` key on a placeholder of a dynamo graph that is a module's parameter or buffer
 (not a value the code around the graph could write: see ``capture.inplace.Hazards``)."""
+SOURCE = "fxprobe_source"
+"""``node.meta`` key on a placeholder of a dynamo graph: where dynamo took the input from
+(``"L['self']._modules['h']._parameters['weight']"``). Dynamo drops its own record of it
+(``node.meta["grapharg"]``) once the backend returns, and fxprobe names the same graph again
+later (another module instance, a repeat, the graph with intervention points)."""
 CALL_ARGS = "fxprobe_call_args"
 """``node.meta`` key on the last node of a module call fx traced through: for each of its sites,
 ``(positional argument nodes, first node of the call)``, so that its inputs can be captured."""
@@ -102,6 +107,17 @@ class Site:
 def sites_of(node: fx.Node) -> list[Site]:
     """The sites a frontend attached to ``node`` (empty for plumbing it does not name)."""
     return node.meta.get(SITES, [])
+
+
+def source_name(node: fx.Node) -> str | None:
+    """Where dynamo took a placeholder's value from (see :data:`SOURCE`), if known."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    if isinstance(name, str):
+        return name
+    kept = node.meta.get(SOURCE)
+    return kept if isinstance(kept, str) else None
 
 
 def attach(node: fx.Node, site: Site) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from .site import Site, sites_of
+from .site import Site, sites_of, source_name
 
 
 @dataclass(frozen=True)
@@ -132,10 +132,8 @@ class CapturedGraph:
 def is_state(node: fx.Node) -> bool:
     """Whether a placeholder of a dynamo graph is a parameter or buffer of a module (dynamo
     passes the module's state in as graph inputs), not a value the code computed or was given."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name
-    return isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name)
+    name = source_name(node)
+    return name is not None and ("._parameters[" in name or "._buffers[" in name)
 
 
 @dataclass(frozen=True)

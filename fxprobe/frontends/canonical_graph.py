@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from ..core.ops import VIEW_OPS
-from ..core.site import CALL_ARGS, SITES, Site, node_site
+from ..core.site import CALL_ARGS, SITES, Site, node_site, source_name
 from .dynamo_names import NamedGraph, dynamo_op_key, is_state
 
 # Ops that only change a value's shape, layout or dtype (the same numbers): walked through.
@@ -113,10 +113,8 @@ class GraphIndex:
     @staticmethod
     def is_parameter(n: fx.Node) -> bool:
         """A module's parameter (not a buffer: position ids, masks, frequencies)."""
-        source = getattr(n.meta.get("grapharg"), "source", None)
-        name = getattr(source, "name", None)
-        name = name() if callable(name) else name
-        return n.op == "placeholder" and isinstance(name, str) and "._parameters[" in name
+        name = source_name(n) if n.op == "placeholder" else None
+        return name is not None and "._parameters[" in name
 
     def weight(self, n: fx.Node) -> fx.Node | None:
         """The parameter of two or more dimensions ``n`` reads (through views), if any."""

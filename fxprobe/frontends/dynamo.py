@@ -32,7 +32,7 @@ from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import CaptureError
 from ..core.names import join
 from ..core.options import Capture, CopyPolicy
-from ..core.site import STATE, Site, attach
+from ..core.site import SOURCE, STATE, Site, attach, source_name
 from ..core.view import CapturedGraph, CaptureInfo
 from .attention import attention_probs, drive_output
 from .canonical import annotate
@@ -100,10 +100,12 @@ class _Captured:
         self.anchor: int | None = None
         self.anchor_rel = ""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node in placeholders:  # dynamo drops its grapharg when the backend returns
+            kept = source_name(node)
+            if kept is not None:
+                node.meta[SOURCE] = kept
         for i, node in enumerate(placeholders[: len(example_inputs)]):
-            source = getattr(node.meta.get("grapharg"), "source", None)
-            name = getattr(source, "name", None)
-            name = name() if callable(name) else name
+            name = source_name(node)
             if isinstance(example_inputs[i], nn.Parameter) or (
                     isinstance(name, str) and "_buffers" in name):
                 node.meta[STATE] = True  # the module's own: no code around the graph writes it

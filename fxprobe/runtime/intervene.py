@@ -14,6 +14,8 @@ import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
+
 from ..core.errors import ConfigError, InterventionError, SelectorError, UnknownSiteError
 from ..core.select import Selector, as_selector, as_selectors, no_match_message
 from ..core.site import Site
@@ -80,7 +82,7 @@ class Table:
     def _cached(self, site: Site) -> bool:
         sels = self.cache_selectors
         if sels is None:
-            return not site.inlined and self._reason(site) is None
+            return self._reason(site) is None
         hit = False
         for i, sel in enumerate(sels):
             if sel(site):
@@ -206,8 +208,30 @@ def run_with_cache(tapped: TappedModule, args: tuple[Any, ...], kwargs: dict[str
         per_call.table = outer
     sites = {s.name: s for r in _regions(table.prog) for s in r.sites.values()}
     table.unmatched(list(sites.values()))
-    aliases = {c: n for n in table.values if n in sites for c in sites[n].canonical}
-    return out, Cache(table.values, aliases)
+    values: dict[str, Any] = {}
+    calls: dict[str, Any] = {}
+    others: dict[str, str] = {}
+    for name, value in table.values.items():
+        if not _tensors(value):  # a call's None (set_grad_enabled), autocast's object, a size
+            others[name] = type(value).__name__
+        elif names is None and name in sites and sites[name].inlined:
+            calls[name] = value  # a module call's value: another site's, listed once
+        else:
+            values[name] = value
+    aliases = {c: n for n in [*values, *calls, *others] if n in sites
+               for c in sites[n].canonical}
+    return out, Cache(values, aliases, others, calls)
+
+
+def _tensors(value: Any) -> bool:
+    """Whether ``value`` is a tensor, or a tuple, list or dict holding tensors (and None)
+    and nothing else."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if not isinstance(value, (tuple, list, dict)) or isinstance(value, torch.Size):
+        return False
+    items = [v for v in (value.values() if isinstance(value, dict) else value) if v is not None]
+    return bool(items) and all(_tensors(v) for v in items)
 
 
 class Cache(Mapping[str, Any]):
@@ -215,14 +239,27 @@ class Cache(Mapping[str, Any]):
     ``blocks.0.resid_post``), in the order they ran (``tapped.run_with_cache``); detached,
     copied where a later in-place op overwrote them."""
 
-    def __init__(self, values: dict[str, Any], aliases: Mapping[str, str] | None = None) -> None:
+    def __init__(self, values: dict[str, Any], aliases: Mapping[str, str] | None = None,
+                 others: Mapping[str, str] | None = None,
+                 calls: Mapping[str, Any] | None = None) -> None:
         self._values = values
         self._aliases = dict(aliases or {})
+        self._others = dict(others or {})
+        """The selected sites whose value was no tensor: the type of that value."""
+        self._calls = dict(calls or {})
+        """Cached without ``names=``: the values of module calls fx would keep whole
+        (``transformer.h.0``), readable by name but not listed: each is another site's."""
 
     def __getitem__(self, name: str) -> Any:
+        key = name if name in self._values else self._aliases.get(name, name)
         try:
-            return self._values[name if name in self._values else self._aliases.get(name, name)]
+            return self._values[key] if key in self._values else self._calls[key]
         except KeyError:
+            if key in self._others:
+                raise UnknownSiteError(
+                    f"site {key!r} ran, but its value is a {self._others[key]}, not a tensor: "
+                    "a cache keeps tensors (and tuples, lists and dicts of them) only"
+                    ) from None
             close = difflib.get_close_matches(name, [*self._values, *self._aliases], n=5,
                                               cutoff=0.5)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""

@@ -23,7 +23,7 @@ from ..core.site import Site
 from ..core.view import CaptureInfo, Fallback, Viewable
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
-    HookWatch,
+    HookMirror,
     adopt,
     count_changes,
     drop_overrides,
@@ -93,11 +93,13 @@ class TappedModule(nn.Module, Viewable):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
-        # Hooks put on the model's own modules after tap() would never run here: say so
-        # (on the modules the copy shares, they run).
+        # The copy has hook tables of its own: the model's hooks as the user sets them after
+        # tap() (registered or removed) are carried over at each forward.
         shared = {id(m) for m in root.modules()}
-        d["_model_hooks"] = HookWatch({p: m for p, m in model.named_modules(
-            remove_duplicate=False) if id(m) not in shared})
+        copies = dict(root.named_modules(remove_duplicate=False))
+        pairs = {id(m): (p, m, copies[p]) for p, m in model.named_modules(
+            remove_duplicate=False) if id(m) not in shared and p in copies}
+        d["_model_hooks"] = HookMirror(list(pairs.values()))
         d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
         # Callers read the model's signature to decide what to pass (transformers' generate()
         # builds position_ids from the attention mask only where forward accepts them).
@@ -158,6 +160,13 @@ class TappedModule(nn.Module, Viewable):
     def _root_dispatcher(self) -> Callable[..., Any]:
         return root_dispatcher(self)
 
+    def _root_hooks_changed(self) -> None:
+        """The root's hooks changed (carried over from the model): fxprobe calls the root (so
+        that they run around the program) exactly while it has some."""
+        self.__dict__["_root_hooked"] = user_hooks(self._root)
+        for life in self._lives.values():
+            self._install(life)
+
     def _moved(self, life: Lifecycle, path: str, state: State) -> None:
         """A deferred module moved to ``state``: its hooks and inner regions are installed
         exactly while it runs as written."""
@@ -169,13 +178,13 @@ class TappedModule(nn.Module, Viewable):
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(args, kwargs, through_root=self._root_hooked)
+        return self._run(args, kwargs)
 
     def _forward_of_instance(self) -> Callable[..., Any]:
         """The instance's ``forward`` (a function, to carry the model's signature)."""
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return self._run(args, kwargs, through_root=self._root_hooked)
+            return self._run(args, kwargs)
 
         return forward
 
@@ -191,9 +200,15 @@ class TappedModule(nn.Module, Viewable):
                 raise
         return getattr(root, name)
 
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], through_root: bool) -> Any:
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+             through_root: bool | None = None) -> Any:
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
+        synced = self._model_hooks.sync()  # the model's hooks, as the user set them now
+        if "" in synced:
+            self._root_hooks_changed()
+        if through_root is None:  # a call of the tapped module: the root's hooks run around
+            through_root = self._root_hooked
         life = self._lives.get(self.training)
         if life is not None:
             watch = life.program.watch
@@ -202,22 +217,17 @@ class TappedModule(nn.Module, Viewable):
             elif watch is not None:
                 changed = watch.changed()
                 if changed:  # hooks on modules a graph inlined
+                    users = watch.by_user(changed)  # not a library's own (transformers')
                     life = self._retrace(
-                        f"fxprobe: hooks were registered on {_some(changed)} after tap(), "
-                        "inside code fxprobe had traced through (where they would never run); "
-                        "the model is traced again, so that they run. Register hooks before "
-                        "tap() to avoid the second trace.")
+                        f"fxprobe: the hooks of {_some(users)} changed after tap() (on the "
+                        "model or the tapped module), inside code fxprobe had traced through "
+                        "(where they would not run as set); the model is traced again, so that "
+                        "they do. Register hooks before tap() to avoid the second trace."
+                        if users else None)
         else:
             life = self._lifecycle()
         if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written
             fall_back_all(life)
-        late = self._model_hooks.changed()
-        if late:
-            warnings.warn(
-                f"fxprobe: hooks were registered on the model's {_some(late)} after tap(); "
-                "the tapped module runs its own copy of the module tree, where they do not "
-                "run. Register them on the tapped module (tapped.get_submodule(path)), or "
-                "call fxprobe.tap() again after registering them.", stacklevel=4)
         # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
         # so that torch.compile adds no Python guard that the two paths agree.
         state = self._pipeline.rec.begin(life.hook_names)
@@ -264,9 +274,11 @@ class TappedModule(nn.Module, Viewable):
                if adopted else "")
             + "; the model is traced again.")
 
-    def _retrace(self, why: str) -> Lifecycle:
-        """What the graphs were traced from changed: say ``why``, plan and compile again."""
-        warnings.warn(why, stacklevel=6)
+    def _retrace(self, why: str | None) -> Lifecycle:
+        """What the graphs were traced from changed: say ``why`` (unless None: a library's own
+        hooks), plan and compile again."""
+        if why is not None:
+            warnings.warn(why, stacklevel=6)
         self._lives.clear()
         return self._lifecycle()
 

@@ -18,7 +18,7 @@ from ..capture.pipeline import Pipeline
 from ..core.errors import ConfigError, RemovedError
 from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
-from ..core.select import Selector
+from ..core.select import Selector, as_selector
 from ..core.site import Site
 from ..core.view import CaptureInfo, Fallback, Viewable
 from ..frontends.hooks import HookSet
@@ -160,13 +160,6 @@ class TappedModule(nn.Module, Viewable):
     def _root_dispatcher(self) -> Callable[..., Any]:
         return root_dispatcher(self)
 
-    def _root_hooks_changed(self) -> None:
-        """The root's hooks changed (carried over from the model): fxprobe calls the root (so
-        that they run around the program) exactly while it has some."""
-        self.__dict__["_root_hooked"] = user_hooks(self._root)
-        for life in self._lives.values():
-            self._install(life)
-
     def _moved(self, life: Lifecycle, path: str, state: State) -> None:
         """A deferred module moved to ``state``: its hooks and inner regions are installed
         exactly while it runs as written."""
@@ -204,9 +197,10 @@ class TappedModule(nn.Module, Viewable):
              through_root: bool | None = None) -> Any:
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
-        synced = self._model_hooks.sync()  # the model's hooks, as the user set them now
-        if "" in synced:
-            self._root_hooks_changed()
+        if "" in self._model_hooks.sync():  # the model's hooks as set now: the root's changed
+            self.__dict__["_root_hooked"] = user_hooks(self._root)  # fxprobe calls the root
+            for other in self._lives.values():  # exactly while it has hooks
+                self._install(other)
         if through_root is None:  # a call of the tapped module: the root's hooks run around
             through_root = self._root_hooked
         life = self._lives.get(self.training)
@@ -304,13 +298,28 @@ class TappedModule(nn.Module, Viewable):
             >>> with tapped.intervene({"transformer.h.1.add_1": lambda s, v: v * 0}):
             ...     out = tapped(input_ids=ids)
         """
+        if isinstance(fns, Mapping):  # the model's modules as selectors, by their paths
+            fns = {self._selector(k): fn for k, fn in fns.items()}
         return Intervention(self, fns)
 
     def run_with_cache(self, *args: Any, names: Any = None, **kwargs: Any) -> tuple[Any, Cache]:
         """``(output, cache)``: one forward and the values of the sites ``names`` selects
         (every site by default), by name. Example: ``out, cache = tapped.run_with_cache(ids)``.
         """
-        return run_with_cache(self, args, kwargs, names)
+        if isinstance(names, (list, tuple, set, frozenset)):
+            names = [self._selector(n) for n in names]
+        return run_with_cache(self, args, kwargs, self._selector(names))
+
+    def _selector(self, obj: Any) -> Any:
+        """``obj``; a module of the model or of the tapped module: the selector of its calls
+        (its paths in the tapped tree)."""
+
+        def paths(module: nn.Module) -> list[str]:
+            ids = {id(c) for _, m, c in self._model_hooks.pairs if m is module} or {id(module)}
+            return [p for p, m in self._root.named_modules(remove_duplicate=False)
+                    if id(m) in ids]
+
+        return as_selector(obj, paths) if isinstance(obj, nn.Module) else obj
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)

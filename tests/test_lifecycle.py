@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,37 @@ def test_the_recompile_limit_is_never_silent(reduce: str | None,
     (message,) = late
     assert "'gate'" in message and "recompile_limit" in message
     assert "'gate.tanh'" in message and "hooks" in message
+
+
+@pytest.mark.parametrize("same_disk", [False, True])
+def test_nothing_is_written_before_the_selectors_are_checked(tmp_path: Path,
+                                                            same_disk: bool) -> None:
+    """Selectors are checked after dynamo's capture, at the end of the first forward: a
+    forward whose selection fails commits nothing, so the corrected tap writes there."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = [torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(i))
+           for i in range(2)]
+    disk = fxprobe.Disk(tmp_path)
+    bad = fxprobe.tap(model, ops="transformer.h.*.mpl", tracer="dynamo", to=disk)
+    with torch.no_grad(), pytest.raises(fxprobe.SelectorError, match="mpl"):
+        bad(input_ids=ids[0])
+    assert disk.forwards == 0
+    if not same_disk:  # a new Disk while the failed one is still open: it let go
+        disk = fxprobe.Disk(tmp_path)
+    paths = ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    with torch.no_grad(), fxprobe.tap(model, ops="transformer.h.*.mlp", tracer="dynamo",
+                                      to=disk) as good:
+        for x in ids:
+            good(input_ids=x)
+    caps = fxprobe.open_captures(tmp_path)
+    assert len(caps) == 2
+    for i, x in enumerate(ids):
+        with torch.no_grad():
+            _, ref = hook_values(model, paths, input_ids=x)
+        got = caps.forward(i)
+        assert sorted(got) == paths
+        for name in paths:
+            assert torch.equal(got[name], ref[name]), (i, name)

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
-from ..core.errors import ConfigError, RemovedError
+from ..core.errors import ConfigError, RemovedError, SelectorError
 from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
 from ..core.select import Selector, as_selector
@@ -175,11 +175,7 @@ class TappedModule(nn.Module, Viewable):
 
     def _forward_of_instance(self) -> Callable[..., Any]:
         """The instance's ``forward`` (a function, to carry the model's signature)."""
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return self._run(args, kwargs)
-
-        return forward
+        return lambda *args, **kwargs: self._run(args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # What is not the tapped module's own is the model's (config, generation_config,
@@ -236,10 +232,15 @@ class TappedModule(nn.Module, Viewable):
             if state.frame.deferred:
                 self._pipeline.finish(state.frame)
             state.active = False
+        if life.unchecked:  # before anything is written: a failed selection writes nothing
+            try:
+                life.check(self._model_name)
+            except SelectorError:
+                if self._sink is not None:  # and holds nothing (a corrected tap writes there)
+                    self._sink.release()
+                raise
         if self._sink is not None:
             self._sink.write(self._rec.values(state.frame), (args, kwargs))
-        if life.unchecked:
-            life.check(self._model_name)
         return out
 
     def _body(self, life: Lifecycle, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

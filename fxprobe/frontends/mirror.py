@@ -7,7 +7,8 @@ buffers are shared *by their dicts*: the copy and the model hold the very same
 ``_parameters``/``_buffers`` dicts, so a conversion of either (``.double()``, ``.half()``,
 ``.to(device)``, which rebind buffers in those dicts) is seen by both, as if the tapped module
 were the model. Registering a hook on, calling ``.eval()`` on, or swapping a submodule of the
-copy does not touch the model.
+copy does not touch the model; the model's hooks, registered or removed later, are carried
+over to the copy by :class:`HookMirror`.
 
 :func:`guard_state` is used around every trace (``tap``, ``sites``, ``extractor``,
 ``to_dot``): a forward that would write model state while being traced — assign a module
@@ -274,7 +275,8 @@ class HookMirror:
     def __init__(self, pairs: list[tuple[str, nn.Module, nn.Module]]) -> None:
         self.pairs = pairs
         self.synced = {path: _hook_keys(m, library=False) for path, m, _ in pairs}
-        self.hooked = {path for path, keys in self.synced.items() if any(keys)}
+        self.hooked = {p: (p, m, c) for p, m, c in pairs if any(self.synced[p])}
+        """The pairs whose model module had hooks at the last sync."""
         self.epoch = RemovableHandle.next_id
 
     def sync(self) -> list[str]:
@@ -286,9 +288,12 @@ class HookMirror:
         if not scan and not self.hooked:
             return []
         out = []
-        for path, m, c in self.pairs:
-            if not scan and path not in self.hooked:
-                continue
+        for path, m, c in self.pairs if scan else list(self.hooked.values()):
+            d = m.__dict__
+            if path not in self.hooked and not (d["_forward_hooks"] or d["_forward_pre_hooks"]
+                                                or d["_backward_hooks"]
+                                                or d["_backward_pre_hooks"]):
+                continue  # no hook before, none now: the one comparison most modules cost
             keys = _hook_keys(m, library=False)
             old = self.synced[path]
             if keys == old:
@@ -297,9 +302,9 @@ class HookMirror:
                 _sync_table(m, c, table, now, before)
             self.synced[path] = keys
             if any(keys):
-                self.hooked.add(path)
+                self.hooked[path] = (path, m, c)
             else:
-                self.hooked.discard(path)
+                self.hooked.pop(path, None)
             out.append(path)
         return out
 

@@ -268,6 +268,20 @@ def test_a_module_of_the_model_selects_its_calls(tracer: str) -> None:
     assert torch.equal(both.taps["out"], ref["out"]) and torch.equal(both.taps["lin"], ref["lin"])
 
 
+def test_a_module_selects_in_the_extractor_and_the_pictures() -> None:
+    from reference import hook_values
+
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    x = torch.randn(3, 4)
+    expected, ref = hook_values(model, ["lin"], x)
+    out, feats = fxprobe.extractor(model, ops=model.lin)(x)
+    assert torch.equal(out, expected) and sorted(feats) == ["lin", "lin_1"]
+    assert all(torch.equal(feats[n], ref[n]) for n in feats)
+    drawn = fxprobe.to_dot(model, ops=model.lin).source  # marks what "lin*" marks
+    assert drawn == fxprobe.to_dot(model, ops="lin*").source != fxprobe.to_dot(model).source
+
+
 def test_a_module_not_in_the_model_is_a_clear_error() -> None:
     model = _Twice()
     with pytest.raises(fxprobe.SelectorError, match="not part of the model"):

@@ -275,3 +275,21 @@ def test_transformers_own_output_hooks_draw_no_warning(tracer: str) -> None:
     assert outs[3].hidden_states is None
     h0 = tapped.taps["transformer.h.0"]
     assert torch.equal(h0[0] if isinstance(h0, tuple) else h0, want.hidden_states[1])
+
+
+def test_a_backward_hook_registered_on_the_model_after_tap_fires_in_the_tapped_module() -> None:
+    model = _model()
+    tapped = fxprobe.tap(model, ops="a.add")
+    x = X.clone().requires_grad_(True)
+    tapped(x).sum().backward()
+    grads: list[torch.Tensor] = []
+    handle = model.a.register_full_backward_hook(lambda m, gi, go: grads.append(go[0]) or None)
+    model(x).sum().backward()
+    want = grads.pop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # traced again: a graph had inlined model.a
+        tapped(x).sum().backward()
+    assert len(grads) == 1 and torch.equal(grads[0], want)
+    handle.remove()
+    tapped(x).sum().backward()
+    assert len(grads) == 1  # removed: no more

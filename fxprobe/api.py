@@ -22,7 +22,7 @@ from .core.options import (
     default_options,
     make_options,
 )
-from .core.select import as_selectors
+from .core.select import as_selectors, paths_in
 from .core.site import Site
 from .runtime.artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from .runtime.program import SiteNames, check_model, list_sites
@@ -84,8 +84,8 @@ def tap(model: Any, ops: Any = None, *,
         model: any ``nn.Module``, a TorchScript module (scripted, traced or loaded) or a
             ``torch.export`` ExportedProgram; it is never modified. See docs/artifacts.md.
         ops: ``None`` (every site), a selector, or a list of selectors (their union): an
-            ``nn.Module`` type, a function or operator, a glob on site names, a ``re.Pattern``,
-            or ``fxprobe.where(predicate)``.
+            ``nn.Module`` type, a module of the model (``model.conv1``: its calls), a function
+            or operator, a glob on site names, a ``re.Pattern``, or ``fxprobe.where(predicate)``.
         capture: ``"output"``, ``"input"`` or ``"both"``.
         detach: keep captured tensors out of the autograd graph (the default).
         copy: ``"auto"`` copies a value only when a later in-place op would overwrite it;
@@ -140,7 +140,7 @@ def tap(model: Any, ops: Any = None, *,
     if artifact_kind(model) is not None:  # a ScriptModule or an ExportedProgram
         return tap_artifact(model, ops, **kwargs)
     model = check_model(model)
-    return TappedModule(model, as_selectors(ops), make_options(**kwargs))
+    return TappedModule(model, as_selectors(ops, paths_in(model)), make_options(**kwargs))
 
 
 def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",

@@ -4,6 +4,8 @@ module fx cannot trace (pending -> dynamo, or -> fallback), and what the tapped 
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +152,101 @@ def test_compiled_auto_captures_hook_sites_whichever_branch_comes_first(
     (fb,) = tapped.fallbacks
     assert "torch dynamo failed too" in fb.error and "outer torch.compile" in fb.error
     torch._dynamo.reset()
+
+
+class Branchy(nn.Module):
+    """Not fx-traceable (a branch on a value): under "auto" dynamo runs it, one graph per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Linear(4, 4)
+        self.neg = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(x)
+        if int(x.sum() > 0):
+            return self.pos(x)
+        return self.neg(x)
+
+
+class WithBranchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.gate = Branchy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.stem(x)) * 2
+
+
+@pytest.mark.parametrize("reduce", [None, "stats"])
+def test_the_recompile_limit_is_never_silent(reduce: str | None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past dynamo's recompile limit (new ranks and dtypes) the module runs as written: its
+    module calls stay captured, equal to hooks at every call, and one warning names the
+    module, dynamo's reason and the sites no longer captured."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+    torch._dynamo.reset()  # dynamo counts the graphs of Branchy.forward's code of every tap
+    torch.manual_seed(0)
+    model = WithBranchy().eval()
+    paths = ["stem", "gate.pos", "gate.neg"]
+    kw = {} if reduce is None else {"reduce": reduce}
+    tapped = fxprobe.tap(model, ops=[*paths, torch.tanh], **kw)
+    inputs = [torch.randn(*[2] * rank, 4) for rank in range(1, 9)]
+    inputs += [torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4).bfloat16()]
+    late: list[str] = []
+    for i, x in enumerate(inputs):
+        model.to(x.dtype)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = tapped(x)
+            expected, ref = hook_values(model, paths, x)
+        late += [str(w.message) for w in caught if "recompile" in str(w.message)]
+        assert torch.equal(out, expected), i
+        taps = tapped.taps
+        assert set(ref) <= set(taps.keys()), (i, sorted(taps.keys()))
+        for name, value in ref.items():
+            if reduce is None:
+                assert torch.equal(taps[name], value), (i, name)
+            else:
+                assert taps[name].max == pytest.approx(float(value.double().max()), rel=1e-2)
+        if _states(tapped) == {"gate": "dynamo"}:
+            assert "gate.tanh" in taps.keys(), i
+    assert _states(tapped) == {"gate": "fallback"}
+    (message,) = late
+    assert "'gate'" in message and "recompile_limit" in message
+    assert "'gate.tanh'" in message and "hooks" in message
+
+
+@pytest.mark.parametrize("same_disk", [False, True])
+def test_nothing_is_written_before_the_selectors_are_checked(tmp_path: Path,
+                                                            same_disk: bool) -> None:
+    """Selectors are checked after dynamo's capture, at the end of the first forward: a
+    forward whose selection fails commits nothing, so the corrected tap writes there."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = [torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(i))
+           for i in range(2)]
+    disk = fxprobe.Disk(tmp_path)
+    bad = fxprobe.tap(model, ops="transformer.h.*.mpl", tracer="dynamo", to=disk)
+    with torch.no_grad(), pytest.raises(fxprobe.SelectorError, match="mpl"):
+        bad(input_ids=ids[0])
+    assert disk.forwards == 0
+    if not same_disk:  # a new Disk while the failed one is still open: it let go
+        disk = fxprobe.Disk(tmp_path)
+    paths = ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    with torch.no_grad(), fxprobe.tap(model, ops="transformer.h.*.mlp", tracer="dynamo",
+                                      to=disk) as good:
+        for x in ids:
+            good(input_ids=x)
+    caps = fxprobe.open_captures(tmp_path)
+    assert len(caps) == 2
+    for i, x in enumerate(ids):
+        with torch.no_grad():
+            _, ref = hook_values(model, paths, input_ids=x)
+        got = caps.forward(i)
+        assert sorted(got) == paths
+        for name in paths:
+            assert torch.equal(got[name], ref[name]), (i, name)

@@ -234,3 +234,81 @@ def test_a_softmax_selector_on_sdpa_suggests_the_sdpa_sites_and_attention_probs(
         want = torch.softmax(q @ k.transpose(-2, -1) / 8 ** 0.5, -1)
     assert list(probs.taps) == ["0.attention_probs", "1.attention_probs"]
     torch.testing.assert_close(probs.taps["0.attention_probs"], want)
+
+
+# -- a module of the model as a selector (ops=model.conv1) ------------------------------------
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.lin(self.lin(x))))
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "hooks", "dynamo"])
+def test_a_module_of_the_model_selects_its_calls(tracer: str) -> None:
+    from reference import hook_values
+
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    x = torch.randn(3, 4)
+    expected, ref = hook_values(model, ["lin", "out"], x)
+    tapped = fxprobe.tap(model, ops=model.lin, tracer=tracer)
+    with torch.no_grad():
+        assert torch.equal(tapped(x), expected)
+    assert sorted(tapped.taps.keys()) == ["lin", "lin_1"]
+    for name in ("lin", "lin_1"):
+        assert torch.equal(tapped.taps[name], ref[name])
+    both = fxprobe.tap(model, ops=[model.out, "lin"], tracer=tracer)
+    with torch.no_grad():
+        both(x)
+    assert torch.equal(both.taps["out"], ref["out"]) and torch.equal(both.taps["lin"], ref["lin"])
+
+
+def test_a_module_selects_in_the_extractor_and_the_pictures() -> None:
+    from reference import hook_values
+
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    x = torch.randn(3, 4)
+    expected, ref = hook_values(model, ["lin"], x)
+    out, feats = fxprobe.extractor(model, ops=model.lin)(x)
+    assert torch.equal(out, expected) and sorted(feats) == ["lin", "lin_1"]
+    assert all(torch.equal(feats[n], ref[n]) for n in feats)
+    drawn = fxprobe.to_dot(model, ops=model.lin).source  # marks what "lin*" marks
+    assert drawn == fxprobe.to_dot(model, ops="lin*").source != fxprobe.to_dot(model).source
+
+
+def test_a_module_not_in_the_model_is_a_clear_error() -> None:
+    model = _Twice()
+    with pytest.raises(fxprobe.SelectorError, match="not part of the model"):
+        fxprobe.tap(model, ops=nn.Linear(4, 4))
+    with pytest.raises(fxprobe.SelectorError, match="not part of the model"):
+        fxprobe.tap(model, ops=[model.lin, _Twice().out])
+
+
+def test_a_module_selects_in_intervene_and_run_with_cache() -> None:
+    from reference import hook_values
+
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    x = torch.randn(3, 4)
+    tapped = fxprobe.tap(model, ops="out", tracer="dynamo")
+    with torch.no_grad():
+        tapped(x)
+        handle = model.lin.register_forward_hook(lambda m, a, out: out * 0)
+        want = model(x)
+        handle.remove()
+        with tapped.intervene({model.lin: lambda s, v: v * 0}):
+            got = tapped(x)
+        assert torch.equal(got, want)
+        expected, ref = hook_values(model, ["lin"], x)
+        out, cache = tapped.run_with_cache(x, names=model.lin)
+        assert torch.equal(out, expected) and sorted(cache) == ["lin", "lin_1"]
+        assert torch.equal(cache["lin"], ref["lin"]) and torch.equal(cache["lin_1"], ref["lin_1"])
+        # The tapped module's own copy of the module names the same calls.
+        out, cache = tapped.run_with_cache(x, names=[tapped.lin])
+        assert sorted(cache) == ["lin", "lin_1"]

@@ -20,7 +20,8 @@ class Sink:
     """What ``to=`` takes besides a device: an object that receives each forward's values
     (``fxprobe.Disk`` subclasses it). Defined here, below the sinks, so that validating
     ``to=`` needs no sink; the tapped module calls :meth:`attach` once, :meth:`write` after
-    each forward and :meth:`close` on ``remove()``."""
+    each forward (once its selectors are known to select), :meth:`release` when its first
+    forward's selection failed, and :meth:`close` on ``remove()``."""
 
     def check_options(self, keep: int | None) -> None:
         """Refuse ``fxprobe.tap`` options this sink cannot serve (``keep`` as validated); raise
@@ -36,6 +37,10 @@ class Sink:
 
     def flush(self) -> None:
         """Wait until what was written is stored."""
+
+    def release(self) -> None:
+        """The tapped module will write nothing here (its selection failed at its first
+        forward): let go of what the sink holds for writing until the next :meth:`write`."""
 
     def close(self) -> None:
         """Flush and release what the sink holds."""

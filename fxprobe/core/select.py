@@ -1,7 +1,8 @@
 """Selectors: what a user asks to tap.
 
 One primitive, :func:`where`, wraps a predicate on :class:`~fxprobe.Site`; every other selector
-(a module type, a function, a glob, a regex) is turned into one by :func:`as_selector`.
+(a module type, a function, a glob, a regex, a module of the model) is turned into one by
+:func:`as_selector`.
 Selectors compose with ``|``, ``&`` and ``~``.
 """
 
@@ -112,13 +113,38 @@ def regex(pattern: re.Pattern[str]) -> Selector:
                     f"re.compile({pattern.pattern!r})", strict=True)
 
 
+def module_instance(module: nn.Module, paths: Sequence[str]) -> Selector:
+    """Select the calls of one module of the model (``ops=model.conv1``: the object a hook
+    would be registered on), given its ``paths`` in the model (several where it is registered
+    under several names).
+
+    Raises:
+        SelectorError: ``paths`` is empty: the module is not part of the model.
+    """
+    if not paths:
+        raise SelectorError(
+            f"selector {type(module).__name__}(...) is a module instance that is not part of "
+            "the model being tapped (compared by identity: a copy or another model's module "
+            "is another module); pass a submodule of that model (model.conv1), its path as a "
+            f"string ('conv1'), or its type ({type(module).__name__})")
+    where_ = frozenset(paths)
+    return Selector(lambda s: s.kind == "call_module" and s.module_path in where_,
+                    repr(paths[0]), strict=True)
+
+
+def paths_in(model: nn.Module) -> Callable[[nn.Module], list[str]]:
+    """The finder :func:`as_selector` takes for ``model``: a module's paths in it."""
+    return lambda m: [p for p, x in model.named_modules(remove_duplicate=False) if x is m]
+
+
 def names_of(site: Site) -> tuple[str, ...]:
     """Every name ``site`` answers to: its own, then its canonical names."""
     return (site.name, *site.canonical)
 
 
-def as_selector(obj: Any) -> Selector:
-    """Turn anything ``ops=`` accepts into a :class:`Selector`."""
+def as_selector(obj: Any, find: Callable[[nn.Module], list[str]] | None = None) -> Selector:
+    """Turn anything ``ops=`` accepts into a :class:`Selector`; a module instance through
+    ``find`` (its paths in the model, :func:`paths_in`), where the model is known."""
     if isinstance(obj, Selector):
         return obj
     if isinstance(obj, str):
@@ -134,9 +160,12 @@ def as_selector(obj: Any) -> Selector:
             "a glob string, a re.Pattern or fxprobe.where(predicate)"
         )
     if isinstance(obj, nn.Module):
+        if find is not None:
+            return module_instance(obj, find(obj))
         raise SelectorTypeError(
-            f"selector {type(obj).__name__}(...) is a module instance; pass its type "
-            f"({type(obj).__name__}) or its site name as a string"
+            f"selector {type(obj).__name__}(...) is a module instance, which selects only "
+            "where the model is known (fxprobe.tap, tapped.intervene, tapped.run_with_cache); "
+            f"pass its type ({type(obj).__name__}) or its site name as a string"
         )
     if callable(obj):
         return function(obj)
@@ -147,8 +176,10 @@ def as_selector(obj: Any) -> Selector:
     )
 
 
-def as_selectors(ops: Any) -> list[Selector] | None:
-    """``None`` (every site), one selector, or a list/tuple/set of them (their union)."""
+def as_selectors(ops: Any, find: Callable[[nn.Module], list[str]] | None = None
+                 ) -> list[Selector] | None:
+    """``None`` (every site), one selector, or a list/tuple/set of them (their union); module
+    instances through ``find`` (see :func:`as_selector`)."""
     if ops is None:
         return None
     if isinstance(ops, (list, tuple, set, frozenset)):
@@ -156,8 +187,8 @@ def as_selectors(ops: Any) -> list[Selector] | None:
             raise SelectorError(
                 "ops= is an empty list, which selects nothing; pass ops=None to tap every site"
             )
-        return [as_selector(o) for o in ops]
-    return [as_selector(ops)]
+        return [as_selector(o, find) for o in ops]
+    return [as_selector(ops, find)]
 
 
 def select(sites: Sequence[Site], selectors: list[Selector] | None, *, context: str,

@@ -7,7 +7,8 @@ buffers are shared *by their dicts*: the copy and the model hold the very same
 ``_parameters``/``_buffers`` dicts, so a conversion of either (``.double()``, ``.half()``,
 ``.to(device)``, which rebind buffers in those dicts) is seen by both, as if the tapped module
 were the model. Registering a hook on, calling ``.eval()`` on, or swapping a submodule of the
-copy does not touch the model.
+copy does not touch the model; the model's hooks, registered or removed later, are carried
+over to the copy by :class:`HookMirror`.
 
 :func:`guard_state` is used around every trace (``tap``, ``sites``, ``extractor``,
 ``to_dot``): a forward that would write model state while being traced — assign a module
@@ -187,6 +188,13 @@ def drop_overrides(root: nn.Module) -> None:
 
 _FXPROBE_HOOK = "_fxprobe_hook"
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOK_FLAGS = {"_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+               "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")}
+"""The per-hook flag dicts torch keeps beside a hook table, by table."""
+_LIBRARY_HOOKS = frozenset({"transformers.utils.output_capturing", "transformers.utils.generic"})
+"""Modules whose functions are hooks a library installs on a model as it runs it:
+transformers' output capturing (``output_hidden_states=True``, ``OutputRecorder``) installs
+them on the modules of the model it runs, at the first call that asks for them."""
 
 
 def fxprobe_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -195,14 +203,22 @@ def fxprobe_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def library_hook(fn: Any) -> bool:
+    """Whether ``fn`` is a hook a library installs on the model it runs (see
+    ``_LIBRARY_HOOKS``): the tapped module's copy gets its own when it runs, unannounced."""
+    return getattr(fn, "__module__", None) in _LIBRARY_HOOKS
+
+
 def user_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has hooks that are not fxprobe's (forward, pre-forward, backward)."""
     return any(_hook_keys(module))  # a table with a hook not fxprobe's is a non-empty tuple
 
 
-def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+def _hook_keys(module: nn.Module, library: bool = True) -> tuple[tuple[int, ...], ...]:
+    """The keys of ``module``'s hooks not fxprobe's, per table (``library``: libraries' too)."""
     return tuple(tuple(k for k, fn in getattr(module, table).items()
-                       if not getattr(fn, _FXPROBE_HOOK, False)) for table in _HOOK_TABLES)
+                       if not getattr(fn, _FXPROBE_HOOK, False)
+                       and (library or not library_hook(fn))) for table in _HOOK_TABLES)
 
 
 class HookWatch:
@@ -220,6 +236,7 @@ class HookWatch:
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.modules = modules
         self.hooked = {path: _hook_keys(m) for path, m in modules.items() if user_hooks(m)}
+        self.users = {path: _hook_keys(modules[path], library=False) for path in self.hooked}
         self.epoch = RemovableHandle.next_id
 
     def changed(self) -> list[str]:
@@ -236,6 +253,80 @@ class HookWatch:
                     and user_hooks(m)):
                 out.append(path)
         return out
+
+    def by_user(self, paths: list[str]) -> list[str]:
+        """Those of ``paths`` (:meth:`changed`) where hooks other than libraries' changed."""
+        empty = ((),) * len(_HOOK_TABLES)
+        return [p for p in paths
+                if _hook_keys(self.modules[p], library=False) != self.users.get(p, empty)]
+
+
+class HookMirror:
+    """Keeps the hook tables of fxprobe's copy of the model's modules as the user last set them
+    on the model: a hook registered on a module of the model after ``tap()`` is put on its
+    copy, one removed from it is taken off the copy (the copy has tables of its own, so that
+    hooks registered on the tapped module stay off the model). Libraries' own hooks
+    (:func:`library_hook`) are left out: the copy gets its own when it runs.
+
+    Args:
+        pairs: ``(path, the model's module, its copy)``.
+    """
+
+    def __init__(self, pairs: list[tuple[str, nn.Module, nn.Module]]) -> None:
+        self.pairs = pairs
+        self.synced = {path: _hook_keys(m, library=False) for path, m, _ in pairs}
+        self.hooked = {p: (p, m, c) for p, m, c in pairs if any(self.synced[p])}
+        """The pairs whose model module had hooks at the last sync."""
+        self.epoch = RemovableHandle.next_id
+
+    def sync(self) -> list[str]:
+        """Bring the copies' tables in line with the model's; return the paths that changed.
+        One comparison per module with hooks (a removal draws no number), all modules only
+        once a hook was registered somewhere in the process."""
+        scan = RemovableHandle.next_id != self.epoch
+        self.epoch = RemovableHandle.next_id
+        if not scan and not self.hooked:
+            return []
+        out = []
+        for path, m, c in self.pairs if scan else list(self.hooked.values()):
+            d = m.__dict__
+            if path not in self.hooked and not (d["_forward_hooks"] or d["_forward_pre_hooks"]
+                                                or d["_backward_hooks"]
+                                                or d["_backward_pre_hooks"]):
+                continue  # no hook before, none now: the one comparison most modules cost
+            keys = _hook_keys(m, library=False)
+            old = self.synced[path]
+            if keys == old:
+                continue
+            for table, now, before in zip(_HOOK_TABLES, keys, old, strict=True):
+                _sync_table(m, c, table, now, before)
+            self.synced[path] = keys
+            if any(keys):
+                self.hooked[path] = (path, m, c)
+            else:
+                self.hooked.pop(path, None)
+            out.append(path)
+        return out
+
+
+def _sync_table(m: nn.Module, c: nn.Module, table: str, now: tuple[int, ...],
+                before: tuple[int, ...]) -> None:
+    """Make the hooks of ``c``'s ``table`` that came from ``m`` (``before``) those ``m`` has now
+    (``now``), with the flags torch keeps beside them."""
+    mine, theirs = getattr(c, table), getattr(m, table)
+    flags = _HOOK_FLAGS.get(table, ())
+    for k in set(before) - set(now):
+        mine.pop(k, None)
+        for f in flags:
+            getattr(c, f).pop(k, None)
+    for k in now:
+        if k not in before:
+            mine[k] = theirs[k]
+            for f in flags:
+                if k in getattr(m, f):
+                    getattr(c, f)[k] = getattr(m, f)[k]
+    if table == "_backward_hooks":  # full or not: one setting per module
+        c.__dict__["_is_full_backward_hook"] = m.__dict__.get("_is_full_backward_hook")
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:

@@ -38,7 +38,7 @@ from ..core.ops import (
     inplace_name,
     is_torch_callable,
 )
-from ..core.select import as_selectors, select
+from ..core.select import as_selectors, paths_in, select
 from ..core.site import Site, sites_of
 from ..core.view import Plan
 from ..frontends.fx import Fallback, Region, plan
@@ -109,7 +109,7 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
             "whole model, so only tracer='fx' is; use fxprobe.tap(model, tracer=...) to reach "
             "untraceable modules by hooks"
         )
-    selectors = as_selectors(ops)
+    selectors = as_selectors(ops, paths_in(model))
     plans: dict[bool, tuple[nn.Module, Plan]] = {}
     graphs: dict[bool, fx.Graph] = {}
     failures: dict[bool, FxProbeError] = {}

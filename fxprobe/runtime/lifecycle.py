@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -43,6 +44,10 @@ from .program import Program, SiteNames
 _TRACED_THROUGH = (
     "CaptureError: an outer torch.compile traces through this module (torch dynamo does not "
     "run a compiled region of its own inside another one); it runs as written, with hooks")
+
+
+def _quoted(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 @torch.compiler.disable
@@ -149,13 +154,34 @@ class Lifecycle:
         # Nothing the failed attempt kept stays: the module runs again, as written.
         del frame.parts[stored:]
         frame._cache = None
+        before = self.selected
         self._move(path, State.FALLBACK, reason)
+        if state is State.DYNAMO:  # it captured before: what it captured changes now
+            self._warn_fallen(path, region.what, reason, before)
         try:
             return own(*args, **kwargs)
         except Exception:
             if state is State.PENDING:  # fails as written too: not dynamo's failure
                 self._move(path, State.PENDING)
             raise
+
+    def _warn_fallen(self, path: str, what: str, reason: str,
+                     before: Sequence[Site]) -> None:
+        """Say, once per module (it stays a fallback), that dynamo failed on a module it had
+        run at earlier calls, and what is captured there from now on."""
+        now = {s.name for s in self.selected}
+        lost = [s.name for s in before if s.name not in now]
+        covers = self.program.deferred[path].sites
+        kept = [s.name for s in self.selected if s.name in covers]
+        warnings.warn(
+            f"fxprobe: torch dynamo failed on {what} at a later call ({reason}), after it had "
+            "captured it at earlier calls; it runs as written from now on, its values "
+            "captured at the level of module calls (hooks)"
+            + (f": {_quoted(kept)}" if kept else "")
+            + (f". No longer captured: {_quoted(lost)} (inside it, where no hook reaches)"
+               if lost else "")
+            + ". tracer='hooks' captures at the level of module calls from the start.",
+            stacklevel=2)
 
     def traced_through(self) -> None:
         """An outer ``torch.compile`` traces the tapped module: it traces through the dynamo

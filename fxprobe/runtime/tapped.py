@@ -15,15 +15,15 @@ import torch
 from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
-from ..core.errors import ConfigError, RemovedError
+from ..core.errors import ConfigError, RemovedError, SelectorError
 from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
-from ..core.select import Selector
+from ..core.select import Selector, as_selector
 from ..core.site import Site
 from ..core.view import CaptureInfo, Fallback, Viewable
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
-    HookWatch,
+    HookMirror,
     adopt,
     count_changes,
     drop_overrides,
@@ -93,11 +93,13 @@ class TappedModule(nn.Module, Viewable):
         d["_pipeline"] = pipeline
         d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
         d["_removed"] = False
-        # Hooks put on the model's own modules after tap() would never run here: say so
-        # (on the modules the copy shares, they run).
+        # The copy has hook tables of its own: the model's hooks as the user sets them after
+        # tap() (registered or removed) are carried over at each forward.
         shared = {id(m) for m in root.modules()}
-        d["_model_hooks"] = HookWatch({p: m for p, m in model.named_modules(
-            remove_duplicate=False) if id(m) not in shared})
+        copies = dict(root.named_modules(remove_duplicate=False))
+        pairs = {id(m): (p, m, copies[p]) for p, m in model.named_modules(
+            remove_duplicate=False) if id(m) not in shared and p in copies}
+        d["_model_hooks"] = HookMirror(list(pairs.values()))
         d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
         # Callers read the model's signature to decide what to pass (transformers' generate()
         # builds position_ids from the attention mask only where forward accepts them).
@@ -169,15 +171,11 @@ class TappedModule(nn.Module, Viewable):
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(args, kwargs, through_root=self._root_hooked)
+        return self._run(args, kwargs)
 
     def _forward_of_instance(self) -> Callable[..., Any]:
         """The instance's ``forward`` (a function, to carry the model's signature)."""
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return self._run(args, kwargs, through_root=self._root_hooked)
-
-        return forward
+        return lambda *args, **kwargs: self._run(args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # What is not the tapped module's own is the model's (config, generation_config,
@@ -191,9 +189,16 @@ class TappedModule(nn.Module, Viewable):
                 raise
         return getattr(root, name)
 
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], through_root: bool) -> Any:
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+             through_root: bool | None = None) -> Any:
         if self._removed:
             raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
+        if "" in self._model_hooks.sync():  # the model's hooks as set now: the root's changed
+            self.__dict__["_root_hooked"] = user_hooks(self._root)  # fxprobe calls the root
+            for other in self._lives.values():  # exactly while it has hooks
+                self._install(other)
+        if through_root is None:  # a call of the tapped module: the root's hooks run around
+            through_root = self._root_hooked
         life = self._lives.get(self.training)
         if life is not None:
             watch = life.program.watch
@@ -202,22 +207,17 @@ class TappedModule(nn.Module, Viewable):
             elif watch is not None:
                 changed = watch.changed()
                 if changed:  # hooks on modules a graph inlined
+                    users = watch.by_user(changed)  # not a library's own (transformers')
                     life = self._retrace(
-                        f"fxprobe: hooks were registered on {_some(changed)} after tap(), "
-                        "inside code fxprobe had traced through (where they would never run); "
-                        "the model is traced again, so that they run. Register hooks before "
-                        "tap() to avoid the second trace.")
+                        f"fxprobe: the hooks of {_some(users)} changed after tap() (on the "
+                        "model or the tapped module), inside code fxprobe had traced through "
+                        "(where they would not run as set); the model is traced again, so that "
+                        "they do. Register hooks before tap() to avoid the second trace."
+                        if users else None)
         else:
             life = self._lifecycle()
         if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written
             fall_back_all(life)
-        late = self._model_hooks.changed()
-        if late:
-            warnings.warn(
-                f"fxprobe: hooks were registered on the model's {_some(late)} after tap(); "
-                "the tapped module runs its own copy of the module tree, where they do not "
-                "run. Register them on the tapped module (tapped.get_submodule(path)), or "
-                "call fxprobe.tap() again after registering them.", stacklevel=4)
         # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
         # so that torch.compile adds no Python guard that the two paths agree.
         state = self._pipeline.rec.begin(life.hook_names)
@@ -232,10 +232,15 @@ class TappedModule(nn.Module, Viewable):
             if state.frame.deferred:
                 self._pipeline.finish(state.frame)
             state.active = False
+        if life.unchecked:  # before anything is written: a failed selection writes nothing
+            try:
+                life.check(self._model_name)
+            except SelectorError:
+                if self._sink is not None:  # and holds nothing (a corrected tap writes there)
+                    self._sink.release()
+                raise
         if self._sink is not None:
             self._sink.write(self._rec.values(state.frame), (args, kwargs))
-        if life.unchecked:
-            life.check(self._model_name)
         return out
 
     def _body(self, life: Lifecycle, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -264,9 +269,11 @@ class TappedModule(nn.Module, Viewable):
                if adopted else "")
             + "; the model is traced again.")
 
-    def _retrace(self, why: str) -> Lifecycle:
-        """What the graphs were traced from changed: say ``why``, plan and compile again."""
-        warnings.warn(why, stacklevel=6)
+    def _retrace(self, why: str | None) -> Lifecycle:
+        """What the graphs were traced from changed: say ``why`` (unless None: a library's own
+        hooks), plan and compile again."""
+        if why is not None:
+            warnings.warn(why, stacklevel=6)
         self._lives.clear()
         return self._lifecycle()
 
@@ -292,13 +299,28 @@ class TappedModule(nn.Module, Viewable):
             >>> with tapped.intervene({"transformer.h.1.add_1": lambda s, v: v * 0}):
             ...     out = tapped(input_ids=ids)
         """
+        if isinstance(fns, Mapping):  # the model's modules as selectors, by their paths
+            fns = {self._selector(k): fn for k, fn in fns.items()}
         return Intervention(self, fns)
 
     def run_with_cache(self, *args: Any, names: Any = None, **kwargs: Any) -> tuple[Any, Cache]:
         """``(output, cache)``: one forward and the values of the sites ``names`` selects
         (every site by default), by name. Example: ``out, cache = tapped.run_with_cache(ids)``.
         """
-        return run_with_cache(self, args, kwargs, names)
+        if isinstance(names, (list, tuple, set, frozenset)):
+            names = [self._selector(n) for n in names]
+        return run_with_cache(self, args, kwargs, self._selector(names))
+
+    def _selector(self, obj: Any) -> Any:
+        """``obj``; a module of the model or of the tapped module: the selector of its calls
+        (its paths in the tapped tree)."""
+
+        def paths(module: nn.Module) -> list[str]:
+            ids = {id(c) for _, m, c in self._model_hooks.pairs if m is module} or {id(module)}
+            return [p for p, m in self._root.named_modules(remove_duplicate=False)
+                    if id(m) in ids]
+
+        return as_selector(obj, paths) if isinstance(obj, nn.Module) else obj
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)

@@ -155,7 +155,9 @@ class Disk(Sink):
         root = Path(path)
         self.path = root / f"rank{self.rank:05d}" if self.rank is not None else root
         _check_no_mix(root, self.rank)
+        self._mode = mode
         self._dir = CaptureDir(self.path, mode, self.fsync, self.rank)
+        self._released = False
         self._next_forward = self._dir.committed
         self._cond = threading.Condition()
         self._jobs: collections.deque[Job | str] = collections.deque()
@@ -208,6 +210,12 @@ class Disk(Sink):
         if self._closed:
             raise DiskError(f"this fxprobe.Disk ({str(self.path)!r}) is closed; create a new "
                             "one (mode='append' to add to the same captures)")
+        if self._released:  # given back before anything was written: take the directory again
+            with self._cond:
+                if self._released:
+                    self._dir = CaptureDir(self.path, self._mode, self.fsync, self.rank)
+                    self._next_forward = self._dir.committed
+                    self._released = False
         module = self._module() if self._module is not None else None
         protected, input_sites = protected_storages(inputs, module)
         options = getattr(module, "_options", None)
@@ -231,6 +239,16 @@ class Disk(Sink):
             self._jobs.append(job)
             self._queued_bytes += job.nbytes
             self._cond.notify_all()
+
+    def release(self) -> None:
+        """Unlock the directory if nothing was handed over yet (the tapped module's selection
+        failed at its first forward), so that a corrected ``fxprobe.tap`` with a new Disk can
+        write there; a later :meth:`write` of this one takes it again."""
+        with self._cond:
+            if self._closed or self._released or self._thread is not None:
+                return
+            self._dir.unlock()
+            self._released = True
 
     def flush(self) -> None:
         """Wait until everything queued is written and committed (visible to readers).

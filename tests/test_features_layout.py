@@ -213,3 +213,32 @@ def test_blocks_whose_names_end_in_a_number() -> None:
     got = fxprobe.features(model, blocks="blocks", train=True)(x)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.flatten(2).transpose(1, 2), w)
+
+
+class _LateClassToken(nn.Module):
+    """CaiT's layout: the blocks see patches only; the class token (timm's
+    ``num_prefix_tokens=1``) joins after them."""
+
+    num_prefix_tokens = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, 4, 4, stride=4)
+        self.patch_embed.grid_size = (2, 3)  # type: ignore[assignment]
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        self.cls = nn.Parameter(torch.randn(1, 1, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.blocks(self.patch_embed(x).flatten(2).transpose(1, 2))
+        return self.head(torch.cat([self.cls.expand(t.shape[0], -1, -1), t], 1)[:, 0])
+
+
+def test_blocks_before_the_class_token_joins_have_no_prefix() -> None:
+    torch.manual_seed(5)
+    model, x = _LateClassToken().eval(), torch.randn(2, 3, 8, 12)
+    (want,) = _hooked(model, x, ["blocks.1"])  # (2, 6, 4): patches only
+    (got,) = fxprobe.features(model, [1])(x)
+    assert got.shape == (2, 4, 2, 3)
+    for i in range(6):
+        assert torch.equal(got[:, :, i // 3, i % 3], want[:, i])

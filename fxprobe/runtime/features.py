@@ -1,8 +1,12 @@
 """``fxprobe.features``: the outputs of chosen blocks, in the layout timm's
-``forward_intermediates`` gives (``NCHW`` maps for ViT tokens, prefix tokens dropped or kept).
+``forward_intermediates`` gives (``NCHW`` maps for ViT tokens, prefix tokens dropped or kept,
+and for Swin's ``NHWC`` maps).
 
 It is a thin layer over :func:`fxprobe.extractor` with ``return_nodes``: the graph stops after
-the last chosen block, and each block's output is then laid out the way timm users expect.
+the last chosen block, and each block's output is then laid out the way timm users expect. A
+4-d map is read in the layout the model declares (timm's ``output_fmt``, or ``block_fmt=``) and
+checked against what else is known (``feature_info`` channels, the input image's size), so
+that a map in the other layout is refused rather than scrambled.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class Features(nn.Module):
                  prefix_tokens: int | None, grid: tuple[int, int] | None,
                  return_prefix_tokens: bool,
                  info: Sequence[dict[str, Any]] | None = None,
-                 block_fmt: BlockFormat = "NCHW") -> None:
+                 block_fmt: BlockFormat = "NCHW", declared_prefix: int | None = None) -> None:
         super().__init__()
         self.body = body
         self.names = list(names)
@@ -47,6 +51,8 @@ class Features(nn.Module):
         self.block_fmt = block_fmt
         """How the blocks lay out their 4-d outputs: ``NCHW``, or ``NHWC`` (Swin's)."""
         self.prefix_tokens = prefix_tokens
+        self.declared_prefix = declared_prefix
+        """The model's ``num_prefix_tokens`` (timm), used where ``prefix_tokens`` is None."""
         self.grid = grid
         self.return_prefix_tokens = return_prefix_tokens
 
@@ -109,6 +115,10 @@ class Features(nn.Module):
     def _prefix(self, name: str, n: int) -> int:
         if self.prefix_tokens is not None:
             return self.prefix_tokens
+        if self.grid is not None and n == self.grid[0] * self.grid[1]:
+            return 0  # all patches: CaiT's and XCiT's blocks, before the class token joins
+        if self.declared_prefix is not None:
+            return self.declared_prefix
         if self.grid is not None:
             return n - self.grid[0] * self.grid[1]
         for p in (0, 1):  # no class token, or one
@@ -156,8 +166,10 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
             ``"encoder.layers"``). Default: the model's ``feature_info`` (timm's models), else
             ``"blocks"``.
         output_fmt: ``"NCHW"`` (timm's default), ``"NHWC"`` or ``"NLC"``.
-        prefix_tokens: how many leading tokens are not patches; default: the model's
-            ``num_prefix_tokens`` (timm), else inferred (0 or 1, whichever leaves a square).
+        prefix_tokens: how many leading tokens are not patches; default: none where the
+            tokens fill the patch grid (CaiT's and XCiT's blocks, before their class token
+            joins), else the model's ``num_prefix_tokens`` (timm), else inferred (0 or 1,
+            whichever leaves a square).
         grid: ``(H, W)`` of the patch grid; default: ``model.patch_embed.grid_size`` (timm),
             else the square root of the token count.
         return_prefix_tokens: return ``(map, prefix)`` pairs.
@@ -201,9 +213,8 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
         names = [d.pop("site") for d in info]
     else:
         names = _block_names(model, indices, blocks or "blocks")
-    if prefix_tokens is None:
-        found = getattr(model, "num_prefix_tokens", None)
-        prefix_tokens = found if isinstance(found, int) else None
+    found = getattr(model, "num_prefix_tokens", None)
+    declared = found if isinstance(found, int) else None
     if grid is None:
         size = getattr(getattr(model, "patch_embed", None), "grid_size", None)
         if isinstance(size, (tuple, list)) and len(size) == 2:
@@ -211,7 +222,7 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
     body = build_extractor(model, None, "fx", leaf_modules, (), train,
                            list(dict.fromkeys(names)), untraceable_as_leaves=True)
     return Features(body, names, output_fmt, prefix_tokens, grid, return_prefix_tokens, info,
-                    block_fmt)
+                    block_fmt, declared)
 
 
 def _named(indices: Any) -> bool:

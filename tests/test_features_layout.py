@@ -242,3 +242,20 @@ def test_blocks_before_the_class_token_joins_have_no_prefix() -> None:
     assert got.shape == (2, 4, 2, 3)
     for i in range(6):
         assert torch.equal(got[:, :, i // 3, i % 3], want[:, i])
+
+
+class _DeclaredOnly(_NHWCNet):
+    output_fmt = "NHWC"  # timm's declaration, no feature_info: measured
+
+
+def test_extractor_channels_follow_the_declared_layout_or_are_none() -> None:
+    torch.manual_seed(6)
+    declared = fxprobe.extractor(_DeclaredOnly().eval(), return_nodes=PATHS + ["head"])
+    declared(X)
+    assert declared.channels() == [6, 10, 3] and declared.reduction() == [4, 8, None]
+    plain = fxprobe.extractor(_NHWCNet().eval(), return_nodes=PATHS)  # NHWC, undeclared
+    plain(X)
+    assert plain.channels() == [None, None] and plain.reduction() == [None, None]
+    tokens = fxprobe.extractor(_LateClassToken().eval(), return_nodes=["blocks.1"])
+    tokens(torch.randn(2, 3, 8, 12))  # (2, 6, 4): tokens or a (B, C, L) signal, unknown
+    assert tokens.channels() == [None] and tokens.reduction() == [None]

@@ -84,6 +84,10 @@ _SCRIPT = textwrap.dedent("""
         got = f(x)
     assert all(torch.equal(g, ref[n].permute(0, 3, 1, 2)) for g, n in zip(got, names))
     print("tv swin", f.channels(), f.reduction())
+    ex = fxprobe.extractor(tv, return_nodes=names)  # raw (B, H, W, C): undeclared, unknown
+    with torch.no_grad():
+        ex(x)
+    print("tv swin extractor", ex.channels(), ex.reduction())
 
     vit = VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=2,
                             hidden_dim=16, mlp_dim=32).eval()
@@ -96,6 +100,10 @@ _SCRIPT = textwrap.dedent("""
     for g, n in zip(got, names):
         assert torch.equal(g, ref[n][:, 1:].reshape(2, 4, 4, 16).permute(0, 3, 1, 2)), n
     print("tv vit", f.channels(), f.reduction())
+    ex = fxprobe.extractor(vit, return_nodes=names)  # raw (B, 17, C) tokens
+    with torch.no_grad():
+        ex(x)
+    print("tv vit extractor", ex.channels(), ex.reduction())
 """)
 
 
@@ -117,3 +125,6 @@ def test_swin_levit_hrnet_and_torchvision_layouts() -> None:
     assert "equal hrnet_w18_small" in out and "equal levit_128s" in out, out
     assert "tv swin [24, 48, 96, 192] [4, 8, 16, 32]" in out, out
     assert "tv vit [16, 16, 16] [8, 8, 8]" in out, out
+    # The extractor returns the raw values: heights and token counts were reported as channels
+    assert "tv swin extractor [None, None, None, None] [None, None, None, None]" in out, out
+    assert "tv vit extractor [None, None, None] [None, None, None]" in out, out

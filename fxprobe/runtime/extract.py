@@ -44,6 +44,7 @@ from ..core.view import Plan
 from ..frontends.fx import Fallback, Region, plan
 from ..frontends.mirror import mirror
 from .dualgraph import ExtractorModule, model_info
+from .layout import declared_format
 from .program import check_model
 
 
@@ -143,7 +144,8 @@ def build_extractor(model: nn.Module, ops: Any, tracer: str, leaf_modules: Seque
     gm = ExtractorModule(plans[train][0], graphs[train], class_name=type(model).__name__)
     known = model_info(model)
     entries = {mode: _entries(g, renames, known) for mode, g in graphs.items()}
-    gm.attach(plans[not train][0] if (not train) in graphs else None, graphs, failures, entries)
+    gm.attach(plans[not train][0] if (not train) in graphs else None, graphs, failures, entries,
+              declared_format(model))
     gm.train(train)
     return gm
 

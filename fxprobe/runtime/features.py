@@ -22,12 +22,10 @@ from torch import fx, nn
 
 from ..core.errors import ConfigError, UnsupportedModelError
 from .extract import build_extractor
+from .layout import BlockFormat, contradiction, declared_format, reading, stride
 from .program import check_model
 
 OutputFormat = Literal["NCHW", "NHWC", "NLC"]
-
-
-BlockFormat = Literal["NCHW", "NHWC"]
 
 
 class Features(nn.Module):
@@ -95,7 +93,7 @@ class Features(nn.Module):
                     f"{tuple(t.shape)}, which has no tokens")
             check_map(name, t, self.block_fmt, image, num_chs)
             nchw = t if self.block_fmt == "NCHW" else t.permute(0, 3, 1, 2)
-            measured = (int(nchw.shape[1]), _stride(image, int(nchw.shape[2])))
+            measured = (int(nchw.shape[1]), stride(image, int(nchw.shape[2])))
             if self.output_fmt == "NLC":
                 return nchw.flatten(2).transpose(1, 2), measured
             return (nchw.permute(0, 2, 3, 1) if self.output_fmt == "NHWC" else nchw), measured
@@ -107,7 +105,7 @@ class Features(nn.Module):
         else:
             h, w = self._grid(name, n - p)
             spatial = tokens.reshape(b, h, w, c)
-            measured = (int(c), _stride(image, h))
+            measured = (int(c), stride(image, h))
             if self.output_fmt == "NCHW":
                 spatial = spatial.permute(0, 3, 1, 2)
         return ((spatial, prefix) if self.return_prefix_tokens else spatial), measured
@@ -202,8 +200,7 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
     if output_fmt not in ("NCHW", "NHWC", "NLC"):
         raise ConfigError(f"output_fmt={output_fmt!r}: use 'NCHW', 'NHWC' or 'NLC'")
     if block_fmt is None:
-        declared = getattr(model, "output_fmt", None)  # timm's str or Format enum
-        block_fmt = "NHWC" if str(getattr(declared, "value", declared)) == "NHWC" else "NCHW"
+        block_fmt = declared_format(model)
     elif block_fmt not in ("NCHW", "NHWC"):
         raise ConfigError(f"block_fmt={block_fmt!r}: use 'NCHW' or 'NHWC' (the layout of the "
                           "blocks' 4-d maps), or None for the model's own output_fmt")
@@ -320,45 +317,15 @@ def _block_names(model: nn.Module, indices: Any, blocks: str) -> list[str]:
     return [children[i] for i in _take(indices, len(children), f"{blocks!r} holds")]
 
 
-def _stride(image: torch.Tensor | None, h: int) -> int | None:
-    """The input's height over the map's, when the input is an image and it divides."""
-    if image is None or not h or image.shape[-2] % h:
-        return None
-    return int(image.shape[-2]) // h
-
-
-def _fits(image: torch.Tensor, h: int, w: int) -> bool:
-    """Whether an ``h x w`` map can come out of the image by one stride ``s`` in both
-    directions (each side within one of the input's side over ``s``: padding and rounding)."""
-    hin, win = int(image.shape[-2]), int(image.shape[-1])
-
-    def strides(size: int, n: int) -> tuple[float, float]:  # open interval of s
-        return size / (n + 1), (size / (n - 1) if n > 1 else math.inf)
-
-    (lo1, hi1), (lo2, hi2) = strides(hin, h), strides(win, w)
-    return max(lo1, lo2) < min(hi1, hi2)
-
 
 def check_map(name: str, t: torch.Tensor, block_fmt: BlockFormat, image: torch.Tensor | None,
               num_chs: int | None) -> None:
     """ConfigError when the 4-d value ``t`` contradicts ``block_fmt`` and fits the other
-    layout: its channels (the model's ``feature_info``) or its map's shape against the input
-    image. Neither evidence: the declared layout stands."""
-    other: BlockFormat = "NHWC" if block_fmt == "NCHW" else "NCHW"
-
-    def reading(fmt: str) -> tuple[int, int, int]:  # (C, H, W)
-        return ((t.shape[1], t.shape[2], t.shape[3]) if fmt == "NCHW"
-                else (t.shape[3], t.shape[1], t.shape[2]))
-
-    (c, h, w), (c2, h2, w2) = reading(block_fmt), reading(other)
-    if num_chs is not None:
-        wrong = c != num_chs and c2 == num_chs
-        why = f"the model's feature_info gives it {num_chs} channels"
-    else:
-        wrong = image is not None and not _fits(image, h, w) and _fits(image, h2, w2)
-        why = (f"no stride makes a {h}x{w} map of a {image.shape[-2]}x{image.shape[-1]} "
-               f"input, and one makes a {h2}x{w2} map" if image is not None else "")
-    if wrong:
+    layout (:func:`~fxprobe.runtime.layout.contradiction`)."""
+    why = contradiction(t, block_fmt, image, num_chs)
+    if why is not None:
+        c, h, w = reading(t, block_fmt)
+        other = "NHWC" if block_fmt == "NCHW" else "NCHW"
         raise ConfigError(
             f"block {name!r} gives {tuple(t.shape)}: read as {block_fmt} (what the model "
             f"declares, or the default) it is a {h}x{w} map of {c} channels, but {why}: it "

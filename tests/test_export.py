@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-from reference import clone
+from reference import clone, hook_values
 from torch import nn
 
 import fxprobe
@@ -288,3 +288,104 @@ def test_a_program_tapped_before_the_values_were_named_still_reads() -> None:
     assert torch.allclose(out, fc2, atol=1e-6)
     for name, want in [("fc1", fc1), ("relu", fc1.clamp(min=0)), ("fc2", fc2)]:
         assert torch.allclose(tapped.taps[name], want, atol=1e-6), name
+
+
+def test_an_argument_named_like_a_builtin() -> None:
+    # nn.Sequential's forward argument is `input`: a plain copy of the graph renames its
+    # placeholder input_1, which the program's signature no longer names.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval(), torch.randn(3, 4)
+    program = torch.export.export(model, (x,))
+    tapped = fxprobe.tap(program)
+    with torch.no_grad():
+        out = tapped(x)
+    assert torch.equal(out, model(x))
+    assert list(fxprobe.sites(program)) == list(fxprobe.sites(model)) == ["input", "0", "1"]
+    _, want = hook_values(model, ["0", "1"], x)
+    assert torch.equal(tapped.taps["input"], x)
+    assert torch.equal(tapped.taps["0"], want["0"]) and torch.equal(tapped.taps["1"], want["1"])
+    out2, values = tapped.exported().module()(x)
+    assert torch.equal(out2, out) and torch.equal(values["1"], want["1"])
+
+
+class _LayerNorm(nn.LayerNorm):
+    """timm's LayerNorm: a subclass whose forward calls F.layer_norm itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.fc, self.norm2 = _LayerNorm(4), nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm2(x + self.fc(self.norm1(x)))
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_module_subclass_is_selected_by_its_base_as_in_eager() -> None:
+    torch.manual_seed(1)
+    model, x = _Blocks().eval(), torch.randn(3, 4)
+    program = torch.export.export(model, (x,))
+    norms = ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2"]
+    _, want = hook_values(model, norms, x)
+    for ops in (nn.LayerNorm, [nn.LayerNorm, nn.Linear]):
+        eager, exported = fxprobe.tap(model, ops=ops), fxprobe.tap(program, ops=ops)
+        with torch.no_grad():
+            eager(x)
+            exported(x)
+        assert list(exported.taps) == list(eager.taps)
+        assert [n for n in exported.taps if "norm" in n] == norms
+        for name in norms:
+            assert torch.equal(exported.taps[name], want[name]), name
+    only = fxprobe.tap(program, ops=_LayerNorm)  # the subclass alone: not nn.LayerNorm's
+    only(x)
+    assert list(only.taps) == ["blocks.0.norm1", "blocks.1.norm1"]
+
+
+_TIMM_NORMS = """
+import torch, timm, fxprobe
+from torch import nn
+torch.manual_seed(0)
+m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                      depth=2, num_classes=10).eval()
+x = torch.randn(1, 3, 32, 32)
+eager = fxprobe.tap(m, ops=nn.LayerNorm)
+exported = fxprobe.tap(torch.export.export(m, (x,)), ops=nn.LayerNorm)
+with torch.no_grad():
+    eager(x)
+    exported(x)
+assert list(exported.taps) == list(eager.taps), (list(exported.taps), list(eager.taps))
+assert all(torch.equal(exported.taps[n], eager.taps[n]) for n in eager.taps)
+print("norms", list(eager.taps))
+"""
+
+
+def test_timm_layernorm_is_selected_after_export_as_in_eager() -> None:
+    import os
+    import subprocess
+
+    python = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
+        os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
+    if not python.exists():
+        pytest.skip(f"no venv with timm at {python} (.ci/tv-env builds it)")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([str(python), "-c", _TIMM_NORMS], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    if run.returncode != 0 and "No module named 'timm'" in run.stderr:
+        pytest.skip(f"{python} has no timm")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("norms ['blocks.0.norm1', 'blocks.0.norm2', 'blocks.1.norm1', 'blocks.1.norm2', "
+            "'norm']") in run.stdout, run.stdout

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import sys
 import warnings
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
@@ -64,6 +65,41 @@ def _op(node: fx.Node) -> tuple[str, str, str | None]:
     return name.strip("_") or name, str(getattr(target, "__name__", target)), op_key(target)
 
 
+def _copy_keeping_names(graph: fx.Graph) -> fx.Graph:
+    """A copy of an exported graph whose nodes keep the names the program's signature uses.
+
+    fx renames a node that would shadow a builtin: ``nn.Sequential``'s argument ``input``
+    becomes ``input_1`` in a plain copy, and the signature (``input``) no longer names it.
+    """
+    new = copy_graph(graph)
+    used = getattr(getattr(new, "_graph_namespace", None), "_used_names", None)
+    for old, copied in zip(graph.nodes, new.nodes, strict=True):
+        if copied.name != old.name:
+            copied.name = old.name  # unique: they are in the program's graph
+            if isinstance(used, set):  # so that no node made later takes it
+                used.add(old.name)
+    return new
+
+
+def _loaded_type(name: str) -> type[torch.nn.Module] | None:
+    """The module class a type name of ``nn_module_stack`` names: ``torch.*`` ones, and others
+    whose Python module is imported already (the model's own, timm's ``LayerNorm``), so that a
+    type selector matches subclasses as in eager; never imports. None where it is not at hand
+    (a loaded program without its code): selectors then compare the name."""
+    found = python_type(name)
+    if found is not None:
+        return found
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):  # the qualname may be dotted (Outer.Inner)
+        obj: Any = sys.modules.get(".".join(parts[:i]))
+        if obj is None:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, type) and issubclass(obj, torch.nn.Module) else None
+    return None
+
+
 def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
@@ -74,7 +110,7 @@ class ExportGraph:
 
     def __init__(self, ep: Any) -> None:
         self.ep = ep
-        self.graph = copy_graph(ep.graph)
+        self.graph = _copy_keeping_names(ep.graph)
         nodes = list(self.graph.nodes)
         position = {n: i for i, n in enumerate(nodes)}
         user_inputs = set(ep.graph_signature.user_inputs)
@@ -111,7 +147,7 @@ class ExportGraph:
             if len(outs) != 1 or not _is_tensor(outs[0]):
                 continue  # no single value comes out (a tuple, or nothing): not a site
             path, tname, depth = info[key]
-            ptype = python_type(tname)
+            ptype = _loaded_type(tname)
             site = Site(call_names[key], "export", "call_module", path, path, ptype,
                         module_key(ptype), inlined=not is_leaf_type(tname),
                         listed=listed[key], type_name=tname)
@@ -270,7 +306,7 @@ def rewrite(eg: ExportGraph, selected: Sequence[Site], copy_policy: str
 
     ep = eg.ep
     # Every decision below is made on a copy; the user's graph is only read.
-    graph = copy_graph(eg.graph)
+    graph = _copy_keeping_names(eg.graph)
     wanted = {s.name for s in selected}
     values: dict[Site, Any] = {s: n for n in graph.nodes for s in sites_of(n) if s.name in wanted}
     outplaced: set[str] = set()

@@ -60,7 +60,7 @@ class SiteTracer(fx.Tracer):
         self.current = ""
         self.failed_path: str | None = None
         self.node_names = Namer()
-        self.call_names = Namer()
+        self.call_names = Namer(strip=False)
         self.taken: set[str] = set()
         self.buffer_values: set[fx.Node] = set()
         self.blocks = blocks
@@ -280,13 +280,16 @@ def _nodes_of(value: Any) -> Any:
 
 class Namer:
     """torchvision's ``get_graph_node_names`` naming: fx's global ``_N`` suffix is replaced by a
-    count local to the name (``layer1.0.relu``, ``layer1.0.relu_1``)."""
+    count local to the name (``layer1.0.relu``, ``layer1.0.relu_1``). With ``strip=False`` (the
+    calls fx traces through, named by module path) a name's own ``_N`` is kept: the first call
+    of ``encoder.layers.encoder_layer_0`` is named so, as in every other frontend."""
 
-    def __init__(self) -> None:
+    def __init__(self, strip: bool = True) -> None:
         self.last: dict[str, int] = {}
+        self.strip = strip
 
     def next(self, name: str) -> str:
-        if re.match(r".+_[0-9]+$", name) is not None:
+        if self.strip and re.match(r".+_[0-9]+$", name) is not None:
             name = name.rsplit("_", 1)[0]
         # The most recent earlier name of the form {name} or {name}_{k} decides the suffix.
         index = self.last.get(name)

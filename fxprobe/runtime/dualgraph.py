@@ -13,6 +13,7 @@ from torch import fx, nn
 from torch.fx.graph_module import _copy_attr
 
 from ..core.errors import FxProbeError
+from .layout import BlockFormat, contradiction, reading, stride
 
 
 class ExtractorModule(fx.GraphModule):
@@ -31,11 +32,12 @@ class ExtractorModule(fx.GraphModule):
 
     def attach(self, other: nn.Module | None, graphs: Mapping[bool, fx.Graph],
                failures: Mapping[bool, FxProbeError],
-               entries: Mapping[bool, list[dict[str, Any]]]) -> None:
+               entries: Mapping[bool, list[dict[str, Any]]],
+               layout: BlockFormat = "NCHW") -> None:
         """Give the module its other mode's graph (submodules copied from ``other``, the tree
         it was traced on), the errors of modes that failed, and each mode's per-output
         metadata (``module``, ``name``, and ``num_chs``/``reduction`` where the model's
-        ``feature_info`` gives them)."""
+        ``feature_info`` gives them), and the layout the model declares for its 4-d maps."""
         self._graphs: dict[bool, fx.Graph] = dict(graphs)
         self._failures: dict[bool, FxProbeError] = dict(failures)
         self._entries: dict[bool, list[dict[str, Any]]] = {
@@ -44,6 +46,7 @@ class ExtractorModule(fx.GraphModule):
             d["name"] for e in entries.values() for d in e if "num_chs" in d)
         self._pending: set[bool] = {mode for mode, e in entries.items()
                          if any(d["name"] not in self._fixed for d in e)}
+        self._layout: BlockFormat = layout
         if other is not None:
             for graph in graphs.values():
                 if graph is not self.graph:
@@ -74,14 +77,19 @@ class ExtractorModule(fx.GraphModule):
     @property
     def feature_info(self) -> list[dict[str, Any]]:
         """One dict per returned value, in order, as timm's ``feature_info``: ``module`` (the
-        site), ``name`` (its key in the returned dict), ``num_chs`` (size of dim 1) and
-        ``reduction`` (the input's height over the value's, for 4-D maps of a 4-D input).
+        site), ``name`` (its key in the returned dict), ``num_chs`` (the channels) and
+        ``reduction`` (the input's height over the map's, for 4-D maps of a 4-D input).
         From the model's ``feature_info`` where it lists the site, else measured at the first
-        call in each mode (``None`` before the first, or where it does not apply)."""
+        call in each mode: the channels of a 4-D map in the layout the model declares (timm's
+        ``output_fmt``: Swin's are NHWC), else NCHW, and dim 1 of a 2-D value. ``None`` before
+        the first call, for values of other ranks (a 3-D value may be ``(B, tokens, C)`` or
+        ``(B, C, L)``), and for a map whose shape fits the other layout and not the declared
+        one (torchvision's Swin declares nothing; see ``fxprobe.features(block_fmt=)``)."""
         return [dict(d) for d in self._info]
 
     def channels(self) -> list[int | None]:
-        """The channels (dim 1) of each returned value (timm's ``feature_info.channels()``)."""
+        """The channels of each returned value (timm's ``feature_info.channels()``; see
+        :attr:`feature_info` for where they are None)."""
         return [d.get("num_chs") for d in self._info]
 
     def reduction(self) -> list[int | None]:
@@ -98,13 +106,15 @@ class ExtractorModule(fx.GraphModule):
             if d["name"] in self._fixed:
                 continue
             v = values.get(d["name"])
-            if not (isinstance(v, torch.Tensor) and v.dim() >= 2):
-                d["num_chs"] = d["reduction"] = None
-                continue
-            d["num_chs"] = int(v.shape[1])
-            h = v.shape[-2] if v.dim() == 4 else 0
-            d["reduction"] = (x.shape[-2] // h if h and isinstance(x, torch.Tensor)
-                              and x.dim() == 4 and x.shape[-2] % h == 0 else None)
+            d["num_chs"] = d["reduction"] = None
+            if isinstance(v, torch.Tensor) and v.dim() == 2:
+                d["num_chs"] = int(v.shape[1])
+            elif isinstance(v, torch.Tensor) and v.dim() == 4:
+                image = x if isinstance(x, torch.Tensor) and x.dim() == 4 else None
+                layout: BlockFormat = self.__dict__.get("_layout", "NCHW")
+                if contradiction(v, layout, image, None) is None:
+                    c, h, _ = reading(v, layout)
+                    d["num_chs"], d["reduction"] = c, stride(image, h)
 
     def _deepcopy_init(self) -> Callable[..., None]:
         def init(res: ExtractorModule, fake: nn.Module, graph: fx.Graph) -> None:
@@ -112,7 +122,7 @@ class ExtractorModule(fx.GraphModule):
             state = fake.__dict__
             res._graphs, res._failures = state["_graphs"], state["_failures"]
             res._entries, res._fixed = state["_entries"], state["_fixed"]
-            res._pending = state["_pending"]
+            res._pending, res._layout = state["_pending"], state.get("_layout", "NCHW")
             for g in res._graphs.values():
                 if g is not graph:
                     _copy_graph_attrs(fake, res, g)

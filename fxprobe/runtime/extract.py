@@ -44,6 +44,7 @@ from ..core.view import Plan
 from ..frontends.fx import Fallback, Region, plan
 from ..frontends.mirror import mirror
 from .dualgraph import ExtractorModule, model_info
+from .layout import declared_format
 from .program import check_model
 
 
@@ -101,6 +102,16 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
         >>> body = fxprobe.extractor(model, return_nodes={"layer2": "feat"})
         >>> body(x)["feat"].shape  # layer3, layer4 and the head do not run
     """
+    return build_extractor(model, ops, tracer, leaf_modules, autowrap_functions, train,
+                           return_nodes)
+
+
+def build_extractor(model: nn.Module, ops: Any, tracer: str, leaf_modules: Sequence[Any],
+                    autowrap_functions: Sequence[Callable[..., Any]], train: bool,
+                    return_nodes: Sequence[str] | Mapping[str, str] | None,
+                    untraceable_as_leaves: bool = False) -> ExtractorModule:
+    """:func:`extractor`; with ``untraceable_as_leaves`` (``fxprobe.features``), a module fx
+    cannot trace is kept as one call (as if in ``leaf_modules``; its insides are no sites)."""
     model = check_model(model, "fxprobe.extractor")
     renames = _return_nodes(return_nodes, ops)
     if tracer != "fx":
@@ -115,7 +126,8 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
     failures: dict[bool, FxProbeError] = {}
     for mode in (train, not train):
         try:
-            plans[mode] = _plan(model, mode, leaf_modules, autowrap_functions)
+            plans[mode] = _plan(model, mode, leaf_modules, autowrap_functions,
+                                untraceable_as_leaves, renames)
         except FxProbeError as e:
             if mode == train:
                 raise
@@ -132,19 +144,31 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
     gm = ExtractorModule(plans[train][0], graphs[train], class_name=type(model).__name__)
     known = model_info(model)
     entries = {mode: _entries(g, renames, known) for mode, g in graphs.items()}
-    gm.attach(plans[not train][0] if (not train) in graphs else None, graphs, failures, entries)
+    gm.attach(plans[not train][0] if (not train) in graphs else None, graphs, failures, entries,
+              declared_format(model))
     gm.train(train)
     return gm
 
 
 def _plan(model: nn.Module, train: bool, leaf_modules: Sequence[Any],
-          autowrap_functions: Sequence[Callable[..., Any]]) -> tuple[nn.Module, Plan]:
-    """One mode's module tree and fx plan, traced whole (else a TraceError naming why)."""
+          autowrap_functions: Sequence[Callable[..., Any]], as_leaves: bool = False,
+          wanted: Mapping[str, str] | None = None) -> tuple[nn.Module, Plan]:
+    """One mode's module tree and fx plan, traced whole (else a TraceError naming why); with
+    ``as_leaves``, the modules that fail are traced again as leaves, unless a ``wanted`` site
+    lies inside one."""
     root = mirror(model)
     root.train(train)
     # "auto" lists every module that fails (as Fallbacks) instead of stopping at the first.
     p = plan(root, tracer="auto", leaf_modules=leaf_modules,
              autowrap_functions=autowrap_functions)
+    if p.fallbacks and as_leaves and all(f.path for f in p.fallbacks):
+        paths = [str(f.path) for f in p.fallbacks]
+        inside = [n for n in wanted or () if any(n.startswith(f"{q}.") for q in paths)]
+        if not inside:
+            root = mirror(model)  # a fresh copy: nothing of the failed trace carries over
+            root.train(train)
+            p = plan(root, tracer="auto", leaf_modules=[*leaf_modules, *paths],
+                     autowrap_functions=autowrap_functions)
     if p.fallbacks:
         raise _untraceable(type(model).__name__, p.fallbacks)
     if p.root_region is None:

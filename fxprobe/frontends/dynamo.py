@@ -38,6 +38,7 @@ from .attention import attention_probs, drive_output
 from .canonical import annotate
 from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
 from .dynamo_quiet import quiet_compile
+from .wrappers import weights_loaded
 
 
 def _frame_id() -> int | None:
@@ -366,11 +367,13 @@ class DynamoRegion:
         before = self.runs
         # Dynamo compiles now: collect its pages of messages into one (not while an outer
         # torch.compile traces this call: it would trace the collecting too).
+        # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
         if self.calls == 1 and not torch.compiler.is_compiling():
-            with quiet_compile(self.what, lambda: self.graphs):
+            with quiet_compile(self.what, lambda: self.graphs), weights_loaded(self.module):
                 result = compiled(self.module, *args, **kwargs)
         else:
-            result = compiled(self.module, *args, **kwargs)
+            with weights_loaded(self.module):
+                result = compiled(self.module, *args, **kwargs)
         self.last_runs = ran = self.runs - before
         if ran == 0:
             raise CaptureError(

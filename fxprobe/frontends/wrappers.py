@@ -85,7 +85,7 @@ def _accelerate_as_hooks(copy: nn.Module, state: dict[str, Any],
     def pre(module: nn.Module, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not torch.compiler.is_compiling() or spec is None:
-            args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+            args, kwargs = _hook(module).pre_forward(module, *args, **kwargs)
             return tuple(args), dict(kwargs)
         # Traced by dynamo: accelerate's hook is compiler-disabled (a graph break would split
         # the module's graph and lose its names), so its device moves are traced here and the
@@ -99,7 +99,7 @@ def _accelerate_as_hooks(copy: nn.Module, state: dict[str, Any],
 
     def post(module: nn.Module, args: Any, output: Any) -> Any:
         if not torch.compiler.is_compiling() or spec is None:
-            return module._hf_hook.post_forward(module, output)
+            return _hook(module).post_forward(module, output)
         for i, same, _, skip in reversed(spec):
             device = inputs.get(i)
             if same and device is not None:
@@ -114,6 +114,10 @@ def _accelerate_as_hooks(copy: nn.Module, state: dict[str, Any],
     hooks = state["_forward_hooks"]
     hooks[post_id] = post
     hooks.move_to_end(post_id, last=False)
+
+
+def _hook(module: nn.Module) -> Any:
+    return module.__dict__["_hf_hook"]
 
 
 def _align_hooks(hook: Any) -> list[Any] | None:
@@ -195,7 +199,7 @@ def _rebind(fn: Any, original: nn.Module, copy: nn.Module, depth: int) -> Any:
         args = tuple(_rebind(a, original, copy, depth + 1) for a in fn.args)
         kw = {k: _rebind(v, original, copy, depth + 1) for k, v in fn.keywords.items()}
         func = _rebind(fn.func, original, copy, depth + 1)
-        if (func is fn.func and all(a is b for a, b in zip(args, fn.args))
+        if (func is fn.func and all(a is b for a, b in zip(args, fn.args, strict=True))
                 and all(kw[k] is v for k, v in fn.keywords.items())):
             return fn
         new = functools.partial(func, *args, **kw)
@@ -260,10 +264,9 @@ def _reaches(fn: Any, original: nn.Module) -> bool:
 
 def _full(cell: Any) -> bool:
     try:
-        cell.cell_contents
-    except ValueError:
+        return cell.cell_contents is not cell
+    except ValueError:  # an empty cell
         return False
-    return True
 
 
 def _describe(fn: Callable[..., Any]) -> str:

@@ -232,3 +232,25 @@ def test_a_wrapper_fxprobe_cannot_see_through_is_named_in_a_warning() -> None:
         tapped = fxprobe.tap(net, ops=nn.Linear, tracer="hooks")
     tapped(torch.randn(2, 4))
     assert "blocks.1.fc1" in tapped.taps
+
+
+@pytest.mark.parametrize("tracer", ["auto", "dynamo"])
+@pytest.mark.parametrize("wrap", [_partial, _closure, _method])
+def test_the_ops_of_a_wrapped_forward_are_sites_under_dynamo(wrap: object, tracer: str) -> None:
+    torch.manual_seed(0)
+    net = Net().eval()
+    wrap(net.blocks[0])  # type: ignore[operator]
+    x = torch.randn(3, 4)
+    want: dict[str, torch.Tensor] = {}
+    handles = [net.blocks[0].fc1.register_forward_hook(
+                   lambda m, a, o: want.__setitem__("relu", torch.relu(o).detach().clone())),
+               net.blocks[0].register_forward_hook(
+                   lambda m, a, o: want.__setitem__("mul", o.detach().clone()))]
+    expected = net(x)
+    for h in handles:
+        h.remove()
+    tapped = fxprobe.tap(net, ops=["blocks.0.relu", "blocks.0.mul"], tracer=tracer)
+    torch.testing.assert_close(tapped(x), expected, rtol=0, atol=0)
+    assert not tapped.fallbacks
+    torch.testing.assert_close(tapped.taps["blocks.0.relu"], want["relu"], rtol=0, atol=0)
+    torch.testing.assert_close(tapped.taps["blocks.0.mul"], want["mul"], rtol=0, atol=0)

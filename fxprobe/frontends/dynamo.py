@@ -38,6 +38,7 @@ from .attention import attention_probs, drive_output
 from .canonical import annotate
 from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
 from .dynamo_quiet import quiet_compile
+from .mirror import has_patched_forward
 from .wrappers import weights_loaded
 
 
@@ -236,7 +237,11 @@ class DynamoRegion:
         self.steps = 0
         """Instrumented graphs run so far (each counted once per forward)."""
         self.last_runs = 0
-        self._forward = type(module).forward
+        # The forward the model runs: a wrapper replaced on the instance (run on the copy,
+        # frontends/wrappers.py) is traced through, as dynamo traces it inside a region.
+        patched = module.__dict__.get("forward") if has_patched_forward(module) else None
+        self._forward = (type(module).forward if patched is None
+                         else lambda _module, *a, **k: patched(*a, **k))
         self._compiled: Callable[..., Any] | None = None
 
     @property

@@ -254,3 +254,31 @@ def test_the_ops_of_a_wrapped_forward_are_sites_under_dynamo(wrap: object, trace
     assert not tapped.fallbacks
     torch.testing.assert_close(tapped.taps["blocks.0.relu"], want["relu"], rtol=0, atol=0)
     torch.testing.assert_close(tapped.taps["blocks.0.mul"], want["mul"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "auto", "hooks", "dynamo"])
+@pytest.mark.parametrize("how", ["cpu_offload", "dispatch_model"])
+def test_an_fx_traceable_model_dispatched_keeps_every_site(
+        how: str, tracer: str, tmp_path: object) -> None:
+    """fx regions call a module with accelerate's hooks (they run at its call, loading its
+    weights) and reach its ops as a region of its own: every site of the plain model, equal."""
+    torch.manual_seed(0)
+    plain = Net().eval()
+    model = Net().eval()
+    model.load_state_dict(plain.state_dict())
+    if how == "cpu_offload":
+        model = accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    else:
+        model = accelerate.dispatch_model(model, device_map={"blocks.0": "cpu", "blocks.1": "disk"},
+                                          offload_dir=str(tmp_path), main_device="cpu")
+    x = torch.randn(3, 4)
+    ref = fxprobe.tap(plain, ops="*", tracer=tracer)
+    mine = fxprobe.tap(model, ops="*", tracer=tracer)
+    with torch.no_grad():
+        torch.testing.assert_close(mine(x), ref(x), rtol=0, atol=0)
+    assert not mine.fallbacks
+    # A dispatched block is a region of its own under fx: its input is a site too.
+    assert {s.name for s in ref.sites} <= {s.name for s in mine.sites}
+    for s in ref.sites:
+        torch.testing.assert_close(mine.taps[s.name], ref.taps[s.name], rtol=0, atol=0)
+    assert model.blocks[1].fc1.weight.device == torch.device("meta")

@@ -101,6 +101,13 @@ def test_values_sites_and_canonical_names_equal_the_untapped_model(
     for name in ("blocks.0.resid_post", "blocks.1.resid_post", "blocks.1.resid_mid"):
         torch.testing.assert_close(taps[name], want[name], rtol=0, atol=0)
     torch.testing.assert_close(taps["model.layers.1.self_attn.q_proj"], want["q1"], rtol=0, atol=0)
+    devices = tapped.devices  # where each value is computed, and where offloaded weights live
+    # cpu_offload hooks only the modules that hold weights (and moves nothing between them).
+    assert devices.get("blocks.1.resid_mid") == (None if how == "cpu_offload" else "cpu")
+    kept = {"device_map": "disk", "dispatch_model": None, "cpu_offload": "cpu"}[how]
+    assert devices["model.layers.1.self_attn.q_proj"] == (
+        "cpu" if kept is None else f"cpu (weights offloaded to {kept})")
+    assert fxprobe.tap(load("plain", saved, ""), ops=nn.Linear).devices == {}
     # Every site the plain model has under dynamo, with its canonical names.
     ref = fxprobe.tap(plain, ops="*", tracer="auto")
     ref(IDS)

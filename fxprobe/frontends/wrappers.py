@@ -273,3 +273,49 @@ def _describe(fn: Callable[..., Any]) -> str:
     if isinstance(fn, types.MethodType):
         return f"a method of {type(fn.__self__).__name__} ({fn.__func__.__qualname__})"
     return f"{type(fn).__name__} {getattr(fn, '__qualname__', repr(fn))}"
+
+
+def placement(root: nn.Module) -> dict[str, str]:
+    """Where accelerate runs each dispatched module of ``root``'s tree, by module path: its
+    execution device, and where its weights are kept between forwards when offloaded
+    (``"cpu (weights offloaded to disk)"``). Empty for a model accelerate did not dispatch."""
+    out = {}
+    for path, m in root.named_modules():
+        hooks = _align_hooks(m.__dict__.get("_hf_hook"))
+        devices = [h for h in hooks or () if h.execution_device is not None]
+        if not devices:
+            continue
+        where = str(torch.device(devices[-1].execution_device))
+        kept = {_kept(h.weights_map, name) for h in hooks or () if h.offload
+                for name, _ in m.named_parameters(recurse=h.place_submodules)}
+        out[path] = (f"{where} (weights offloaded to {' and '.join(sorted(kept))})" if kept
+                     else where)
+    return out
+
+
+def _kept(weights: Any, name: str) -> str:
+    """``"disk"`` or ``"cpu"``: where accelerate keeps the offloaded weight ``name``."""
+    prefix = ""
+    while hasattr(weights, "dataset") and hasattr(weights, "prefix"):  # a PrefixedDataset
+        prefix, weights = prefix + weights.prefix, weights.dataset
+    index = getattr(weights, "index", None)
+    in_memory = getattr(weights, "state_dict", {})
+    return "disk" if isinstance(index, dict) and prefix + name in index and (
+        prefix + name not in in_memory) else "cpu"
+
+
+def site_devices(sites: Any, root: nn.Module) -> dict[str, str]:
+    """For each site (by name and canonical name), where its value is computed: the
+    :func:`placement` of the innermost dispatched module that holds it; empty for a model
+    accelerate did not dispatch."""
+    where = placement(root)
+    if not where:
+        return {}
+    out = {}
+    for s in sites:
+        path = s.module_path or ""
+        while path not in where and path:
+            path = path.rpartition(".")[0]
+        if path in where:  # by site name and by canonical name
+            out.update(dict.fromkeys((s.name, *s.canonical), where[path]))
+    return out

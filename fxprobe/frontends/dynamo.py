@@ -39,7 +39,7 @@ from .canonical import annotate
 from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
 from .dynamo_quiet import quiet_compile
 from .mirror import has_patched_forward
-from .wrappers import weights_loaded
+from .wrappers import offloaded, weights_loaded
 
 
 def _frame_id() -> int | None:
@@ -243,6 +243,8 @@ class DynamoRegion:
         self._forward = (type(module).forward if patched is None
                          else lambda _module, *a, **k: patched(*a, **k))
         self._compiled: Callable[..., Any] | None = None
+        self.offloaded = offloaded(module)
+        """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
 
     @property
     def what(self) -> str:
@@ -374,11 +376,13 @@ class DynamoRegion:
         # torch.compile traces this call: it would trace the collecting too).
         # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
         if self.calls == 1 and not torch.compiler.is_compiling():
-            with quiet_compile(self.what, lambda: self.graphs), weights_loaded(self.module):
+            with quiet_compile(self.what, lambda: self.graphs), weights_loaded(self.offloaded):
+                result = compiled(self.module, *args, **kwargs)
+        elif self.offloaded:
+            with weights_loaded(self.offloaded):
                 result = compiled(self.module, *args, **kwargs)
         else:
-            with weights_loaded(self.module):
-                result = compiled(self.module, *args, **kwargs)
+            result = compiled(self.module, *args, **kwargs)
         self.last_runs = ran = self.runs - before
         if ran == 0:
             raise CaptureError(

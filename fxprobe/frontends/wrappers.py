@@ -162,19 +162,20 @@ def _device_of(value: Any) -> Any:
     return None
 
 
+def offloaded(module: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """The modules of ``module``'s tree whose weights accelerate offloads (``offload=True``),
+    each with its hook; empty for a model accelerate did not dispatch."""
+    return [(m, h) for m in module.modules()
+            for h in (_align_hooks(m.__dict__.get("_hf_hook")) or ()) if h.offload]
+
+
 @contextlib.contextmanager
-def weights_loaded(module: nn.Module) -> Iterator[None]:
-    """Load the weights accelerate offloads (``offload=True``) for every module in ``module``'s
-    tree for the duration of a dynamo region's run, and offload them again after it: a
-    captured graph reads every weight when it starts. Nothing where nothing is offloaded."""
-    offloaded = [(m, h) for m in module.modules()
-                 for h in (_align_hooks(m.__dict__.get("_hf_hook")) or ()) if h.offload]
-    if not offloaded:
-        yield
-        return
+def weights_loaded(pairs: list[tuple[nn.Module, Any]]) -> Iterator[None]:
+    """Load the weights of :func:`offloaded` ``pairs`` for the duration of a dynamo region's
+    run, and offload them again after it: a captured graph reads every weight when it starts."""
     done = []
     try:
-        for m, h in offloaded:
+        for m, h in pairs:
             h.pre_forward(m)
             done.append((m, h))
         yield

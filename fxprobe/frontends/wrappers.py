@@ -111,9 +111,9 @@ def _accelerate_as_hooks(copy: nn.Module, state: dict[str, Any],
     # before every hook it has after it.
     state["_forward_pre_hooks"][pre_id] = pre
     state["_forward_pre_hooks_with_kwargs"][pre_id] = True
-    hooks = state["_forward_hooks"]
-    hooks[post_id] = post
-    hooks.move_to_end(post_id, last=False)
+    after = state["_forward_hooks"]
+    after[post_id] = post
+    after.move_to_end(post_id, last=False)
 
 
 def _hook(module: nn.Module) -> Any:
@@ -176,7 +176,9 @@ def weights_loaded(pairs: list[tuple[nn.Module, Any]]) -> Iterator[None]:
     done = []
     try:
         for m, h in pairs:
+            kept = getattr(h, "input_device", None)  # io_same_device: the call's, not ours
             h.pre_forward(m)
+            h.input_device = kept
             done.append((m, h))
         yield
     finally:

@@ -38,6 +38,8 @@ from .attention import attention_probs, drive_output
 from .canonical import annotate
 from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
 from .dynamo_quiet import quiet_compile
+from .mirror import has_patched_forward
+from .wrappers import offloaded, weights_loaded
 
 
 def _frame_id() -> int | None:
@@ -237,8 +239,14 @@ class DynamoRegion:
         self.steps = 0
         """Instrumented graphs run so far (each counted once per forward)."""
         self.last_runs = 0
-        self._forward = type(module).forward
+        # The forward the model runs: a wrapper replaced on the instance (run on the copy,
+        # frontends/wrappers.py) is traced through, as dynamo traces it inside a region.
+        patched = module.__dict__.get("forward") if has_patched_forward(module) else None
+        self._forward = (type(module).forward if patched is None
+                         else lambda _module, *a, **k: patched(*a, **k))
         self._compiled: Callable[..., Any] | None = None
+        self.offloaded = offloaded(module)
+        """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
 
     @property
     def what(self) -> str:
@@ -368,8 +376,12 @@ class DynamoRegion:
         before = self.runs
         # Dynamo compiles now: collect its pages of messages into one (not while an outer
         # torch.compile traces this call: it would trace the collecting too).
+        # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
         if self.calls == 1 and not torch.compiler.is_compiling():
-            with quiet_compile(self.what, lambda: self.graphs):
+            with quiet_compile(self.what, lambda: self.graphs), weights_loaded(self.offloaded):
+                result = compiled(self.module, *args, **kwargs)
+        elif self.offloaded:
+            with weights_loaded(self.offloaded):
                 result = compiled(self.module, *args, **kwargs)
         else:
             result = compiled(self.module, *args, **kwargs)

@@ -131,9 +131,8 @@ class _Planner:
         if self.tracer == "hooks" or isinstance(module, _CONTAINERS):
             self.open_up(module, path)
             return None
-        if has_patched_forward(module):
-            self.fallbacks.append(Fallback(path, type(module), _PATCHED, ""))
-            self.open_up(module, path)
+        if has_patched_forward(module):  # under "auto", dynamo tries the forward as patched
+            self.fall_back(Fallback(path, type(module), _PATCHED, ""), module, path)
             return None
         if self.tracer == "dynamo":
             self.dynamo.append(DynamoTarget(path, type(module), "tracer='dynamo'"))
@@ -200,7 +199,7 @@ class _Planner:
 
     def fall_back(self, failure: Fallback, module: nn.Module, path: str) -> None:
         """``module`` runs as written; under "auto", dynamo gets a try at it first."""
-        if not self.defer or has_patched_forward(module):
+        if not self.defer:
             self.fallbacks.append(failure)
             self.open_up(module, path)
             return

@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core.errors import TracedStateError
 from ..core.ops import INPLACE_DUNDERS, inplace_name
+from .wrappers import see_through
 
 _SHARED = ("_parameters", "_buffers", "_non_persistent_buffers_set")
 _OVERRIDE = "_fxprobe_override"
@@ -152,6 +153,7 @@ class _Copier:
                 # A method bound to the model (a patched forward, accelerate's _old_forward)
                 # runs on the copy, so that the copy's children are the ones it calls.
                 state[key] = types.MethodType(value.__func__, c)
+        see_through(m, c, state)  # a wrapper installed as the forward runs on the copy
         state["_modules"] = {
             k: (self.copy(v) if v is not None else None) for k, v in m._modules.items()}
         state[_COPY] = True

@@ -32,6 +32,7 @@ from ..frontends.mirror import (
     own_forward,
     user_hooks,
 )
+from ..frontends.wrappers import site_devices
 from .dispatch import module_dispatcher, root_dispatcher, signed
 from .intervene import Cache, Intervention, run_with_cache
 from .lifecycle import Lifecycle, State, fall_back_all
@@ -361,6 +362,13 @@ class TappedModule(nn.Module, Viewable):
         the last forward.
         """
         return self._lifecycle().selected
+
+    @property
+    def devices(self) -> dict[str, str]:
+        """For a model dispatched by accelerate (``device_map=``, ``cpu_offload``): where each
+        selected site's value is computed, by name and canonical name (``{"lm_head": "cuda:1"}``),
+        with where offloaded weights are kept (``"cpu (weights offloaded to disk)"``); else {}."""
+        return site_devices(self.sites, self._root)
 
     @property
     def captures(self) -> tuple[CaptureInfo, ...]:

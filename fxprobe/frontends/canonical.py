@@ -65,13 +65,12 @@ from .canonical_graph import (
     find_kernels,
     flat_nodes,
     full_of,
-    head_source,
     kernels_in,
     mlp_points,
     norms_after,
     numel_of,
-    z_of,
 )
+from .canonical_layout import per_head, z_of
 from .dynamo_names import NamedGraph
 
 VOCABULARY = (
@@ -377,9 +376,9 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
                 if ks:
                     kernel = ks[-1]
                     blk.kernels[part] = Kernel(
-                        kernel.node, head_source(g, kernel.q),
-                        head_source(g, kernel.k, transposed=kernel.scores is not kernel.node),
-                        head_source(g, kernel.v), kernel.scores, kernel.pattern)
+                        kernel.node, per_head(g, kernel.q),
+                        per_head(g, kernel.k, transposed=kernel.scores is not kernel.node),
+                        per_head(g, kernel.v), kernel.scores, kernel.pattern)
                     blk.z[part] = z_of(g, kernel.node)
                     if part == "cross_attn":
                         blk.cross = True

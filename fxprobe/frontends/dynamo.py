@@ -20,6 +20,8 @@ keyed by the identity of a parameter it receives, and a new instance gets its ow
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +50,16 @@ def _frame_id() -> int | None:
         return None
     frame = getattr(compile_id, "frame_id", None)
     return frame if isinstance(frame, int) else None
+
+
+def _positional(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters after ``self`` (none where unknown)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params))
 
 
 def dynamo_failed(e: BaseException) -> bool:
@@ -236,6 +248,8 @@ class DynamoRegion:
         """Instrumented graphs run so far (each counted once per forward)."""
         self.last_runs = 0
         self._forward = type(module).forward
+        self.arg_names = _positional(self._forward)
+        """The forward's positional parameters: its inputs are sites by these names."""
         self._compiled: Callable[..., Any] | None = None
 
     @property
@@ -317,7 +331,8 @@ class DynamoRegion:
         named: NamedGraph = name_graph(
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
-            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
+            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat,
+            arg_names=self.arg_names)
         named = annotate(graph, named, root=self.module, root_path=self.path)
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]

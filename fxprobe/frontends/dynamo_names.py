@@ -14,7 +14,7 @@ and hands out the same name whenever that key comes back.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +99,7 @@ class NamedGraph:
     """The sites of one captured graph, for one instance of the frame's module."""
 
     sites: dict[fx.Node, Site]
-    """The site of each node that has one (calls, not placeholders or attributes)."""
+    """The site of each node that has one (calls, and the forward's own inputs)."""
     sdpa: dict[fx.Node, Site]
     """The attention-probabilities site beside each scaled_dot_product_attention call."""
     order: list[Site]
@@ -114,7 +114,8 @@ class NamedGraph:
 def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                module_ids: dict[int, str], captured_prefix: str, frame_prefix: str,
                is_leaf: Callable[[nn.Module, str], bool], namer: StableNamer,
-               probs_fn: Callable[..., Any], repeat: int = 0) -> NamedGraph:
+               probs_fn: Callable[..., Any], repeat: int = 0,
+               arg_names: Sequence[str] = ()) -> NamedGraph:
     """Give every call node of a dynamo graph a :class:`Site` (``how="dynamo"``).
 
     Args:
@@ -133,6 +134,9 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         repeat: 0, or n for the graph's (n+1)-th run for the same module instance in one
             forward (a module called twice): names of their own, counted on from the first
             run's (``inner.fc``, then ``inner.fc_1``), as repeats within a module are.
+        arg_names: the names of the region's forward's positional parameters. Where the
+            region is the whole model, the tensors its forward was called with are sites named
+            by their parameter (``input_ids``, ``attention_mask``), as fx names them.
     """
     modules: dict[str, nn.Module | None] = {}
     seen_modules: set[str] = {_join(root_path, frame_prefix)}
@@ -227,6 +231,15 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         seen[(base, loc)] = occurrence + 1
         return namer.name(base, f"{loc}#{repeat}" if repeat else loc, occurrence)
 
+    if not repeat and not frame_prefix and not root_path:  # the model's own inputs
+        for node in graph.nodes:
+            arg = input_name(node, arg_names)
+            if arg is not None:
+                site = Site(namer.name(arg, "", 0), "dynamo", "placeholder", arg, "", None,
+                            None)
+                attach(node, site)
+                sites[node] = site
+                order.append(site)
     for node in calls:
         loc = _location(node)
         if node in outputs:
@@ -257,6 +270,30 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
             sdpa[node] = probs
             order.append(probs)
     return NamedGraph(sites, sdpa, order, frozenset(seen_modules))
+
+
+_ARG = re.compile(r"^L\['args'\]\[(\d+)\]$")
+_KWARG = re.compile(r"^L\['kwargs'\]\['(\w+)'\]$")
+
+
+def input_name(node: fx.Node, arg_names: Sequence[str]) -> str | None:
+    """The parameter name of a graph input that is an argument the region's forward was
+    called with (dynamo's source ``L['args'][i]`` or ``L['kwargs']['name']`` in the frame
+    that calls it), else None."""
+    if node.op != "placeholder":
+        return None
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    if not isinstance(name, str):
+        return None
+    found = _KWARG.match(name)
+    if found:
+        return found.group(1)
+    found = _ARG.match(name)
+    if found and int(found.group(1)) < len(arg_names):
+        return arg_names[int(found.group(1))]
+    return None
 
 
 def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ...]:

@@ -117,6 +117,18 @@ def test_every_canonical_value_has_its_documented_shape(family: str, attn: str) 
             expected = (batch * t, width) if family == "OPT" and role == "mlp_out" \
                 else (batch, t, width)
         assert tuple(value.shape) == expected, f"{family} {name}: {tuple(value.shape)}"
+    if family in ROLES:  # what docs/transformers.md says these families have
+        roles = {n.split(".", 2)[2] if n.startswith("blocks.") else n for n in found}
+        assert roles == ROLES[family], family
+
+
+_GPT2_ROLES = {"embed", "pos_embed", "resid_pre", "attn.q", "attn.k", "attn.v", "attn.scores",
+               "attn.pattern", "attn.z", "attn_out", "resid_mid", "mlp.pre", "mlp.post",
+               "mlp_out", "resid_post", "ln_final", "logits"}
+ROLES = {"Bloom": _GPT2_ROLES - {"pos_embed"}, "GPT-2-reorder": _GPT2_ROLES,
+         "Falcon-alibi": _GPT2_ROLES - {"pos_embed", "resid_mid"},
+         "Cohere": _GPT2_ROLES - {"pos_embed", "resid_mid"},
+         "Granite": _GPT2_ROLES - {"pos_embed"}}
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -36,9 +36,15 @@ BATCH, HEADS, POS, DIM = ("b", "bh.0"), ("h", "h.0", "bh.1"), ("t",), ("d",)
 before a grouped-query repeat splits them), positions, head dim."""
 
 
-def labels(names: list[str], shape: tuple[Any, ...]) -> Dims:
-    """One atom per dimension (none for a dimension of size 1)."""
-    return [() if _is_one(s) else ((n, s),) for n, s in zip(names, shape, strict=True)]
+def labels(names: list[str], shape: tuple[Any, ...], batch: Any = None) -> Dims:
+    """One atom per dimension (none for a dimension of size 1). ``bh`` (batch * heads) is
+    ``h`` where the batch (the stream's first dimension) is 1, ``b`` where it is the batch."""
+    out: Dims = []
+    for n, s in zip(names, shape, strict=True):
+        if n == "bh" and batch is not None:
+            n = "h" if _is_one(batch) else "b" if sympy.simplify(s - batch) == 0 else n
+        out.append(() if _is_one(s) else ((n, s),))
+    return out
 
 
 def _is_one(x: Any) -> bool:
@@ -179,18 +185,19 @@ def matches(dims: Dims | None, order: tuple[tuple[str, ...], ...]) -> bool:
         for d, kinds in zip(dims, order, strict=True))
 
 
-def per_head(g: Any, n: fx.Node | None, transposed: bool = False) -> fx.Node | None:
+def per_head(g: Any, n: fx.Node | None, transposed: bool = False, batch: Any = None
+             ) -> fx.Node | None:
     """The earliest value the kernel argument ``n`` is a view of that is laid out as
     (batch, heads, positions, head dim): the model's own heads, after rotary. ``n`` is
     (batch, heads, positions, head dim), or (batch * heads, ...) as Bloom's ``bmm`` reads it;
-    ``transposed``: the last two swapped (``k.T``)."""
+    ``transposed``: the last two swapped (``k.T``); ``batch``: the stream's batch size."""
     shape = g.shape(n) if n is not None else None
     if n is None or shape is None or len(shape) not in (3, 4):
         return None
     names = ["b", "h", "t", "d"] if len(shape) == 4 else ["bh", "t", "d"]
     if transposed:
         names[-2:] = names[-1:-3:-1]
-    dims: Dims | None = labels(names, shape)
+    dims: Dims | None = labels(names, shape, batch)
     best, prev = None, n
     for x in g.back(n, frozenset(SAME | RESHAPES | SWAPS | {"permute", "t", "expand",
                                                             "expand_as", "broadcast_to",
@@ -205,14 +212,14 @@ def per_head(g: Any, n: fx.Node | None, transposed: bool = False) -> fx.Node | N
     return best
 
 
-def z_of(g: Any, kernel: fx.Node) -> fx.Node | None:
+def z_of(g: Any, kernel: fx.Node, batch: Any = None) -> fx.Node | None:
     """The last value between the kernel and the output projection (the first op after it that
     reads a weight) laid out as (batch, positions, heads, head dim)."""
     shape = g.shape(kernel)
     if shape is None or len(shape) not in (3, 4):
         return None
     dims: Dims | None = labels(["b", "h", "t", "d"] if len(shape) == 4 else ["bh", "t", "d"],
-                               shape)
+                               shape, batch)
     best: fx.Node | None = None
     x = kernel
     for _ in range(16):

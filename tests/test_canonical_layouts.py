@@ -213,10 +213,8 @@ def test_editing_one_head_of_z_edits_that_head(family: str, how: str) -> None:
             edited = tapped(**kwargs(family)).logits
     else:
         tapped = fxprobe.tap(model, ops=name, tracer="dynamo")
-        with torch.no_grad():
-            tapped(**kwargs(family))  # (a block entered before any forward: issue #26, 1)
-            with tapped.intervene({name: zero_head}):
-                edited = tapped(**kwargs(family)).logits
+        with torch.no_grad(), tapped.intervene({name: zero_head}):  # before any forward
+            edited = tapped(**kwargs(family)).logits
     heads = _heads(model.config)[0]
 
     def pre(m: nn.Module, args: Any) -> Any:
@@ -237,8 +235,6 @@ def test_editing_one_head_of_bloom_q_edits_that_head() -> None:
     """Doubling head h of ``attn.q`` equals doubling Bloom's fused query of head h."""
     model, head = build("Bloom"), 2
     tapped = fxprobe.tap(model, ops="blocks.0.attn.q", tracer="dynamo")
-    with torch.no_grad():
-        tapped(**kwargs("Bloom"))
 
     def double(site: Any, q: torch.Tensor) -> torch.Tensor:
         q = q.clone()
@@ -306,3 +302,29 @@ def test_logit_lens_on_families_that_scale_the_logits(family: str, scale: float)
     torch.testing.assert_close(head * scale, out.logits)
     torch.testing.assert_close(tapped.taps["logits"], out.logits)
     assert not torch.allclose(head, out.logits)
+
+
+def test_names_found_from_weights_hold_in_every_naming_of_a_graph() -> None:
+    """``attn.z``, ``mlp.pre``/``post`` and ``logits`` are found from the ops that read a weight;
+    dynamo drops its graph inputs' sources after the capture, and the graph is named again for
+    per-call runs (and for other module instances): the names must not drift (issue #26, 1)."""
+    model = build("GPT-2")
+    names = ["blocks.*.attn.z", "blocks.*.mlp.pre", "blocks.*.mlp.post", "logits"]
+    tapped = fxprobe.tap(model, ops="blocks.0.resid_post", tracer="dynamo")
+    ref: dict[str, torch.Tensor] = {}
+    reference = build("GPT-2")
+    for L, block in enumerate(reference.transformer.h):
+        for role, module in (("attn.z", block.attn.c_proj), ("mlp.pre", block.mlp.act),
+                             ("mlp.post", block.mlp.c_proj)):
+            module.register_forward_pre_hook(
+                lambda m, a, key=f"blocks.{L}.{role}": ref.setdefault(key, a[0].clone()))
+    with torch.no_grad():
+        ref["logits"] = reference(**kwargs("GPT-2")).logits
+        tapped(**kwargs("GPT-2"))
+        caches = [tapped.run_with_cache(**kwargs("GPT-2"), names=names)[1] for _ in range(2)]
+    for cache in caches:
+        assert len(list(cache)) == 7
+        for name, value in ref.items():
+            if name.endswith(".z"):
+                value = value.view(*value.shape[:-1], 2, -1)
+            torch.testing.assert_close(cache[name], value, msg=name)

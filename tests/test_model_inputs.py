@@ -136,3 +136,22 @@ def test_the_padding_recipe_of_the_disk_docs(monkeypatch: pytest.MonkeyPatch,
     assert len(acts) == 2 * int(mask.sum())
     rows = torch.stack([acts[i] for i in range(len(acts))])
     torch.testing.assert_close(rows, torch.cat([real, real]))
+
+
+def test_inputs_are_reached_per_call() -> None:
+    """``run_with_cache`` keeps an input and ``intervene`` edits it, the first per-call run
+    (a graph named again, after dynamo dropped its inputs' sources) included."""
+    ids, mask = _batch()
+    edited = mask.clone()
+    edited[1, :3] = 0
+    tapped = fxprobe.tap(_gpt2(), ops="blocks.0.resid_post", tracer="dynamo")
+    model = _gpt2()
+    with torch.no_grad():
+        tapped(input_ids=ids, attention_mask=mask, use_cache=False)
+        _, cache = tapped.run_with_cache(input_ids=ids, attention_mask=mask, use_cache=False,
+                                         names=["input_ids", "attention_mask"])
+        with tapped.intervene({"attention_mask": lambda s, v: edited}):
+            out = tapped(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        expected = model(input_ids=ids, attention_mask=edited, use_cache=False).logits
+    assert torch.equal(cache["input_ids"], ids) and torch.equal(cache["attention_mask"], mask)
+    torch.testing.assert_close(out, expected)

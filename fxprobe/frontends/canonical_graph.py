@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from ..core.ops import VIEW_OPS
 from ..core.site import CALL_ARGS, SITES, Site, node_site
-from .dynamo_names import NamedGraph, dynamo_op_key, is_state
+from .dynamo_names import PARAMETER, NamedGraph, dynamo_op_key, is_state
 
 # Ops that only change a value's shape, layout or dtype (the same numbers): walked through.
 VIEWS = frozenset(VIEW_OPS - {"dropout", "feature_alpha_dropout", "alpha_dropout",
@@ -113,6 +113,8 @@ class GraphIndex:
     @staticmethod
     def is_parameter(n: fx.Node) -> bool:
         """A module's parameter (not a buffer: position ids, masks, frequencies)."""
+        if n.op == "placeholder" and n.meta.get(PARAMETER):
+            return True
         source = getattr(n.meta.get("grapharg"), "source", None)
         name = getattr(source, "name", None)
         name = name() if callable(name) else name

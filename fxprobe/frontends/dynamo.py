@@ -38,7 +38,16 @@ from ..core.site import STATE, Site, attach
 from ..core.view import CapturedGraph, CaptureInfo
 from .attention import attention_probs, drive_output
 from .canonical import annotate
-from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
+from .dynamo_names import (
+    FILE_LINE,
+    INPUT,
+    PARAMETER,
+    NamedGraph,
+    StableNamer,
+    input_name,
+    name_graph,
+    param_path,
+)
 from .dynamo_quiet import quiet_compile
 
 
@@ -113,12 +122,17 @@ class _Captured:
         self.anchor_rel = ""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, node in enumerate(placeholders[: len(example_inputs)]):
+            arg = input_name(node, region.arg_names)
+            if arg is not None:
+                node.meta[INPUT] = arg
             source = getattr(node.meta.get("grapharg"), "source", None)
             name = getattr(source, "name", None)
             name = name() if callable(name) else name
             if isinstance(example_inputs[i], nn.Parameter) or (
                     isinstance(name, str) and "_buffers" in name):
                 node.meta[STATE] = True  # the module's own: no code around the graph writes it
+            if isinstance(name, str) and "._parameters[" in name:
+                node.meta[PARAMETER] = True  # (the source is gone when the graph is renamed)
             if not isinstance(name, str) or not isinstance(example_inputs[i], nn.Parameter):
                 continue
             rel = param_path(name)
@@ -331,8 +345,7 @@ class DynamoRegion:
         named: NamedGraph = name_graph(
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
-            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat,
-            arg_names=self.arg_names)
+            is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
         named = annotate(graph, named, root=self.module, root_path=self.path)
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]

@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
-from ..core.site import CALL_ARGS, Site, attach
+from ..core.site import CALL_ARGS, STATE, Site, attach
 from ..core.view import is_state
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
@@ -114,8 +114,7 @@ class NamedGraph:
 def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                module_ids: dict[int, str], captured_prefix: str, frame_prefix: str,
                is_leaf: Callable[[nn.Module, str], bool], namer: StableNamer,
-               probs_fn: Callable[..., Any], repeat: int = 0,
-               arg_names: Sequence[str] = ()) -> NamedGraph:
+               probs_fn: Callable[..., Any], repeat: int = 0) -> NamedGraph:
     """Give every call node of a dynamo graph a :class:`Site` (``how="dynamo"``).
 
     Args:
@@ -134,9 +133,10 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         repeat: 0, or n for the graph's (n+1)-th run for the same module instance in one
             forward (a module called twice): names of their own, counted on from the first
             run's (``inner.fc``, then ``inner.fc_1``), as repeats within a module are.
-        arg_names: the names of the region's forward's positional parameters. Where the
-            region is the whole model, the tensors its forward was called with are sites named
-            by their parameter (``input_ids``, ``attention_mask``), as fx names them.
+
+    Where the region is the whole model, the tensors its forward was called with (the graph
+    inputs marked ``INPUT``) are sites named by their parameter (``input_ids``,
+    ``attention_mask``), as fx names them.
     """
     modules: dict[str, nn.Module | None] = {}
     seen_modules: set[str] = {_join(root_path, frame_prefix)}
@@ -233,8 +233,8 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
 
     if not repeat and not frame_prefix and not root_path:  # the model's own inputs
         for node in graph.nodes:
-            arg = input_name(node, arg_names)
-            if arg is not None:
+            arg = node.meta.get(INPUT) if node.op == "placeholder" else None
+            if isinstance(arg, str):
                 site = Site(namer.name(arg, "", 0), "dynamo", "placeholder", arg, "", None,
                             None)
                 attach(node, site)
@@ -272,6 +272,15 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     return NamedGraph(sites, sdpa, order, frozenset(seen_modules))
 
 
+PARAMETER = "fxprobe_parameter"
+"""``node.meta`` key on a graph input that is a module's parameter (not a buffer), set at the
+capture: dynamo drops the inputs' sources once it has the graph."""
+
+INPUT = "fxprobe_input"
+"""``node.meta`` key on a graph input that is an argument of the region's forward: its
+parameter name (dynamo drops the input's source from the graph after the capture, and the
+graph is named again later: for another module instance, with intervention points)."""
+
 _ARG = re.compile(r"^L\['args'\]\[(\d+)\]$")
 _KWARG = re.compile(r"^L\['kwargs'\]\['(\w+)'\]$")
 
@@ -304,7 +313,7 @@ def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ..
         for a in n.all_input_nodes:
             if a in group or a in found or a.op == "get_attr":
                 continue
-            if a.op == "placeholder" and is_state(a):
+            if a.op == "placeholder" and (a.meta.get(STATE) or is_state(a)):
                 continue
             found[a] = None
     return tuple(found)

@@ -563,7 +563,8 @@ def test_dynamo_graphs_are_drawn_op_by_op(tmp_path: Path) -> None:
         assert _reaches(edges, f"{a}.softmax", f"{a}.matmul_1")
         assert "fxprobe-dynamo" in nodes[f"{a}.softmax"]["class"]
         assert nodes[f"{a}.softmax"]["label"].endswith("float32 [2, 2, 7, 7]")
-    assert _reaches(edges, "/input", "transformer.h.0.attn.softmax")
+    # The model's input is a site (named by the forward's parameter, as fx draws it).
+    assert _reaches(edges, "input_ids", "transformer.h.0.attn.softmax")
     assert _reaches(edges, "transformer.h.1.attn.matmul_1", "/output")
     assert "1 graph(s) of the last capture drawn op by op" in source
     first = set(nodes)

@@ -65,13 +65,12 @@ from .canonical_graph import (
     find_kernels,
     flat_nodes,
     full_of,
-    head_source,
     kernels_in,
     mlp_points,
     norms_after,
     numel_of,
-    z_of,
 )
+from .canonical_layout import per_head, z_of
 from .dynamo_names import NamedGraph
 
 VOCABULARY = (
@@ -349,6 +348,7 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
         stops |= stream
     if not resid:
         return None
+    batch = shape[0] if shape else None
     # The stream after each add, as the next add (or the code after the block) reads it.
     for i, r in enumerate(resid):
         if i + 1 < len(resid):
@@ -377,10 +377,11 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
                 if ks:
                     kernel = ks[-1]
                     blk.kernels[part] = Kernel(
-                        kernel.node, head_source(g, kernel.q),
-                        head_source(g, kernel.k, transposed=kernel.scores is not kernel.node),
-                        head_source(g, kernel.v), kernel.scores, kernel.pattern)
-                    blk.z[part] = z_of(g, kernel.node)
+                        kernel.node, per_head(g, kernel.q, batch=batch),
+                        per_head(g, kernel.k, transposed=kernel.scores is not kernel.node,
+                                 batch=batch),
+                        per_head(g, kernel.v, batch=batch), kernel.scores, kernel.pattern)
+                    blk.z[part] = z_of(g, kernel.node, batch)
                     if part == "cross_attn":
                         blk.cross = True
             if part == "mlp" and node is not None:

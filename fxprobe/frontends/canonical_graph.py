@@ -251,24 +251,6 @@ def eager_kernel(g: GraphIndex, softmax: fx.Node) -> Kernel | None:
                    v if isinstance(v, fx.Node) else None, scores, softmax, qk)
 
 
-def head_source(g: GraphIndex, n: fx.Node | None, transposed: bool = False) -> fx.Node | None:
-    """What the kernel reads, walked back through views and head repeats to the earliest value
-    laid out as (batch, heads, positions, head dim): the model's own heads, after rotary."""
-    if n is None:
-        return None
-    ref = g.shape(n)
-    if ref is None or len(ref) < 3:
-        return n
-    if transposed:  # k.T: (batch, heads, dim, positions)
-        ref = (*ref[:-2], ref[-1], ref[-2])
-    best = None
-    for x in g.back(n, VIEWS):
-        s = g.shape(x)
-        if s is not None and len(s) == len(ref) and s[0] == ref[0] and s[-2:] == ref[-2:]:
-            best = x
-    return best
-
-
 def flat_nodes(args: Any) -> Iterable[fx.Node]:
     if isinstance(args, fx.Node):
         yield args
@@ -347,25 +329,6 @@ def kernels_in(g: GraphIndex, node: fx.Node, inside: set[fx.Node], stops: set[fx
                 kernels: dict[fx.Node, Kernel]) -> list[Kernel]:
     anc = g.ancestors(node, inside, stops)
     return [kernels[n] for n in sorted(anc & kernels.keys(), key=g.index.__getitem__)]
-
-
-def z_of(g: GraphIndex, kernel: fx.Node) -> fx.Node | None:
-    """The last value with a head dimension between the kernel and the output projection."""
-    rank = len(g.shape(kernel) or ())
-    best: fx.Node | None = kernel
-    x = kernel
-    for _ in range(16):
-        users = list(x.users)
-        proj = [u for u in users if g.projects(u)]
-        if proj:
-            return best
-        views = [u for u in users if g.key(u) in VIEWS]
-        if len(views) != 1:
-            return None
-        x = views[0]
-        if len(g.shape(x) or ()) == rank:
-            best = x
-    return None
 
 
 def mlp_points(g: GraphIndex, out: fx.Node, inside: set[fx.Node], stops: set[fx.Node],

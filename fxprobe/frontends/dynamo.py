@@ -20,6 +20,8 @@ keyed by the identity of a parameter it receives, and a new instance gets its ow
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +38,15 @@ from ..core.site import SOURCE, STATE, Site, attach, source_name
 from ..core.view import CapturedGraph, CaptureInfo
 from .attention import attention_probs, drive_output
 from .canonical import annotate
-from .dynamo_names import FILE_LINE, NamedGraph, StableNamer, name_graph, param_path
+from .dynamo_names import (
+    FILE_LINE,
+    INPUT,
+    NamedGraph,
+    StableNamer,
+    input_name,
+    name_graph,
+    param_path,
+)
 from .dynamo_quiet import quiet_compile
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
@@ -50,6 +60,16 @@ def _frame_id() -> int | None:
         return None
     frame = getattr(compile_id, "frame_id", None)
     return frame if isinstance(frame, int) else None
+
+
+def _positional(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters after ``self`` (none where unknown)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params))
 
 
 def dynamo_failed(e: BaseException) -> bool:
@@ -106,6 +126,9 @@ class _Captured:
             kept = source_name(node)
             if kept is not None:
                 node.meta[SOURCE] = kept
+            arg = input_name(node, region.arg_names)
+            if arg is not None:
+                node.meta[INPUT] = arg
         for i, node in enumerate(placeholders[: len(example_inputs)]):
             name = source_name(node)
             if isinstance(example_inputs[i], nn.Parameter) or (
@@ -244,6 +267,9 @@ class DynamoRegion:
         patched = module.__dict__.get("forward") if has_patched_forward(module) else None
         self._forward = (type(module).forward if patched is None
                          else lambda _module, *a, **k: patched(*a, **k))
+        self.arg_names = _positional(self._forward)
+        """The forward's positional parameters (none for a replaced forward): its inputs are sites
+        by these names."""
         self._compiled: Callable[..., Any] | None = None
         self.offloaded = offloaded(module)
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""

@@ -14,7 +14,7 @@ and hands out the same name whenever that key comes back.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
-from ..core.site import CALL_ARGS, Site, attach
+from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
 from ..core.view import is_state
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
@@ -99,7 +99,7 @@ class NamedGraph:
     """The sites of one captured graph, for one instance of the frame's module."""
 
     sites: dict[fx.Node, Site]
-    """The site of each node that has one (calls, not placeholders or attributes)."""
+    """The site of each node that has one (calls, and the forward's own inputs)."""
     sdpa: dict[fx.Node, Site]
     """The attention-probabilities site beside each scaled_dot_product_attention call."""
     order: list[Site]
@@ -133,6 +133,10 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         repeat: 0, or n for the graph's (n+1)-th run for the same module instance in one
             forward (a module called twice): names of their own, counted on from the first
             run's (``inner.fc``, then ``inner.fc_1``), as repeats within a module are.
+
+    Where the region is the whole model, the tensors its forward was called with (the graph
+    inputs marked ``INPUT``) are sites named by their parameter (``input_ids``,
+    ``attention_mask``), as fx names them.
     """
     modules: dict[str, nn.Module | None] = {}
     seen_modules: set[str] = {_join(root_path, frame_prefix)}
@@ -227,6 +231,15 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         seen[(base, loc)] = occurrence + 1
         return namer.name(base, f"{loc}#{repeat}" if repeat else loc, occurrence)
 
+    if not repeat and not frame_prefix and not root_path:  # the model's own inputs
+        for node in graph.nodes:
+            arg = node.meta.get(INPUT) if node.op == "placeholder" else None
+            if isinstance(arg, str):
+                site = Site(namer.name(arg, "", 0), "dynamo", "placeholder", arg, "", None,
+                            None)
+                attach(node, site)
+                sites[node] = site
+                order.append(site)
     for node in calls:
         loc = _location(node)
         if node in outputs:
@@ -259,6 +272,33 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     return NamedGraph(sites, sdpa, order, frozenset(seen_modules))
 
 
+INPUT = "fxprobe_input"
+"""``node.meta`` key on a graph input that is an argument of the region's forward: its
+parameter name (dynamo drops the input's source from the graph after the capture, and the
+graph is named again later: for another module instance, with intervention points)."""
+
+_ARG = re.compile(r"^L\['args'\]\[(\d+)\]$")
+_KWARG = re.compile(r"^L\['kwargs'\]\['(\w+)'\]$")
+
+
+def input_name(node: fx.Node, arg_names: Sequence[str]) -> str | None:
+    """The parameter name of a graph input that is an argument the region's forward was
+    called with (dynamo's source ``L['args'][i]`` or ``L['kwargs']['name']`` in the frame
+    that calls it), else None."""
+    if node.op != "placeholder":
+        return None
+    name = source_name(node)
+    if name is None:
+        return None
+    found = _KWARG.match(name)
+    if found:
+        return found.group(1)
+    found = _ARG.match(name)
+    if found and int(found.group(1)) < len(arg_names):
+        return arg_names[int(found.group(1))]
+    return None
+
+
 def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ...]:
     """The values a module call read from outside it, in first-use order: its tensor inputs,
     without the parameters and buffers (graph inputs that dynamo sourced from a module)."""
@@ -267,7 +307,7 @@ def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ..
         for a in n.all_input_nodes:
             if a in group or a in found or a.op == "get_attr":
                 continue
-            if a.op == "placeholder" and is_state(a):
+            if a.op == "placeholder" and (a.meta.get(STATE) or is_state(a)):
                 continue
             found[a] = None
     return tuple(found)

@@ -1,0 +1,90 @@
+"""Review of the lifecycle merge (issue #26): silent wrong answers found by comparing the tapped
+module with the model itself, eagerly, carrying the same hooks."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fxprobe
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) + 1
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Inner()
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * 2)
+
+
+def _model() -> Outer:
+    torch.manual_seed(0)
+    return Outer().eval()
+
+
+X = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _double(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2
+
+
+def _add1(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out + 1
+
+
+def _times3(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+    return (args[0] * 3,), kwargs
+
+
+def _shift(mod: nn.Module, args: Any) -> Any:
+    return (args[0] + 1,)
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "dynamo", "hooks"])
+@pytest.mark.parametrize("where", ["", "a", "a.lin", "b"])
+def test_a_hook_prepended_on_the_model_after_tap_runs_first(tracer: str, where: str) -> None:
+    # The copy appended the model's new hooks: prepend=True ran last, (out*2)+1 for (out+1)*2.
+    model = _model()
+    tapped = fxprobe.tap(model, ops="a" if tracer == "hooks" else "a.add", tracer=tracer)
+    module = model.get_submodule(where)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "traced again" where the module was inlined
+        module.register_forward_hook(_double)
+        assert torch.equal(tapped(X), model(X))
+        module.register_forward_hook(_add1, prepend=True)
+        assert torch.equal(tapped(X), model(X))
+        module.register_forward_pre_hook(_shift)
+        module.register_forward_pre_hook(_times3, with_kwargs=True, prepend=True)
+        assert torch.equal(tapped(X), model(X))
+
+
+def test_the_tapped_modules_own_hooks_keep_their_place() -> None:
+    model = _model()
+    tapped = fxprobe.tap(model, ops="a.add")
+    order: list[str] = []
+    tapped.b.register_forward_hook(lambda m, a, o: order.append("own") or None)
+    tapped.b.register_forward_hook(lambda m, a, o: order.append("own first") or None,
+                                   prepend=True)
+    model.b.register_forward_hook(lambda m, a, o: order.append("model") or None)
+    model.b.register_forward_hook(lambda m, a, o: order.append("model first") or None,
+                                  prepend=True)
+    tapped(X)
+    # Each keeps its own order (which of the two runs first is not the model's to say).
+    assert [o for o in order if o.startswith("model")] == ["model first", "model"]
+    assert [o for o in order if o.startswith("own")] == ["own first", "own"]

@@ -88,3 +88,28 @@ def test_the_tapped_modules_own_hooks_keep_their_place() -> None:
     # Each keeps its own order (which of the two runs first is not the model's to say).
     assert [o for o in order if o.startswith("model")] == ["model first", "model"]
     assert [o for o in order if o.startswith("own")] == ["own first", "own"]
+
+
+def _times3_inner(mod: nn.Module, args: Any, out: Any) -> Any:
+    return out * 3 if isinstance(mod, Inner) else None
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "dynamo"])
+def test_a_global_module_hook_set_or_removed_after_tap_acts(tracer: str) -> None:
+    # register_module_forward_hook runs for every module call: the graphs had inlined Inner's
+    # forward (fx: with the hook as it was at trace time), so a change after tap() went unseen.
+    from torch.nn.modules.module import register_module_forward_hook
+    model = _model()
+    tapped = fxprobe.tap(model, ops="a.add", tracer=tracer)
+    plain = tapped(X)
+    handle = register_module_forward_hook(_times3_inner)
+    try:
+        want = model(X)
+        assert not torch.equal(want, plain)
+        with pytest.warns(UserWarning, match="every module"):
+            assert torch.equal(tapped(X), want)
+    finally:
+        handle.remove()
+    with pytest.warns(UserWarning, match="every module"):
+        assert torch.equal(tapped(X), plain)
+    assert torch.equal(tapped.taps["a.add"], model.a(X))

@@ -113,3 +113,61 @@ def test_a_global_module_hook_set_or_removed_after_tap_acts(tracer: str) -> None
     with pytest.warns(UserWarning, match="every module"):
         assert torch.equal(tapped(X), plain)
     assert torch.equal(tapped.taps["a.add"], model.a(X))
+
+
+class Tagged(nn.Module):
+    """fx cannot trace it; dynamo splits it at a graph break, and the code after the break
+    (its resume frame) is compiled again for every new value of ``tag`` (a str it guards on),
+    while the frame before it is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        tag = str(round(float(h.sum()), 1))
+        return torch.tanh(h) * len(tag)
+
+
+class WithTagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.tagged = Tagged()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tagged(self.stem(x)) + 1
+
+
+@pytest.mark.parametrize("tracer", ["auto", "dynamo"])
+def test_a_resume_frame_past_the_recompile_limit_is_never_silent(
+        tracer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The graph before the break kept running, so fxprobe saw graphs run: the resume frame ran
+    # as written and 'tagged.tanh' was silently missing from the taps from then on.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WithTagged().eval()
+    tapped = fxprobe.tap(model, ops=["stem", torch.tanh], tracer=tracer)
+    said: list[str] = []
+    for i in range(8):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out = tapped(x)
+            except fxprobe.CaptureError as e:  # tracer="dynamo": dynamo's failure is an error
+                assert tracer == "dynamo" and "recompile_limit" in str(e)
+                said.append(str(e))
+                break
+            want = model(x)
+        said += [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+        assert torch.equal(out, want), i
+        assert torch.equal(tapped.taps["stem"], model.stem(x)), i
+        if not said:
+            assert torch.equal(tapped.taps["tagged.tanh"],
+                               torch.tanh(model.tagged.lin(model.stem(x)))), i
+    assert len(said) == 1, said
+    if tracer == "auto":
+        assert "'tagged'" in said[0] and "'tagged.tanh'" in said[0]

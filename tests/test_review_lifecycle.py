@@ -171,3 +171,49 @@ def test_a_resume_frame_past_the_recompile_limit_is_never_silent(
     assert len(said) == 1, said
     if tracer == "auto":
         assert "'tagged'" in said[0] and "'tagged.tanh'" in said[0]
+
+
+class Waits(nn.Module):
+    """Calls ``self.wait()`` (run eagerly by dynamo) in the middle of its forward."""
+
+    def __init__(self, wait: Any) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.wait = torch._dynamo.disable(wait)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.wait()
+        return torch.tanh(h)
+
+
+def test_two_threads_in_dynamo_regions_leave_dynamos_settings_as_they_were() -> None:
+    # fxprobe makes dynamo raise at recompile_limit while its regions run (a setting of the
+    # calling thread: dynamo's settings are thread-local). Interleaved (A in, B in, A out,
+    # B out), the user's setting is back in both threads.
+    import threading
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    first = fxprobe.tap(Waits(lambda: a_in.set() or b_in.wait(10)), ops=torch.tanh,
+                        tracer="dynamo")
+    second = fxprobe.tap(Waits(lambda: b_in.set() or a_out.wait(10)), ops=torch.tanh,
+                         tracer="dynamo")
+    a_in.set(), b_in.set(), a_out.set()
+    first(X), second(X)  # compiled: what follows compiles nothing
+    a_in.clear(), b_in.clear(), a_out.clear()
+    assert torch._dynamo.config.fail_on_recompile_limit_hit is False
+    seen: list[bool] = []
+
+    def run_second() -> None:
+        a_in.wait(10)
+        second(X)
+        seen.append(torch._dynamo.config.fail_on_recompile_limit_hit)
+
+    thread = threading.Thread(target=run_second)
+    thread.start()
+    try:
+        first(X)
+    finally:
+        a_out.set()
+        thread.join()
+    assert torch._dynamo.config.fail_on_recompile_limit_hit is False and seen == [False]

@@ -372,7 +372,7 @@ class DynamoRegion:
             # A frame past recompile_limit runs as written, its sites silently not captured:
             # the resume frame after a graph break too, while the graphs before it ran.
             # Dynamo raises instead, and the caller falls back (runs the module as written).
-            config = torch._dynamo.config
+            config = torch._dynamo.config  # its settings are thread-local
             hard = config.fail_on_recompile_limit_hit
             config.fail_on_recompile_limit_hit = True
             try:

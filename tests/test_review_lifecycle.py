@@ -217,3 +217,41 @@ def test_two_threads_in_dynamo_regions_leave_dynamos_settings_as_they_were() -> 
         a_out.set()
         thread.join()
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False and seen == [False]
+
+
+@pytest.mark.parametrize("registered", ["before tap", "after tap"])
+def test_a_pre_hooks_op_takes_no_site_name_under_dynamo(registered: str) -> None:
+    # Dynamo traced the pre-hook's ``args[0] + 1`` inside a's call and named it 'a.add', so
+    # ops='a.add' (the forward's ``+ 1``, as fx names it) silently captured the hook's sum.
+    model = _model()
+    if registered == "before tap":
+        model.a.register_forward_pre_hook(_shift)
+    tapped = fxprobe.tap(model, ops=["a.add", "a.lin"], tracer="dynamo")
+    tapped(X)
+    if registered == "after tap":
+        model.a.register_forward_pre_hook(_shift)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # traced again
+        out = tapped(X)
+    lin = model.a.lin(X + 1)
+    assert torch.equal(out, model(X))
+    assert torch.equal(tapped.taps["a.lin"], lin)
+    assert torch.equal(tapped.taps["a.add"], torch.relu(lin) + 1)
+    assert sorted(tapped.taps.keys()) == ["a.add", "a.lin"]
+
+
+@pytest.mark.parametrize("tracer", ["hooks", "auto", "dynamo"])
+def test_a_module_call_site_is_what_the_call_returns_with_hooks_set_after_tap(
+        tracer: str) -> None:
+    # fxprobe's own capturing hook ran before the model's hooks carried over after tap(): the
+    # site 'a' held the output before them (a hook set before tap() came first, as it should).
+    model = _model()
+    tapped = fxprobe.tap(model, ops="a", tracer=tracer)
+    tapped(X)
+    model.a.register_forward_hook(_double)
+    model.a.register_forward_pre_hook(_shift)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = tapped(X)
+    assert torch.equal(out, model(X))
+    assert torch.equal(tapped.taps["a"], model.a(X))

@@ -343,10 +343,12 @@ def _sync_table(m: nn.Module, c: nn.Module, table: str, now: tuple[int, ...],
                 if k in getattr(m, f):
                     getattr(c, f)[k] = getattr(m, f)[k]
     # In the model's order (``prepend=True`` puts a hook first): the copy's own hooks that ran
-    # before all of the model's stay first, the others after them.
+    # before all of the model's stay first, the others after them, fxprobe's last (a site
+    # is what the call returns, or what the forward receives, as when set before tap()).
     ours, keys = set(now), list(mine)
     first = next((i for i, k in enumerate(keys) if k in ours), len(keys))
-    for k in [*now, *(k for k in keys[first:] if k not in ours)]:
+    late = [k for k in keys if getattr(mine[k], _FXPROBE_HOOK, False)]
+    for k in [*now, *(k for k in keys[first:] if k not in ours and k not in late), *late]:
         mine.move_to_end(k)
     if table == "_backward_hooks":  # full or not: one setting per module
         c.__dict__["_is_full_backward_hook"] = m.__dict__.get("_is_full_backward_hook")

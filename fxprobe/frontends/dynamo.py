@@ -400,25 +400,40 @@ class DynamoRegion:
             compiled = self._compiled = torch.compile(run, backend=self.backend)
         self.calls += 1
         before = self.runs
-        # Dynamo compiles now: collect its pages of messages into one (not while an outer
-        # torch.compile traces this call: it would trace the collecting too).
-        # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
-        if self.calls == 1 and not torch.compiler.is_compiling():
-            with quiet_compile(self.what, lambda: self.graphs), weights_loaded(self.offloaded):
-                result = compiled(self.module, *args, **kwargs)
-        elif self.offloaded:
-            with weights_loaded(self.offloaded):
-                result = compiled(self.module, *args, **kwargs)
-        else:
+        if torch.compiler.is_compiling():  # an outer torch.compile traces this call
             result = compiled(self.module, *args, **kwargs)
+        else:
+            # A frame past recompile_limit runs as written, its sites silently not captured:
+            # the resume frame after a graph break too, while the graphs before it ran.
+            # Dynamo raises instead, and the caller falls back (runs the module as written).
+            config = torch._dynamo.config  # its settings are thread-local
+            hard = config.fail_on_recompile_limit_hit
+            config.fail_on_recompile_limit_hit = True
+            try:
+                # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
+                with weights_loaded(self.offloaded):
+                    if self.calls == 1:  # dynamo compiles now: its pages of messages made one
+                        with quiet_compile(self.what, lambda: self.graphs):
+                            result = compiled(self.module, *args, **kwargs)
+                    else:
+                        result = compiled(self.module, *args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+                raise CaptureError(self._limit_hit(
+                    "a frame of it (the code after a graph break, or the forward) past "
+                    "torch._dynamo.config.recompile_limit would run as written, its sites not "
+                    "captured")) from e
+            finally:
+                config.fail_on_recompile_limit_hit = hard
         self.last_runs = ran = self.runs - before
         if ran == 0:
-            raise CaptureError(
-                f"torch dynamo ran {type(self.module).__name__}"
-                f"{f' ({self.path})' if self.path else ''} without any of fxprobe's graphs, "
-                "so nothing could be tapped: it hit torch._dynamo.config.recompile_limit "
-                f"(now {torch._dynamo.config.recompile_limit}) or skipped the frame (as it "
-                "does inside an outer torch.compile, which traces through it). Raise "
-                "that limit, call torch._dynamo.reset(), or use tracer='hooks'."
-            )
+            raise CaptureError(self._limit_hit(
+                "it ran without any of fxprobe's graphs, so nothing could be tapped: it hit "
+                "torch._dynamo.config.recompile_limit or skipped the frame (as it does inside "
+                "an outer torch.compile, which traces through it)"))
         return result
+
+    def _limit_hit(self, what: str) -> str:
+        return (f"torch dynamo on {type(self.module).__name__}"
+                f"{f' ({self.path})' if self.path else ''}: {what}. The limit is now "
+                f"{torch._dynamo.config.recompile_limit}: raise it, call "
+                "torch._dynamo.reset(), or use tracer='hooks'.")

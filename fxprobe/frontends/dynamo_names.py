@@ -240,8 +240,20 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                 attach(node, site)
                 sites[node] = site
                 order.append(site)
+    hooked = _hook_lines(modules.values())
     for node in calls:
         loc = _location(node)
+        if node not in outputs and hooked and _in_hook(node, hooked):
+            # A hook's own op (the model's hooks run inside the module call dynamo traced):
+            # no site, as under fx, where a hooked module is called; named, it would take the
+            # name of the forward's op after it (``a.add`` for the forward's ``a.add_1``).
+            for path, m, args, first in reversed(module_calls.get(node, ())):
+                call = Site(next_name(path, _location(first)), "dynamo", "call_module", path,
+                            path, type(m), module_key(type(m)), inlined=True, listed=False)
+                attach(node, call)
+                node.meta.setdefault(CALL_ARGS, {})[call.name] = (args, first)
+                order.append(call)
+            continue
         if node in outputs:
             path, m = outputs[node]
             site = Site(next_name(path, loc), "dynamo", "call_module", path, path, type(m),
@@ -297,6 +309,34 @@ def input_name(node: fx.Node, arg_names: Sequence[str]) -> str | None:
     if found and int(found.group(1)) < len(arg_names):
         return arg_names[int(found.group(1))]
     return None
+
+
+def _hook_lines(modules: Any) -> dict[str, list[tuple[int, int]]]:
+    """The source lines (first, last) of the forward and pre-forward hooks of ``modules``
+    (and the global module hooks), by file."""
+    from torch.nn.modules import module as torch_module
+    fns = [*torch_module._global_forward_pre_hooks.values(),
+           *torch_module._global_forward_hooks.values()]
+    for m in modules:
+        if m is not None:
+            fns += [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+    out: dict[str, list[tuple[int, int]]] = {}
+    for fn in fns:
+        fn = getattr(fn, "func", fn)  # functools.partial
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is None or getattr(fn, "_fxprobe_hook", False):
+            continue
+        lines = [line for _, _, line in code.co_lines() if line is not None]
+        out.setdefault(code.co_filename, []).append((code.co_firstlineno, max(lines, default=0)))
+    return out
+
+
+def _in_hook(node: fx.Node, hooked: dict[str, list[tuple[int, int]]]) -> bool:
+    """Whether a frame of ``node``'s stack trace is in the code of one of the ``hooked``."""
+    for file, line in FILE_LINE.findall(node.meta.get("stack_trace") or ""):
+        if any(a <= int(line) <= b for a, b in hooked.get(file, ())):
+            return True
+    return False
 
 
 def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ...]:

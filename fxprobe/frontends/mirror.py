@@ -223,6 +223,17 @@ def _hook_keys(module: nn.Module, library: bool = True) -> tuple[tuple[int, ...]
                        and (library or not library_hook(fn))) for table in _HOOK_TABLES)
 
 
+GLOBAL_HOOKS = "every module (torch.nn.modules.module.register_module_forward_hook and kin)"
+"""What :meth:`HookWatch.changed` names when the global module hooks changed."""
+_GLOBAL_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                  "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _global_keys() -> tuple[tuple[int, ...], ...]:
+    """The keys of the hooks every module runs (``register_module_forward_hook`` and kin)."""
+    return tuple(tuple(getattr(torch.nn.modules.module, t)) for t in _GLOBAL_TABLES)
+
+
 class HookWatch:
     """Notices a hook registered on (or removed from) a module whose forward a graph inlined,
     where the graph would never run it.
@@ -240,11 +251,17 @@ class HookWatch:
         self.hooked = {path: _hook_keys(m) for path, m in modules.items() if user_hooks(m)}
         self.users = {path: _hook_keys(modules[path], library=False) for path in self.hooked}
         self.epoch = RemovableHandle.next_id
+        self.globals = _global_keys()
 
     def changed(self) -> list[str]:
-        """The paths of the watched modules whose hooks changed (empty: none did)."""
+        """The paths of the watched modules whose hooks changed (empty: none did);
+        :data:`GLOBAL_HOOKS` where the hooks every module runs changed."""
         out = [p for p, keys in self.hooked.items() if _hook_keys(self.modules[p]) != keys
                ] if self.hooked else []
+        if (any(self.globals) or RemovableHandle.next_id != self.epoch) and \
+                _global_keys() != self.globals:  # a removal draws no number
+            self.globals = _global_keys()
+            out.append(GLOBAL_HOOKS)
         if RemovableHandle.next_id == self.epoch:
             return out
         self.epoch = RemovableHandle.next_id
@@ -259,8 +276,8 @@ class HookWatch:
     def by_user(self, paths: list[str]) -> list[str]:
         """Those of ``paths`` (:meth:`changed`) where hooks other than libraries' changed."""
         empty = ((),) * len(_HOOK_TABLES)
-        return [p for p in paths
-                if _hook_keys(self.modules[p], library=False) != self.users.get(p, empty)]
+        return [p for p in paths if p == GLOBAL_HOOKS or p in self.modules and
+                _hook_keys(self.modules[p], library=False) != self.users.get(p, empty)]
 
 
 class HookMirror:
@@ -327,6 +344,14 @@ def _sync_table(m: nn.Module, c: nn.Module, table: str, now: tuple[int, ...],
             for f in flags:
                 if k in getattr(m, f):
                     getattr(c, f)[k] = getattr(m, f)[k]
+    # In the model's order (``prepend=True`` puts a hook first): the copy's own hooks that ran
+    # before all of the model's stay first, the others after them, fxprobe's last (a site
+    # is what the call returns, or what the forward receives, as when set before tap()).
+    ours, keys = set(now), list(mine)
+    first = next((i for i, k in enumerate(keys) if k in ours), len(keys))
+    late = [k for k in keys if getattr(mine[k], _FXPROBE_HOOK, False)]
+    for k in [*now, *(k for k in keys[first:] if k not in ours and k not in late), *late]:
+        mine.move_to_end(k)
     if table == "_backward_hooks":  # full or not: one setting per module
         c.__dict__["_is_full_backward_hook"] = m.__dict__.get("_is_full_backward_hook")
 

@@ -57,3 +57,30 @@ def test_fx_call_of_layer_is_named_layer_beside_a_layer_0():
     want = [ref["layer_0"][0], ref["layer_0"][1], ref["layer"][0], ref["layer"][1]]
     for name, w in zip(names, want, strict=True):
         torch.testing.assert_close(got[name], w, rtol=0, atol=0)
+
+
+class _Tokens(nn.Module):
+    """Patch tokens with no class token and no declared grid (LeViT's blocks are so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.patch(x).flatten(2).transpose(1, 2))
+
+
+def test_features_tokens_of_a_non_square_image_take_its_grid():
+    # A 32x8 image makes a 8x2 grid of 16 tokens: the square root laid them out 4x4, silently
+    # (timm's LeViT at 256x64 gave (B, 128, 8, 8) where forward_intermediates gives 16x4).
+    torch.manual_seed(0)
+    m = _Tokens().eval()
+    for shape, grid in (((32, 8), (8, 2)), ((8, 32), (2, 8)), ((28, 20), (7, 5))):
+        x = torch.randn(2, 3, *shape)
+        tokens = m.blocks[0](m.patch(x).flatten(2).transpose(1, 2))
+        want = tokens.transpose(1, 2).reshape(2, 8, *grid)
+        got, = fxprobe.features(m, [0])(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        nhwc, = fxprobe.features(m, [0], output_fmt="NHWC")(x)
+        torch.testing.assert_close(nhwc, want.permute(0, 2, 3, 1), rtol=0, atol=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,3 +85,34 @@ def test_features_tokens_of_a_non_square_image_take_its_grid():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         nhwc, = fxprobe.features(m, [0], output_fmt="NHWC")(x)
         torch.testing.assert_close(nhwc, want.permute(0, 2, 3, 1), rtol=0, atol=0)
+
+
+class _PreHooked(nn.Module):
+    """feature_info as timm's feature_location='expansion' writes it: the input of ``pw``
+    (hook_type='forward_pre', 12 channels), whose output has 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 12, 3, stride=2, padding=1)
+        self.pw = nn.Conv2d(12, 4, 1)
+        self.feature_info = [
+            {"module": "pw", "hook_type": "forward_pre", "num_chs": 12, "reduction": 2}]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pw(self.stem(x))
+
+
+def test_extractor_channels_not_taken_from_a_forward_pre_feature_info():
+    # The extractor returns pw's output (4 channels) and reported the entry's 12.
+    m, x = _PreHooked().eval(), torch.randn(1, 3, 16, 12)
+    ex = fxprobe.extractor(m, return_nodes=["pw"])
+    out = ex(x)
+    assert out["pw"].shape[1] == 4
+    assert ex.channels() == [4] and ex.reduction() == [2]
+
+
+def test_features_refuses_a_forward_pre_feature_info():
+    # It took pw's output (4 channels) where the entry means pw's input (12).
+    m = _PreHooked().eval()
+    with pytest.raises(fxprobe.ConfigError, match="forward_pre"):
+        fxprobe.features(m)

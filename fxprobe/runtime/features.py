@@ -256,6 +256,12 @@ def _feature_info(model: nn.Module) -> list[dict[str, Any]] | None:
     where = _POSITIONS.get(type(model).__name__) if _is_timm(model) else None
     out = []
     for d in found:
+        if d.get("hook_type") == "forward_pre":
+            raise ConfigError(
+                f"{type(model).__name__}.feature_info entry {d['module']!r} is that module's "
+                "input (hook_type='forward_pre', timm's feature_location='expansion'), which "
+                "features() does not take (it returns module outputs); create the model with "
+                "the default feature_location, or pass site names as indices")
         site = where(model, d["module"]) if where is not None else d["module"]
         if site not in modules:
             close = difflib.get_close_matches(d["module"], [p for p in modules if p], n=3)

@@ -67,6 +67,10 @@ _SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     levit = timm.create_model("levit_128s", pretrained=False).eval()
     check("levit_128s", levit, torch.randn(1, 3, 224, 224), (None, [1]), dict(pretrained=False))
+    torch.manual_seed(0)  # a non-square input: 16x4 tokens, which the square root laid out 8x8
+    levit = timm.create_model("levit_128s", pretrained=False, img_size=(256, 64)).eval()
+    check("levit_128s", levit, torch.randn(1, 3, 256, 64), (None,),
+          dict(pretrained=False, img_size=(256, 64)))
 
     torch.manual_seed(0)
     tv = SwinTransformer(patch_size=[4, 4], embed_dim=24, depths=[1, 1, 1, 1],
@@ -123,6 +127,7 @@ def test_swin_levit_hrnet_and_torchvision_layouts() -> None:
     assert "equal swin_tiny_patch4_window7_224 [(2, 16, 16, 24), (2, 8, 8, 48)" in out, out
     assert "[24, 48, 96, 192] [4, 8, 16, 32]" in out, out
     assert "equal hrnet_w18_small" in out and "equal levit_128s" in out, out
+    assert "equal levit_128s [(1, 128, 16, 4), (1, 256, 8, 2), (1, 384, 4, 1)]" in out, out
     assert "tv swin [24, 48, 96, 192] [4, 8, 16, 32]" in out, out
     assert "tv vit [16, 16, 16] [8, 8, 8]" in out, out
     # The extractor returns the raw values: heights and token counts were reported as channels

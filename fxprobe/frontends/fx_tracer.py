@@ -297,7 +297,9 @@ class Namer:
             name = f"{name}_{index + 1}"
         self.last[name] = 0
         base, sep, digits = name.rpartition("_")
-        if sep and digits.isdigit():
+        if sep and digits.isdigit() and (self.strip or index is not None):
+            # A kept own _N is no count: the first call of layer_0 leaves layer's count alone
+            # (else the first call of a module `layer` beside it would be named layer_1).
             self.last[base] = int(digits)
         return name
 

@@ -146,5 +146,8 @@ def model_info(model: nn.Module) -> dict[str, dict[str, Any]]:
         found = found.get_dicts()
     if not isinstance(found, (list, tuple)):
         return {}
+    # An entry hooked before its module (timm's feature_location="expansion": the input of
+    # conv_pwl) describes that module's input, not the value its site returns: it is left out.
     return {d["module"]: d for d in found if isinstance(d, dict)
-            and isinstance(d.get("module"), str) and "num_chs" in d and "reduction" in d}
+            and isinstance(d.get("module"), str) and "num_chs" in d and "reduction" in d
+            and d.get("hook_type") != "forward_pre"}

@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from ..core.errors import ConfigError, UnsupportedModelError
 from .extract import build_extractor
-from .layout import BlockFormat, contradiction, declared_format, reading, stride
+from .layout import BlockFormat, contradiction, declared_format, reading, stride, token_grid
 from .program import check_model
 
 OutputFormat = Literal["NCHW", "NHWC", "NLC"]
@@ -98,19 +98,19 @@ class Features(nn.Module):
                 return nchw.flatten(2).transpose(1, 2), measured
             return (nchw.permute(0, 2, 3, 1) if self.output_fmt == "NHWC" else nchw), measured
         b, n, c = t.shape
-        p = self._prefix(name, n)
+        p = self._prefix(name, n, image)
         prefix, tokens = t[:, :p], t[:, p:]
         if self.output_fmt == "NLC":  # (B, H*W, C): the grid is not in the shape
             spatial, measured = tokens, (int(c), None)
         else:
-            h, w = self._grid(name, n - p)
+            h, w = self._grid(name, n - p, image)
             spatial = tokens.reshape(b, h, w, c)
             measured = (int(c), stride(image, h))
             if self.output_fmt == "NCHW":
                 spatial = spatial.permute(0, 3, 1, 2)
         return ((spatial, prefix) if self.return_prefix_tokens else spatial), measured
 
-    def _prefix(self, name: str, n: int) -> int:
+    def _prefix(self, name: str, n: int, image: torch.Tensor | None) -> int:
         if self.prefix_tokens is not None:
             return self.prefix_tokens
         if self.grid is not None and n == self.grid[0] * self.grid[1]:
@@ -119,6 +119,10 @@ class Features(nn.Module):
             return self.declared_prefix
         if self.grid is not None:
             return n - self.grid[0] * self.grid[1]
+        if image is not None and image.shape[-2] != image.shape[-1]:
+            for p in (0, 1):  # no class token, or one: whichever leaves the image's grid
+                if token_grid(image, n - p) is not None:
+                    return p
         for p in (0, 1):  # no class token, or one
             if math.isqrt(n - p) ** 2 == n - p:
                 return p
@@ -126,15 +130,22 @@ class Features(nn.Module):
             f"block {name!r} gives {n} tokens, which is no square grid with 0 or 1 prefix "
             "tokens: pass prefix_tokens= (class and register tokens) and/or grid=(H, W)")
 
-    def _grid(self, name: str, n: int) -> tuple[int, int]:
+    def _grid(self, name: str, n: int, image: torch.Tensor | None) -> tuple[int, int]:
         if self.grid is not None:
             h, w = self.grid
+        elif image is not None and image.shape[-2] != image.shape[-1]:
+            # A non-square image: its grid, not the square root (which a count like LeViT's
+            # 16x4 = 64 tokens of a 256x64 input would pass as 8x8).
+            h, w = token_grid(image, n) or (0, 0)
         else:
             h = w = math.isqrt(n)
         if h * w != n:
+            what = f"a {h}x{w} grid" if h else (
+                f"the grid of any one stride of the {image.shape[-2]}x{image.shape[-1]} input"
+                if image is not None else "a grid")
             raise ConfigError(
-                f"block {name!r} gives {n} tokens after the prefix, which do not fill a "
-                f"{h}x{w} grid; pass grid=(H, W) and prefix_tokens= as the model has them")
+                f"block {name!r} gives {n} tokens after the prefix, which do not fill {what}; "
+                "pass grid=(H, W) and prefix_tokens= as the model has them")
         return h, w
 
 
@@ -169,7 +180,8 @@ def features(model: nn.Module, indices: int | Sequence[int] | Sequence[str] | No
             joins), else the model's ``num_prefix_tokens`` (timm), else inferred (0 or 1,
             whichever leaves a square).
         grid: ``(H, W)`` of the patch grid; default: ``model.patch_embed.grid_size`` (timm),
-            else the square root of the token count.
+            else, for a non-square input image, the grid one stride makes of it, else the
+            square root of the token count.
         return_prefix_tokens: return ``(map, prefix)`` pairs.
         leaf_modules: as in :func:`fxprobe.extractor`.
         train: trace the training-mode forward.
@@ -244,6 +256,12 @@ def _feature_info(model: nn.Module) -> list[dict[str, Any]] | None:
     where = _POSITIONS.get(type(model).__name__) if _is_timm(model) else None
     out = []
     for d in found:
+        if d.get("hook_type") == "forward_pre":
+            raise ConfigError(
+                f"{type(model).__name__}.feature_info entry {d['module']!r} is that module's "
+                "input (hook_type='forward_pre', timm's feature_location='expansion'), which "
+                "features() does not take (it returns module outputs); create the model with "
+                "the default feature_location, or pass site names as indices")
         site = where(model, d["module"]) if where is not None else d["module"]
         if site not in modules:
             close = difflib.get_close_matches(d["module"], [p for p in modules if p], n=3)

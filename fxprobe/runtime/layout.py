@@ -63,3 +63,19 @@ def contradiction(t: torch.Tensor, fmt: BlockFormat, image: torch.Tensor | None,
         return (f"no power-of-two stride makes a {h}x{w} map of a "
                 f"{image.shape[-2]}x{image.shape[-1]} input, and one makes a {h2}x{w2} map")
     return None
+
+
+def token_grid(image: torch.Tensor | None, n: int) -> tuple[int, int] | None:
+    """The ``(H, W)`` grid of ``n`` patch tokens of a non-square image: the one ``h x w == n``
+    that one integer stride makes of the image (rounded down or up in each direction), or
+    None where the image is square or absent (the square root stands) or no single grid fits.
+    LeViT's 256x64 input makes 16x4 tokens, which the square root read as 8x8."""
+    if image is None or n <= 0:
+        return None
+    hin, win = int(image.shape[-2]), int(image.shape[-1])
+    if hin == win:
+        return None
+    found = {(h, w) for s in range(1, max(hin, win) + 1)
+             for h in {hin // s, -(-hin // s)} for w in {win // s, -(-win // s)}
+             if h * w == n}
+    return found.pop() if len(found) == 1 else None

@@ -3,6 +3,8 @@ first line of an exception as a reason to show in a table or an error."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def join(prefix: str, name: str) -> str:
     """``prefix.name``, or whichever of the two is not empty (``join("", "fc") == "fc"``)."""
@@ -13,3 +15,8 @@ def one_line(exc: BaseException) -> str:
     """``"TypeName: first line of the message"``, or ``"TypeName"`` when it has no message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def some(items: Sequence[str]) -> str:
+    """The first few of ``items``, quoted, for a message (``'a', 'b', 'c' ...``)."""
+    return ", ".join(repr(p) for p in items[:3]) + (" ..." if len(items) > 3 else "")

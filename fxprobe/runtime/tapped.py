@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
 from ..core.errors import ConfigError, RemovedError, SelectorError
+from ..core.names import some
 from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
 from ..core.select import Selector, as_selector
@@ -40,7 +41,6 @@ from .program import Program, SiteNames, View, build_program
 from .shapes import propagate
 
 if TYPE_CHECKING:
-
     from ..present.summary import Table
 
 
@@ -210,7 +210,7 @@ class TappedModule(nn.Module, Viewable):
                 if changed:  # hooks on modules a graph inlined
                     users = watch.by_user(changed)  # not a library's own (transformers')
                     life = self._retrace(
-                        f"fxprobe: the hooks of {_some(users)} changed after tap() (on the "
+                        f"fxprobe: the hooks of {some(users)} changed after tap() (on the "
                         "model or the tapped module), inside code fxprobe had traced through "
                         "(where they would not run as set); the model is traced again, so that "
                         "they do. Register hooks before tap() to avoid the second trace."
@@ -265,7 +265,7 @@ class TappedModule(nn.Module, Viewable):
         adopted = adopt(self._root)
         return (
             "fxprobe: submodules of the tapped module changed after tap()"
-            + (f" ({_some(adopted)} assigned; each is replaced by a copy sharing its "
+            + (f" ({some(adopted)} assigned; each is replaced by a copy sharing its "
                "parameters, so that fxprobe never installs anything on your object)"
                if adopted else "")
             + "; the model is traced again.")
@@ -306,15 +306,14 @@ class TappedModule(nn.Module, Viewable):
 
     def run_with_cache(self, *args: Any, names: Any = None, **kwargs: Any) -> tuple[Any, Cache]:
         """``(output, cache)``: one forward and the values of the sites ``names`` selects
-        (every site by default), by name. Example: ``out, cache = tapped.run_with_cache(ids)``.
-        """
-        if isinstance(names, (list, tuple, set, frozenset)):
-            names = [self._selector(n) for n in names]
+        (every site by default), by name. Example: ``out, cache = tapped.run_with_cache(ids)``."""
         return run_with_cache(self, args, kwargs, self._selector(names))
 
     def _selector(self, obj: Any) -> Any:
         """``obj``; a module of the model or of the tapped module: the selector of its calls
-        (its paths in the tapped tree)."""
+        (its paths in the tapped tree); a collection: each of its items so."""
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            return [self._selector(o) for o in obj]
 
         def paths(module: nn.Module) -> list[str]:
             ids = {id(c) for _, m, c in self._model_hooks.pairs if m is module} or {id(module)}
@@ -365,9 +364,7 @@ class TappedModule(nn.Module, Viewable):
 
     @property
     def devices(self) -> dict[str, str]:
-        """For a model dispatched by accelerate (``device_map=``, ``cpu_offload``): where each
-        selected site's value is computed, by name and canonical name (``{"lm_head": "cuda:1"}``),
-        with where offloaded weights are kept (``"cpu (weights offloaded to disk)"``); else {}."""
+        """Where each selected site is computed, for a model accelerate dispatched; else {}."""
         return site_devices(self.sites, self._root)
 
     @property
@@ -501,8 +498,3 @@ class TappedModule(nn.Module, Viewable):
         dyn = sum(1 for s in selected if s.how == "dynamo")
         text = f"sites={len(selected)} (fx={len(selected) - hooks - dyn}, hook={hooks}"
         return text + (f", dynamo={dyn} found so far)" if life.program.dynamo else ")")
-
-
-def _some(paths: Sequence[str]) -> str:
-    """The first few of ``paths``, quoted, for a message."""
-    return ", ".join(repr(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")

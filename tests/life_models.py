@@ -263,7 +263,6 @@ SWIN = Spec(
     ops=[nn.LayerNorm, "stages.1.mlp.1", "stages.0.attn.proj"],
     points={"norm": ("norm", "out", 0), "stages.0.norm1": ("stages.0.norm1", "out", 0),
             "stages.0.attn.proj": ("stages.0.attn.proj", "out", 0),
-            "stages.0.attn": ("stages.0.attn", "out", 0),
             "stages.0.norm2": ("stages.0.norm2", "out", 0),
             "stages.1.norm1": ("stages.1.norm1", "out", 0),
             "stages.1.norm2": ("stages.1.norm2", "out", 0),
@@ -272,9 +271,9 @@ SWIN = Spec(
             "stages.0": ("stages.0", "out", 0), "head": ("head", "out", 0)},
     taps=("norm", "stages.0.norm1", "stages.1.norm2", "stages.1.mlp.1",
           "stages.0.attn.proj"),
-    edits=("norm", "stages.0.attn", "stages.1.mlp.1", "stages.0", "stages.*.norm2",
+    edits=("norm", "stages.1.mlp.1", "stages.0", "stages.*.norm2",
            "stages.0.attn.proj", "head"),
-    selectors=(nn.LayerNorm, "stages.0.*", "stages.1.mlp", ["head", "stages.0.attn"],
+    selectors=(nn.LayerNorm, "stages.0.*", "stages.1.mlp", ["head", "stages.0.attn.proj"],
                nn.Linear, None),
     shapes=((1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 16), (1, 3, 16, 8)))
 

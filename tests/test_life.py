@@ -339,6 +339,42 @@ def test_life(name: str) -> None:
     run_state_machine_as_test(machine, settings=_settings(name))
 
 
+# Sequences the machine found, replayed as written in every run (hypothesis' derandomized
+# examples in CI need not pass through them): issue 26's bugs 1-3.
+SEQUENCES: dict[str, tuple[int, list[tuple[str, dict[str, Any]]]]] = {
+    # 1. canonical names stop matching per-call selectors after the first block
+    "gpt2": (8, [("forward", dict(shape=0, seed=0)),
+                 *[step for _ in range(2) for step in (
+                     ("enter", dict(which=2, scale=2.0, pos=None)),  # blocks.1.attn.z
+                     ("forward", dict(shape=0, seed=0)), ("leave", dict(raising=False)))],
+                 ("cache", dict(shape=0, seed=0, which=2)),  # names="logits"
+                 ("cache", dict(shape=0, seed=0, which=2)),
+                 ("cache", dict(shape=0, seed=0, which=0))]),  # names="blocks.0.*"
+    # 2. "auto": past the recompile limit, a new rank must not silently drop the op sites
+    "twice-auto": (2, [("forward", dict(shape=k, seed=0)) for k in (0, 1, 2, 3)]),
+    # 3. per-call runs of a frame called twice in one forward: four calls, each its own
+    "twice-dynamo": (8, [("forward", dict(shape=0, seed=0)),
+                         ("cache", dict(shape=0, seed=0, which=0)),  # names=nn.Linear
+                         ("enter", dict(which=2, scale=-4.0, pos=1)),  # inner.fc_2
+                         ("forward", dict(shape=0, seed=0)), ("leave", dict(raising=False))]),
+}
+
+
+@pytest.mark.parametrize("name", list(SEQUENCES))
+def test_life_sequence(name: str) -> None:
+    spec = SPECS[name]
+    if spec.tokens:
+        pytest.importorskip("transformers")
+    limit, steps = SEQUENCES[name]
+    machine = type(f"Life_{name.replace('-', '_')}", (Life,), {"SPEC": spec})()
+    try:
+        Life.start(machine, limit)
+        for rule_name, kwargs in steps:
+            getattr(Life, rule_name)(machine, **kwargs)
+    finally:
+        machine.teardown()
+
+
 def test_the_edits_commute_bitwise() -> None:
     """The reference composes edits at two points of one value in hook order, fxprobe at its
     one site in block order: the test's edits make both orders give the same bits."""

@@ -49,8 +49,8 @@ import fxprobe
 
 STEPS = int(os.environ.get("FXPROBE_LIFE_STEPS", "0"))
 # (examples, steps per example) in CI: each example pays dynamo's captures afresh.
-CI = {"gpt2": (1, 8), "llama": (1, 8), "resnet": (2, 8), "swin": (2, 8),
-      "twice-dynamo": (3, 10), "twice-auto": (3, 10)}
+CI = {"gpt2": (1, 6), "llama": (1, 6), "resnet": (2, 6), "swin": (2, 6),
+      "twice-dynamo": (2, 8), "twice-auto": (2, 8)}
 
 
 class Life(RuleBasedStateMachine):

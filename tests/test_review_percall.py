@@ -227,3 +227,33 @@ def test_reduce_stats_after_a_call_where_every_rank_was_idle(tmp_path: Path) -> 
     for rank, said in got.items():
         assert isinstance(said, list), said  # a traceback: the scenario failed on that rank
         assert len(said) == 1 and "rank 1 ran no forward" in said[0], (rank, said)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an edit of attn.k/attn.v (the kernel's input, after the cache's torch.cat) also flows "
+    "into the graph output dynamo stores back as the KV cache: the next step edits the "
+    "already edited positions again (a flip undoes itself, a steering vector adds up)"))
+@torch.no_grad()
+def test_an_edit_of_the_cached_values_applies_once_per_step() -> None:
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=50, bos_token_id=0, eos_token_id=0)).eval()
+    model.config._attn_implementation = "eager"
+    ref = copy.deepcopy(model)
+    tapped = fxprobe.tap(model, ops="blocks.0.resid_post", tracer="dynamo")
+    ids, new = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9]])
+    name = "blocks.1.attn.v"
+    kept: dict[str, torch.Tensor] = {}
+    original = llama.eager_attention_forward
+    llama.eager_attention_forward = _attention({name: _flip}, kept)  # each step's kernel
+    try:
+        first = ref(input_ids=ids, use_cache=True)
+        want = ref(input_ids=new, past_key_values=first.past_key_values).logits
+    finally:
+        llama.eager_attention_forward = original
+    with tapped.intervene({name: lambda s, v: _flip(v)}):
+        out = tapped(input_ids=ids, use_cache=True)
+        assert torch.allclose(out.logits, first.logits, atol=1e-5)  # the prompt: right
+        got = tapped(input_ids=new, past_key_values=out.past_key_values).logits
+    assert torch.allclose(got, want, atol=1e-5)

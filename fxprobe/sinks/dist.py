@@ -149,8 +149,8 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     of means. One ``all_gather`` of a ``(values + 1) x 12`` float64 table per rank; the
     result is the same on every rank (a site that ran on some ranks only is in every rank's
     result, its shape and dtype sent by one more collective, made only then). The first call
-    with a new set of sites first compares the ranks' sites with a 3-float ``all_gather`` (a
-    table of another size would abort gloo).
+    with a new set of sites (and every call on a rank that ran no forward) first compares the
+    ranks' sites with a 3-float ``all_gather`` (a table of another size would abort gloo).
 
     Args:
         tapped: a tapped module (or DDP/FSDP wrapping one, or a ``{site: value}`` mapping).
@@ -199,9 +199,13 @@ def reduce_stats(tapped: Any, group: Any = None) -> dict[str, Any]:
     world = tdist.get_world_size(group)
     key = (id(group), len(slots), crc)
     verified = _verified(tapped)
-    if key not in verified:
+    if idle or key not in verified:
+        # An idle rank's layout is never recorded: after a call where every rank was idle,
+        # the next has the ranks that ran verify a new layout, and so must the idle ones
+        # (skipping it, they sent a table of another size and gloo aborted).
         _verify(len(slots), crc, idle, world, device, group)
-        verified.add(key)
+        if not idle:
+            verified.add(key)
     header = torch.tensor([float(len(slots)), crc, idle] + [0.0] * (_COLS - 3),
                           dtype=torch.float64)
     table = torch.stack([header.to(device)] + [r.to(device) for r in rows])

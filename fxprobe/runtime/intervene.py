@@ -141,8 +141,9 @@ def _start(tapped: TappedModule, fns: list[Entry],
         fns = [*outer.entries, *fns]
     table = Table(prog, fns, cache, tapped._model_name)
     dynamo = {n for r in regions for n in r.sites}
+    pending = prog.hidden()  # a deferred module's hook sites, until dynamo has run it
     others = [s for s in prog.known_sites() if s.name not in dynamo and s.how != "dynamo"
-              ] if prog.program.compiled or prog.program.hooks else []
+              and s.name not in pending] if prog.program.compiled or prog.program.hooks else []
     for sel, _, _ in fns:
         hit = next((s for s in others if sel(s)), None)
         if hit is not None:
@@ -191,8 +192,11 @@ class Intervention:
             raise ConfigError("intervene() blocks must be left in the reverse order they "
                               "were entered, on the thread that entered them")
         per_call.table = self.outer
-        if kind is None and table is not None:
-            table.unmatched([s for r in _regions(table.prog) for s in r.sites.values()])
+        regions = _regions(table.prog) if kind is None and table is not None else []
+        if table is not None and regions and all(r.graphs for r in regions):
+            for region in regions:  # sites found by a forward under another table (a cache)
+                table.check(region)
+            table.unmatched([s for r in regions for s in r.sites.values()])
 
 
 def run_with_cache(tapped: TappedModule, args: tuple[Any, ...], kwargs: dict[str, Any],

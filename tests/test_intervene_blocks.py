@@ -1,0 +1,102 @@
+"""Per-call blocks at the edges of a tapped module's life: entered before its first forward,
+left without a forward, holding only a cache; each value against forward hooks on an untapped
+copy of the model."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+import fxprobe
+
+
+class Inner(nn.Module):
+    """fx cannot trace it (a data-dependent ``if``); dynamo breaks its graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > -1e9:
+            x = self.fc(x).relu()
+        torch._dynamo.graph_break()
+        return self.fc(x)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return Outer().eval()
+
+
+def _hooked(model: nn.Module, x: torch.Tensor, scale: float | None) -> tuple[torch.Tensor,
+                                                                             list[torch.Tensor]]:
+    """The output and inner.fc's values, its first call's output scaled, on a copy."""
+    ref = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+
+    def hook(mod: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        if scale is not None and not seen:
+            out = out * scale
+        seen.append(out.detach().clone())
+        return out
+
+    handle = ref.inner.fc.register_forward_hook(hook)
+    with torch.no_grad():
+        out = ref(x)
+    handle.remove()
+    return out, seen
+
+
+def test_a_block_entered_before_the_first_forward_under_auto_edits_what_dynamo_captures():
+    model = _model()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped = fxprobe.tap(model, ops=nn.Linear, tracer="auto")
+        # inner.fc is a hook site of the fallback until dynamo has run Inner: not refused
+        with tapped.intervene({"inner.fc": lambda s, v: v * 2}):
+            out = tapped(x)
+    want, _ = _hooked(model, x, 2.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_a_block_left_without_a_forward_checks_nothing_yet():
+    model = _model()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer="dynamo")
+    with tapped.intervene({"inner.fc": lambda s, v: v * 2}):
+        pass  # nothing ran: no site is known, so no selector can be said to match none
+    with tapped.intervene({"inner.fc": lambda s, v: v * 2}):
+        out = tapped(x)
+    want, _ = _hooked(model, x, 2.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_a_block_holding_only_a_cache_knows_the_sites_the_cache_found():
+    model = _model()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer="dynamo")
+    with tapped.intervene({"inner.fc": lambda s, v: v * 2}):
+        out, cache = tapped.run_with_cache(x, names="inner.fc*")
+    want, seen = _hooked(model, x, 2.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert sorted(cache) == ["inner.fc", "inner.fc_1"]
+    for name, ref in zip(["inner.fc", "inner.fc_1"], seen, strict=True):
+        torch.testing.assert_close(cache[name], ref, rtol=0, atol=0)

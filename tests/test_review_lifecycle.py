@@ -3,6 +3,7 @@ module with the model itself, eagerly, carrying the same hooks."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -255,3 +256,36 @@ def test_a_module_call_site_is_what_the_call_returns_with_hooks_set_after_tap(
         out = tapped(X)
     assert torch.equal(out, model(X))
     assert torch.equal(tapped.taps["a"], model.a(X))
+
+
+def test_a_module_falling_back_at_its_second_call_in_a_forward_names_the_calls_after_the_first():
+    """Inner runs twice in a forward; after a block whose edit raised, past the recompile
+    limit, dynamo fails at the second call, after it captured the first: the hooks that run the
+    second call as written name its values inner.fc_2 and inner.fc_3. They took inner.fc and
+    inner.fc_1 again, the first call's names, showing the second call's values under them."""
+    from life_models import twice
+
+    torch._dynamo.reset()
+    model = twice()
+    x = torch.randn(4)
+    ref = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+    ref.inner.fc.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        want = ref(x)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped = fxprobe.tap(model, ops=nn.Linear, tracer="auto")
+
+        def boom(site: Any, value: Any) -> Any:
+            raise RuntimeError("an edit that raises")
+
+        with pytest.raises(RuntimeError), tapped.intervene({"inner.fc_1": boom}):
+            tapped(torch.randn(3, 4))
+        out = tapped(x)  # the second call of inner needs a third compiled entry: the limit
+    assert tapped.fallbacks, "the recompile limit was not reached: the test tests nothing"
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    names = ["inner.fc", "inner.fc_1", "inner.fc_2", "inner.fc_3"]
+    assert [n for n in tapped.taps if n.startswith("inner.")] == names
+    for name, value in zip(names, seen, strict=True):
+        torch.testing.assert_close(tapped.taps[name], value, rtol=0, atol=0)

@@ -34,11 +34,11 @@ import torch
 
 from ..core.errors import CaptureError
 from ..core.names import one_line
-from ..core.record import Recording
+from ..core.record import Frame, Recording
 from ..core.select import Selector, select
 from ..core.site import Site
 from ..core.view import CapturedGraph, CaptureInfo, Fallback, Plan
-from ..frontends.dynamo import dynamo_failed
+from ..frontends.dynamo import DynamoRegion, dynamo_failed
 from .program import Program, SiteNames
 
 _TRACED_THROUGH = (
@@ -154,6 +154,7 @@ class Lifecycle:
         # Nothing the failed attempt kept stays: the module runs again, as written.
         del frame.parts[stored:]
         frame._cache = None
+        _count_calls(region, frame)
         before = self.selected
         self._move(path, State.FALLBACK, reason)
         if state is State.DYNAMO:  # it captured before: what it captured changes now
@@ -358,3 +359,15 @@ class Lifecycle:
         """The graphs dynamo captured so far in the modules it runs, for the pictures."""
         return tuple(g for path, region in self.program.dynamo.items()
                      if self.state.get(path) is not State.FALLBACK for g in region.drawn())
+
+
+def _count_calls(region: DynamoRegion, frame: Frame) -> None:
+    """Count the module calls ``region`` captured earlier in this forward as the hooks' calls:
+    a module that falls back at its second call in a forward runs its hooks after calls whose
+    values dynamo kept, so the hooks name theirs after them (``fc_2``, not ``fc`` again)."""
+    calls = frame.hook_calls
+    for names, _ in frame.parts:
+        for name in names:
+            site = region.sites.get(name)
+            if site is not None and site.kind == "call_module" and site.module_path:
+                calls[site.module_path] = calls.get(site.module_path, 0) + 1

@@ -289,3 +289,41 @@ def test_a_module_falling_back_at_its_second_call_in_a_forward_names_the_calls_a
     assert [n for n in tapped.taps if n.startswith("inner.")] == names
     for name, value in zip(names, seen, strict=True):
         torch.testing.assert_close(tapped.taps[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("when", ["before tap", "after tap"])
+def test_a_model_hook_that_keeps_a_copy_leaves_the_module_call_site_its_value(when):
+    """A forward hook that keeps ``out.detach().clone()`` (the common recording hook) inside a
+    dynamo region: its copy leaves the graph only (dynamo replays the append), so it is not
+    the call's output. Taken for it, the first inner.fc call of each graph had no site and the
+    names shifted: inner.fc showed the second call's value."""
+    from life_models import twice
+
+    torch._dynamo.reset()
+    model = twice()
+    x = torch.randn(4)
+    seen: list[torch.Tensor] = []
+    ref = copy.deepcopy(model)
+    ref.inner.fc.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        want = ref(x)
+    expected = seen
+    kept: list[torch.Tensor] = []
+
+    def keep(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        kept.append(out.detach().clone())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if when == "before tap":
+            model.inner.fc.register_forward_hook(keep)
+        tapped = fxprobe.tap(model, ops=nn.Linear, tracer="dynamo")
+        if when == "after tap":
+            model.inner.fc.register_forward_hook(keep)
+        out = tapped(x)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    names = ["inner.fc", "inner.fc_1", "inner.fc_2", "inner.fc_3"]
+    assert [n for n in tapped.taps if n.startswith("inner.")] == names
+    for name, value in zip(names, expected, strict=True):
+        torch.testing.assert_close(tapped.taps[name], value, rtol=0, atol=0)
+    assert len(kept) == 4  # the model's hook ran at each call

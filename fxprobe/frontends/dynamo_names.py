@@ -183,10 +183,11 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     inputs: dict[fx.Node, tuple[tuple[fx.Node, ...], fx.Node]] = {}
     for nodes in members.values():
         group = set(nodes)
-        out = nodes[-1]
-        for n in nodes:
-            if any(u not in group for u in n.users):
-                out = n
+        leaving = [n for n in nodes if any(u not in group for u in n.users)]
+        # A value that only leaves the graph (a hook's kept copy, a cache written back) is
+        # not what the code after the call reads.
+        read = [n for n in leaving if any(u not in group and u.op != "output" for u in n.users)]
+        out = (read or leaving or nodes)[-1]
         _k, rel, m = leaf_call[out]
         outputs[out] = (_join(root_path, rel), m)
         inputs[out] = (_call_inputs(nodes, group), nodes[0])

@@ -132,9 +132,12 @@ def _start(tapped: TappedModule, fns: list[Entry],
     prog = tapped._lifecycle()
     regions = _regions(prog)
     if not regions:
+        fallen = [repr(p) if p else "the model" for p in prog.reasons]
+        why = (f"torch dynamo failed on {', '.join(fallen)}, which runs as written"
+               if fallen else "torch.fx traced it whole")
         raise ConfigError(
             f"per-call interventions and run_with_cache reach the sites torch dynamo captures, "
-            f"and {tapped._model_name} has none (torch.fx traced it whole): tap it with "
+            f"and {tapped._model_name} has none ({why}): tap it with "
             "fxprobe.tap(model, ..., tracer='dynamo')")
     outer = tapped._pipeline.per_call.table
     if isinstance(outer, Table):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -100,3 +101,28 @@ def test_a_block_holding_only_a_cache_knows_the_sites_the_cache_found():
     assert sorted(cache) == ["inner.fc", "inner.fc_1"]
     for name, ref in zip(["inner.fc", "inner.fc_1"], seen, strict=True):
         torch.testing.assert_close(cache[name], ref, rtol=0, atol=0)
+
+
+def test_an_edit_is_never_dropped_when_dynamo_fails_during_the_block():
+    """Past the recompile limit (here: a second tap of the model in the process, whose resume
+    frames share the first one's code and its compiled entries), dynamo fails inside the
+    block and the module falls back to running as written, where a per-call edit does not
+    reach: the forward raises instead of returning the unedited output."""
+    model = _model()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = fxprobe.tap(model, ops=nn.Linear, tracer="auto")
+        first(x)
+        first.remove()
+        tapped = fxprobe.tap(model, ops=nn.Linear, tracer="auto")
+        with pytest.raises(fxprobe.CaptureError, match="per-call run"):
+            with tapped.intervene({"inner.fc_1": lambda s, v: v * 0}):
+                tapped(x)
+        out = tapped(x)  # outside a block: the module runs as written, its calls hooked
+    want, seen = _hooked(model, x, None)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert tapped.fallbacks
+    for name, ref in zip(["inner.fc", "inner.fc_1"], seen, strict=True):
+        torch.testing.assert_close(tapped.taps[name], ref, rtol=0, atol=0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -159,6 +160,15 @@ class Lifecycle:
         self._move(path, State.FALLBACK, reason)
         if state is State.DYNAMO:  # it captured before: what it captured changes now
             self._warn_fallen(path, region.what, reason, before)
+        if region.pipeline.per_call.table is not None:
+            # The block's edits and caches reach dynamo's sites only: run as written, the
+            # module would silently go unedited (or uncached).
+            raise CaptureError(
+                f"torch dynamo failed on {region.what} during a per-call run ({reason}): "
+                "its edits and cache reach the sites dynamo captures, so this forward is not "
+                "run as written without them. The module runs as written from now on; "
+                "raise torch._dynamo.config.recompile_limit or call torch._dynamo.reset() "
+                "and tap again to edit it per call.")
         try:
             return own(*args, **kwargs)
         except Exception:
@@ -171,9 +181,10 @@ class Lifecycle:
         """Say, once per module (it stays a fallback), that dynamo failed on a module it had
         run at earlier calls, and what is captured there from now on."""
         now = {s.name for s in self.selected}
-        lost = [s.name for s in before if s.name not in now]
         covers = self.program.deferred[path].sites
         kept = [s.name for s in self.selected if s.name in covers]
+        repeats = re.compile("|".join(re.escape(k) + r"_\d+" for k in kept) or "(?!)")
+        lost = [s.name for s in before if s.name not in now and not repeats.fullmatch(s.name)]
         warnings.warn(
             f"fxprobe: torch dynamo failed on {what} at a later call ({reason}), after it had "
             "captured it at earlier calls; it runs as written from now on, its values "

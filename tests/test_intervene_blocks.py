@@ -126,3 +126,32 @@ def test_an_edit_is_never_dropped_when_dynamo_fails_during_the_block():
     assert tapped.fallbacks
     for name, ref in zip(["inner.fc", "inner.fc_1"], seen, strict=True):
         torch.testing.assert_close(tapped.taps[name], ref, rtol=0, atol=0)
+
+
+def test_sites_after_an_edit_that_raised_are_not_taken_for_absent():
+    """The first forward ends in an edit that raises at inner.fc, before the graph break:
+    the sites after it (inner.fc_1) are not known yet, not absent; a block on them then
+    edits them, equal to a hook making the same edit."""
+    model = _model()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer="dynamo")
+
+    def fails(site: object, value: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the edit failed")
+
+    with pytest.raises(ValueError), tapped.intervene({"inner.fc": fails}):
+        tapped(x)
+    with tapped.intervene({"inner.fc_1": lambda s, v: v * 2}):
+        out = tapped(x)
+    ref = copy.deepcopy(model)
+    calls: list[int] = []
+
+    def hook(mod: nn.Module, args: object, value: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return value * 2 if len(calls) == 2 else value
+
+    ref.inner.fc.register_forward_hook(hook)
+    with torch.no_grad():
+        want = ref(x)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

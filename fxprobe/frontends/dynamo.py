@@ -262,6 +262,9 @@ class DynamoRegion:
         self.steps = 0
         """Instrumented graphs run so far (each counted once per forward)."""
         self.last_runs = 0
+        self.finished = False
+        """Whether a call ran to its end (an edit that raised leaves the sites after it
+        unknown): only then are all the sites of the code it runs known."""
         # The forward the model runs: a wrapper replaced on the instance (run on the copy,
         # frontends/wrappers.py) is traced through, as dynamo traces it inside a region.
         patched = module.__dict__.get("forward") if has_patched_forward(module) else None
@@ -430,6 +433,7 @@ class DynamoRegion:
                 "it ran without any of fxprobe's graphs, so nothing could be tapped: it hit "
                 "torch._dynamo.config.recompile_limit or skipped the frame (as it does inside "
                 "an outer torch.compile, which traces through it)"))
+        self.finished = True
         return result
 
     def _limit_hit(self, what: str) -> str:

@@ -157,7 +157,7 @@ def _start(tapped: TappedModule, fns: list[Entry],
                 "tracer='dynamo'")
     for region in regions:
         table.check(region)
-    if all(r.graphs for r in regions):  # every site is known: check the selectors now
+    if all(r.finished for r in regions):  # every site is known: check the selectors now
         table.unmatched([s for r in regions for s in r.sites.values()])
     return table
 
@@ -196,7 +196,7 @@ class Intervention:
                               "were entered, on the thread that entered them")
         per_call.table = self.outer
         regions = _regions(table.prog) if kind is None and table is not None else []
-        if table is not None and regions and all(r.graphs for r in regions):
+        if table is not None and regions and all(r.finished for r in regions):
             for region in regions:  # sites found by a forward under another table (a cache)
                 table.check(region)
             table.unmatched([s for r in regions for s in r.sites.values()])

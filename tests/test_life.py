@@ -226,14 +226,17 @@ class Life(RuleBasedStateMachine):
 
     def _guard(self, call: Any) -> Any:
         """``call()``; ``None`` where dynamo stopped capturing as documented: a CaptureError
-        once this tapped module ran more input signatures than the recompile limit."""
+        once this tapped module ran more input signatures than the recompile limit, or one
+        that says the limit was hit (dynamo counts a frame's entries per input property, a
+        call's requires_grad too, so a frame called twice may need two per signature)."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
                 return call()
-            except fxprobe.CaptureError:
-                if len(self.signatures) <= self.limit:
+            except fxprobe.CaptureError as e:
+                if len(self.signatures) <= self.limit and "recompile_limit" not in str(e):
                     raise
+                self.degraded = True  # the module runs as written from now on
                 return None
             finally:
                 if any("recompile_limit" in str(w.message) for w in caught):

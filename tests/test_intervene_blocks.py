@@ -155,3 +155,33 @@ def test_sites_after_an_edit_that_raised_are_not_taken_for_absent():
     with torch.no_grad():
         want = ref(x)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_sites_after_an_edit_that_raised_at_a_modules_second_call_are_not_taken_for_absent():
+    """As above, the edit raising at the second call of a module called twice: its first
+    call ran to its end, the second did not, so inner.fc_3 is still to be found."""
+    from life_models import twice
+
+    model = twice()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops=[nn.Linear, torch.relu], tracer="auto")
+
+    def fails(site: object, value: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the edit failed")
+
+    with pytest.raises(ValueError), tapped.intervene({"inner.fc_2": fails}):
+        tapped(x)
+    with tapped.intervene({"inner.fc_3": lambda s, v: v * 2}):
+        out = tapped(x)
+    ref = copy.deepcopy(model)
+    calls: list[int] = []
+
+    def hook(mod: nn.Module, args: object, value: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return value * 2 if len(calls) == 4 else value
+
+    ref.inner.fc.register_forward_hook(hook)
+    with torch.no_grad():
+        want = ref(x)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

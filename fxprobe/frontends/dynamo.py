@@ -263,8 +263,9 @@ class DynamoRegion:
         """Instrumented graphs run so far (each counted once per forward)."""
         self.last_runs = 0
         self.finished = False
-        """Whether a call ran to its end (an edit that raised leaves the sites after it
-        unknown): only then are all the sites of the code it runs known."""
+        """Whether the last call ran to its end (an edit that raised leaves the sites after
+        it unknown, in this call and in the module's later calls): only then are all the
+        sites of the code it runs known."""
         # The forward the model runs: a wrapper replaced on the instance (run on the copy,
         # frontends/wrappers.py) is traced through, as dynamo traces it inside a region.
         patched = module.__dict__.get("forward") if has_patched_forward(module) else None
@@ -388,6 +389,12 @@ class DynamoRegion:
                              prefix, named_graph, repeat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.finished = False  # until this call ends: an error inside leaves sites unseen
+        result = self._call(*args, **kwargs)
+        self.finished = True
+        return result
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled
         if compiled is None:
             own_forward = self._forward
@@ -433,7 +440,6 @@ class DynamoRegion:
                 "it ran without any of fxprobe's graphs, so nothing could be tapped: it hit "
                 "torch._dynamo.config.recompile_limit or skipped the frame (as it does inside "
                 "an outer torch.compile, which traces through it)"))
-        self.finished = True
         return result
 
     def _limit_hit(self, what: str) -> str:

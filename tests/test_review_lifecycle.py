@@ -327,3 +327,35 @@ def test_a_model_hook_that_keeps_a_copy_leaves_the_module_call_site_its_value(wh
     for name, value in zip(names, expected, strict=True):
         torch.testing.assert_close(tapped.taps[name], value, rtol=0, atol=0)
     assert len(kept) == 4  # the model's hook ran at each call
+
+
+def test_a_second_tap_past_the_recompile_limit_at_its_first_call_is_never_silent():
+    """The resume frames after a graph break are the model's own code, whose compiled entries
+    every tap of the model in the process shares: a later tap can meet the recompile limit at
+    its first call. Its ops then go uncaptured (inner.relu): said once, not silent."""
+    from life_models import twice
+
+    torch._dynamo.reset()
+    model = twice()
+    x = torch.randn(3, 4)
+    ref = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+    ref.inner.fc.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        want = ref(x)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = fxprobe.tap(model, ops=[nn.Linear, torch.relu], tracer="auto")
+            first(x)
+            first.remove()
+        tapped = fxprobe.tap(model, ops=[nn.Linear, torch.relu], tracer="auto")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = tapped(x)
+    said = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+    assert len(said) == 1 and "at its first call" in said[0], [str(w.message) for w in caught]
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    names = ["inner.fc", "inner.fc_1", "inner.fc_2", "inner.fc_3"]
+    for name, value in zip(names, seen, strict=True):
+        torch.testing.assert_close(tapped.taps[name], value, rtol=0, atol=0)

@@ -158,8 +158,8 @@ class Lifecycle:
         _count_calls(region, frame)
         before = self.selected
         self._move(path, State.FALLBACK, reason)
-        if state is State.DYNAMO:  # it captured before: what it captured changes now
-            self._warn_fallen(path, region.what, reason, before)
+        if state is State.DYNAMO or "recompile_limit" in reason:  # not dynamo's inability:
+            self._warn_fallen(path, region.what, reason, before, state is State.DYNAMO)
         if region.pipeline.per_call.table is not None:
             # The block's edits and caches reach dynamo's sites only: run as written, the
             # module would silently go unedited (or uncached).
@@ -177,17 +177,23 @@ class Lifecycle:
             raise
 
     def _warn_fallen(self, path: str, what: str, reason: str,
-                     before: Sequence[Site]) -> None:
+                     before: Sequence[Site], earlier: bool) -> None:
         """Say, once per module (it stays a fallback), that dynamo failed on a module it had
-        run at earlier calls, and what is captured there from now on."""
+        run at earlier calls (or could have run, but for its recompile limit: the code of a
+        module shares its compiled entries with every tap of that model in the process), and
+        what is captured there from now on."""
         now = {s.name for s in self.selected}
         covers = self.program.deferred[path].sites
         kept = [s.name for s in self.selected if s.name in covers]
         repeats = re.compile("|".join(re.escape(k) + r"_\d+" for k in kept) or "(?!)")
         lost = [s.name for s in before if s.name not in now and not repeats.fullmatch(s.name)]
         warnings.warn(
-            f"fxprobe: torch dynamo failed on {what} at a later call ({reason}), after it had "
-            "captured it at earlier calls; it runs as written from now on, its values "
+            f"fxprobe: torch dynamo failed on {what} "
+            + ("at a later call" if earlier else "at its first call") + f" ({reason})"
+            + (", after it had captured it at earlier calls" if earlier else
+               ", its code having been compiled for earlier taps of this model in the process "
+               "(torch._dynamo.reset() clears that)")
+            + "; it runs as written from now on, its values "
             "captured at the level of module calls (hooks)"
             + (f": {_quoted(kept)}" if kept else "")
             + (f". No longer captured: {_quoted(lost)} (inside it, where no hook reaches)"

@@ -103,15 +103,16 @@ _GPT2 = _transformer_points("transformer.h.{L}", "attn", "attn.c_proj", "ln_2", 
                             "lm_head")
 _GPT2 |= {"pos_embed": ("transformer.wpe", "out", 0), "lm_head": ("lm_head", "out", 0),
           "transformer.h.0": ("transformer.h.0", "out", 0),
-          "transformer.h.1.mlp": ("transformer.h.1.mlp", "out", 0),
-          **{f"blocks.{L}.attn.pattern": (f"transformer.h.{L}.attn.attn_dropout", "in", 0)
-             for L in range(2)}}
+          "transformer.h.1.mlp": ("transformer.h.1.mlp", "out", 0)}
 _LLAMA = _transformer_points("model.layers.{L}", "self_attn", "self_attn.o_proj",
                              "post_attention_layernorm", "mlp.act_fn", "mlp.down_proj", "mlp",
                              "model.norm", "model.embed_tokens", "lm_head")
 _LLAMA |= {"model.layers.0": ("model.layers.0", "out", 0),
            "model.layers.1.mlp": ("model.layers.1.mlp", "out", 0)}
-_OPAQUE = tuple(f"blocks.{L}.attn.{k}" for L in range(2) for k in ("q", "k", "v", "scores"))
+# No module computes these (GPT-2's eager attention calls no attn_dropout module in transformers
+# 5): present, and equal for one input and one set of edits at every call.
+_OPAQUE = tuple(f"blocks.{L}.attn.{k}" for L in range(2)
+                for k in ("q", "k", "v", "scores", "pattern"))
 _TOKEN_SHAPES = ((1, 5), (2, 5), (2, 7), (1, 3))
 _LM_SELECTORS = ("blocks.0.*", "blocks.1.*", "logits", "blocks.*.attn.z", "blocks.*.mlp.pre",
                  "blocks.*.mlp.post", "blocks.*.resid_post", "blocks.*.attn.q", None)
@@ -125,7 +126,7 @@ GPT2 = Spec(
           "transformer.h.1.mlp"),
     edits=("blocks.0.resid_post", "blocks.1.resid_pre", "blocks.1.attn.z", "blocks.0.mlp.pre",
            "blocks.1.mlp.post", "blocks.0.attn_out", "blocks.1.mlp_out", "logits",
-           "transformer.h.0", "blocks.0.attn.pattern", "blocks.*.mlp.post", "ln_final"),
+           "transformer.h.0", "blocks.*.mlp.post", "ln_final"),
     selectors=(*_LM_SELECTORS, "blocks.*.attn.pattern", ["transformer.h.0", "lm_head"],
                "transformer.h.*.mlp"),
     shapes=_TOKEN_SHAPES, opaque=_OPAQUE, tokens=True, z_heads=(2, 16))

@@ -17,6 +17,6 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def some(items: Sequence[str]) -> str:
-    """The first few of ``items``, quoted, for a message (``'a', 'b', 'c' ...``)."""
-    return ", ".join(repr(p) for p in items[:3]) + (" ..." if len(items) > 3 else "")
+def some(items: Sequence[str], n: int = 3) -> str:
+    """The first ``n`` of ``items``, quoted, for a message (``'a', 'b', 'c' ...``)."""
+    return ", ".join(repr(p) for p in items[:n]) + (" ..." if len(items) > n else "")

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from ..core.errors import CaptureError
-from ..core.names import one_line
+from ..core.names import one_line, some
 from ..core.record import Frame, Recording
 from ..core.select import Selector, select
 from ..core.site import Site
@@ -45,10 +45,6 @@ from .program import Program, SiteNames
 _TRACED_THROUGH = (
     "CaptureError: an outer torch.compile traces through this module (torch dynamo does not "
     "run a compiled region of its own inside another one); it runs as written, with hooks")
-
-
-def _quoted(names: Sequence[str]) -> str:
-    return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 @torch.compiler.disable
@@ -195,8 +191,8 @@ class Lifecycle:
                "(torch._dynamo.reset() clears that)")
             + "; it runs as written from now on, its values "
             "captured at the level of module calls (hooks)"
-            + (f": {_quoted(kept)}" if kept else "")
-            + (f". No longer captured: {_quoted(lost)} (inside it, where no hook reaches)"
+            + (f": {some(kept, 5)}" if kept else "")
+            + (f". No longer captured: {some(lost, 5)} (inside it, where no hook reaches)"
                if lost else "")
             + ". tracer='hooks' captures at the level of module calls from the start.",
             stacklevel=2)

@@ -27,14 +27,14 @@ import re
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from ..capture.stats.math import Stats
 from ..core.errors import DiskError, UnknownSiteError
 from ..core.record import InOut
-from .dataset import CaptureDataset, Rows
+from .dataset import CaptureDataset, RowOptions, Rows
 
 INDEX = "index.json"
 FORMAT = "fxprobe-captures"
@@ -384,7 +384,7 @@ class Captures:
         return name if name in self.names else self.canonical.get(name, name)
 
     def dataset(self, names: str | Sequence[str], rows: Rows = "tokens",
-                mask: str | None = None) -> CaptureDataset:
+                mask: str | None = None, **options: Unpack[RowOptions]) -> CaptureDataset:
         """The captured values as a map-style ``torch.utils.data.Dataset`` of rows.
 
         Args:
@@ -395,6 +395,10 @@ class Captures:
             mask: a captured site holding a ``[batch, pos]`` mask (for example the
                 ``attention_mask`` input of a transformer, tapped with the rest): only
                 positions where it is non-zero become rows (``rows="tokens"`` only).
+            **options: ``positions=`` (a slice), ``exclude_token_ids=`` (with the
+                ``tokens="input_ids"`` site tapped), ``normalize=``, ``layout=``: see
+                :class:`~fxprobe.sinks.dataset.RowOptions`. Names may be canonical
+                (``"blocks.6.resid_post"``).
 
         Returns:
             A :class:`~fxprobe.sinks.dataset.CaptureDataset`: memory-mapped, picklable into
@@ -407,11 +411,13 @@ class Captures:
         names = self.resolve(names) if isinstance(names, str) else \
             [self.resolve(n) if isinstance(n, str) else n for n in names]
         mask = self.resolve(mask) if isinstance(mask, str) else mask
+        if isinstance(options.get("tokens"), str):
+            options["tokens"] = self.resolve(options["tokens"])
         for n in ([names] if isinstance(names, str) else list(names)) + \
                 ([mask] if mask is not None else []):
             if isinstance(n, str) and n not in self.names:
                 CapturedForward(-1, {}, self.names, self.canonical)[n]  # raises, close matches
-        return CaptureDataset(self, names, rows, mask)
+        return CaptureDataset(self, names, rows, mask, **options)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -171,3 +171,24 @@ def test_hooks_reference_is_the_tapped_models_own(tmp_path: Path) -> None:
     caps = fxprobe.open_captures(tmp_path)
     for f, h in enumerate(hooked(inputs)):
         assert torch.equal(caps.forward(f)["emb"], h)
+
+
+def test_arrow_export_reads_back_with_hugging_face_datasets(tmp_path: Path) -> None:
+    hf = pytest.importorskip("datasets")
+    inputs = harvest(tmp_path / "acts")
+    caps = fxprobe.open_captures(tmp_path / "acts")
+    ds = caps.dataset(["emb", "lin"], mask="attention_mask", normalize=True)
+    path = ds.to_arrow(tmp_path / "acts.arrow", batch_size=7)  # several record batches
+    loaded = hf.Dataset.from_file(str(path)).with_format("torch")
+    emb, lin = (reference_rows(inputs, s, mask=True) for s in ("emb", "lin"))
+    assert len(loaded) == len(emb) and loaded.column_names == ["emb", "lin"]
+    assert ds.scale is not None
+    torch.testing.assert_close(loaded["emb"][:], emb * ds.scale.factors["emb"])
+    torch.testing.assert_close(loaded["lin"][:], lin * ds.scale.factors["lin"])
+    import json
+
+    import pyarrow as pa
+
+    with pa.OSFile(str(path)) as f:  # the factors travel with the rows
+        record = json.loads(pa.ipc.open_stream(f).schema.metadata[b"fxprobe"])
+    assert record["scale"] == ds.scale.factors and record["rows"] == len(emb)

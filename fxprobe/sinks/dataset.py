@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import collections
 import operator
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict
 
 import torch
@@ -228,6 +230,14 @@ class CaptureDataset(Dataset[Any]):
             f = torch.tensor([self.scale.factors[n] for n in self.names], dtype=rows.dtype)
             return rows / f.reshape(-1, *([1] * trailing))
         return self.scale.undo(rows, None if isinstance(rows, Mapping) else self.names[0])
+
+    def to_arrow(self, path: str | os.PathLike[str], batch_size: int = 65536) -> Path:
+        """Write every row, in order, to an Arrow file that Hugging Face ``datasets`` reads
+        (``datasets.Dataset.from_file(path)``): one column per site (fixed-size lists), the
+        normalization factors in its metadata. Needs ``pyarrow``."""
+        from .arrow import export_arrow
+
+        return export_arrow(self, path, batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to read the same rows the same way: the sites, the number

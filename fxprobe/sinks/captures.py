@@ -413,6 +413,10 @@ class Captures:
         mask = self.resolve(mask) if isinstance(mask, str) else mask
         if isinstance(options.get("tokens"), str):
             options["tokens"] = self.resolve(options["tokens"])
+        scale = options.get("normalize")
+        if isinstance(scale, Mapping):
+            options["normalize"] = {self.resolve(k) if isinstance(k, str) else k: v
+                                    for k, v in scale.items()}
         for n in ([names] if isinstance(names, str) else list(names)) + \
                 ([mask] if mask is not None else []):
             if isinstance(n, str) and n not in self.names:

@@ -8,6 +8,7 @@ canonical names stored) still read by the model's own names and say so for a can
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,22 @@ def gpt2() -> torch.nn.Module:
     return tf.GPT2LMHeadModel(config).eval()
 
 
-def test_rows_by_canonical_name_equal_hooks(tmp_path: Path) -> None:
-    ids = torch.randint(2, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(2, 99, (2, 5), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("canonical")
     with torch.no_grad(), fxprobe.tap(gpt2(), ops=["blocks.0.resid_post", "blocks.1.mlp_out"],
-                                      to=fxprobe.Disk(tmp_path)) as tapped:
-        tapped(input_ids=ids)
-        tapped(input_ids=ids + 1)
-    caps = fxprobe.open_captures(tmp_path)
+                                      to=fxprobe.Disk(path)) as tapped:
+        tapped(input_ids=IDS)
+        tapped(input_ids=IDS + 1)
+    return path
+
+
+def test_rows_by_canonical_name_equal_hooks(written: Path) -> None:
+    ids = IDS
+    caps = fxprobe.open_captures(written)
     assert caps.canonical["blocks.0.resid_post"] == "transformer.h.0.add_1"
     assert caps.resolve("blocks.0.resid_post") in caps.names
     assert "blocks.1.mlp_out" in caps
@@ -50,23 +60,14 @@ def test_rows_by_canonical_name_equal_hooks(tmp_path: Path) -> None:
     torch.testing.assert_close(caps["blocks.0.resid_post"], torch.cat(seen))
     with pytest.raises(fxprobe.UnknownSiteError, match="blocks.0.resid_post"):
         caps.dataset("blocks.0.resid_pots")
-    # An appending run keeps the names (and a second rank-less open reads them again).
-    with torch.no_grad(), fxprobe.tap(gpt2(), ops=["blocks.0.resid_post", "blocks.1.mlp_out"],
-                                      to=fxprobe.Disk(tmp_path, mode="append")) as tapped:
-        tapped(input_ids=ids)
-    caps = fxprobe.open_captures(tmp_path)
-    assert len(caps) == 3 and len(caps.dataset("blocks.0.resid_post")) == 30
 
 
-def test_older_captures_read_by_own_names_and_say_so(tmp_path: Path) -> None:
-    ids = torch.randint(2, 100, (2, 5), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), fxprobe.tap(gpt2(), ops="blocks.0.resid_post",
-                                      to=fxprobe.Disk(tmp_path)) as tapped:
-        tapped(input_ids=ids)
+def test_older_captures_read_by_own_names_and_say_so(written: Path, tmp_path: Path) -> None:
+    tmp_path = Path(shutil.copytree(written, tmp_path / "old"))
     index = json.loads((tmp_path / "index.json").read_text())
     del index["canonical"]  # as written before canonical names were stored
     (tmp_path / "index.json").write_text(json.dumps(index))
     caps = fxprobe.open_captures(tmp_path)
-    assert caps.canonical == {} and len(caps.dataset("transformer.h.0.add_1")) == 10
+    assert caps.canonical == {} and len(caps.dataset("transformer.h.0.add_1")) == 20
     with pytest.raises(fxprobe.UnknownSiteError, match="store no canonical names"):
         caps.dataset("blocks.0.resid_post")

@@ -165,3 +165,16 @@ def test_bad_input_says_what_to_do() -> None:
             ActivationStream(tapped, "emb", inputs, **bad)
     with pytest.raises(fxprobe.ConfigError, match="tapped module"):
         ActivationStream(tiny(), "emb", inputs)
+
+
+def test_a_second_iteration_takes_the_buffer_and_the_first_says_so() -> None:
+    inputs = tagged(6)
+    stream = ActivationStream(fxprobe.tap(Tag(), ops="mul"), "mul", inputs, batch_size=4,
+                              buffer=2)
+    first = iter(stream)
+    next(first)
+    second = rows_of(stream)  # a whole epoch of its own
+    assert as_sorted(torch.cat(second)) == as_sorted(torch.cat([x.flatten(0, 1)
+                                                                 for x in inputs]))
+    with pytest.raises(fxprobe.ConfigError, match="iterated again"):
+        next(first)

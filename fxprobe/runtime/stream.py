@@ -121,6 +121,7 @@ class ActivationStream:
         self._state: dict[str, Any] = self._fresh()
         self._store: dict[str, torch.Tensor] = {}
         self._gen: torch.Generator | None = None
+        self._run: object = None
 
     # -- one epoch --------------------------------------------------------------------------
     def _fresh(self) -> dict[str, Any]:
@@ -142,6 +143,7 @@ class ActivationStream:
             store = {n: t.clone() for n, t in resume["buffer"].items()}
             g.set_state(resume["rng"])
         self._state, self._store, self._gen = st, store, g
+        token = self._run = object()  # a later iteration takes the buffer over
         items = iter(self.inputs)
         for _ in range(st["consumed"]):  # inputs a resumed epoch already ran
             if next(items, _END) is _END:
@@ -168,6 +170,11 @@ class ActivationStream:
                     st["count"] = 0
                     break
                 yield self._take()
+                if self._run is not token:
+                    raise ConfigError(
+                        "this ActivationStream was iterated again while an earlier iteration "
+                        "was still running: they share one buffer, so the earlier one stops "
+                        "here. Iterate one at a time (or make a stream per consumer)")
             st["phase"] = "fill"
             if st["done"] and not st["count"]:
                 break

@@ -43,3 +43,10 @@ def test_the_sae_training_walkthrough_runs(monkeypatch: pytest.MonkeyPatch, tmp_
     acts = scope["acts"]
     expected = torch.cat(rows) * acts.scale.factors["transformer.h.1.add_1"]
     torch.testing.assert_close(acts[list(range(len(acts)))], expected)
+    # The stream's rows are the same rows (its own factor, estimated on its first buffer).
+    stream = scope["stream"]
+    got = stream.scale.undo(torch.cat(list(stream)))
+    key = sorted(range(len(got)), key=lambda i: got[i].tolist())
+    ref = torch.cat(rows)
+    torch.testing.assert_close(got[key], ref[sorted(range(len(ref)),
+                                                    key=lambda i: ref[i].tolist())])

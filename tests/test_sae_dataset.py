@@ -141,6 +141,8 @@ def test_the_sampler_splits_an_epoch_across_ranks_and_resumes(tmp_path: Path) ->
         RowSampler(ds, 6, seed=3).load_state_dict(state)
     with pytest.raises(fxprobe.ConfigError, match="rank"):
         RowSampler(ds, 5, rank=3, world_size=3)
+    with pytest.raises(fxprobe.ConfigError, match="pass both"):
+        RowSampler(ds, 5, world_size=2)  # every rank would take rank 0's rows
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -56,6 +56,9 @@ class RowSampler(Sampler[list[int]]):
 
             if dist.is_available() and dist.is_initialized():
                 rank, world_size = dist.get_rank(), dist.get_world_size()
+        if (rank is None) != (world_size is None):
+            raise ConfigError(f"RowSampler(rank={rank!r}, world_size={world_size!r}): pass "
+                              "both (each rank its own rank) or neither (torch.distributed's)")
         world_size = 1 if world_size is None else _positive("world_size", world_size)
         rank = 0 if rank is None else rank
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:

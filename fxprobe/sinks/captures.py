@@ -34,7 +34,7 @@ import torch
 from ..capture.stats.math import Stats
 from ..core.errors import DiskError, UnknownSiteError
 from ..core.record import InOut
-from .dataset import CaptureDataset, RowOptions, Rows
+from .dataset import CaptureDataset, RowOptions, Rows, resolve_names
 
 INDEX = "index.json"
 FORMAT = "fxprobe-captures"
@@ -276,11 +276,9 @@ class Captures:
         self._verified: set[int] = set()
         self.names: tuple[str, ...] = tuple(index["sites"])
         """Site names, in the order they were first written."""
-        self.canonical: dict[str, str] = {
-            alias: name for alias, name in index.get("canonical", {}).items()
-            if name in self.names and alias not in self.names}
-        """Canonical name (``blocks.6.resid_post``) -> site name, for the sites that have one
-        (written by fxprobe since canonical names were stored; empty for older captures)."""
+        self.canonical: dict[str, str] = {a: n for a, n in index.get("canonical", {}).items()
+                                          if n in self.names and a not in self.names}
+        """Canonical name (``blocks.6.resid_post``) -> site name (none in older captures)."""
         self._shards: list[dict[str, Any]] = index["shards"]
         self._firsts = [s["first"] for s in self._shards]
         self._open: collections.OrderedDict[int, _ShardReader] = collections.OrderedDict()
@@ -379,8 +377,7 @@ class Captures:
         return name in self.names or name in self.canonical
 
     def resolve(self, name: str) -> str:
-        """The site name ``name`` is stored under: itself, or the site whose canonical name
-        it is (``"blocks.6.resid_post"`` -> ``"transformer.h.6.add_1"``)."""
+        """The site ``name`` is stored as: itself, or the site of that canonical name."""
         return name if name in self.names else self.canonical.get(name, name)
 
     def dataset(self, names: str | Sequence[str], rows: Rows = "tokens",
@@ -395,10 +392,9 @@ class Captures:
             mask: a captured site holding a ``[batch, pos]`` mask (for example the
                 ``attention_mask`` input of a transformer, tapped with the rest): only
                 positions where it is non-zero become rows (``rows="tokens"`` only).
-            **options: ``positions=`` (a slice), ``exclude_token_ids=`` (with the
-                ``tokens="input_ids"`` site tapped), ``normalize=``, ``layout=``: see
-                :class:`~fxprobe.sinks.dataset.RowOptions`. Names may be canonical
-                (``"blocks.6.resid_post"``).
+            **options: ``positions=``, ``exclude_token_ids=``, ``tokens=``, ``normalize=``,
+                ``layout=`` (:class:`~fxprobe.sinks.dataset.RowOptions`); names may be
+                canonical.
 
         Returns:
             A :class:`~fxprobe.sinks.dataset.CaptureDataset`: memory-mapped, picklable into
@@ -408,15 +404,7 @@ class Captures:
             >>> ds = fxprobe.open_captures("acts/").dataset("blocks.3.resid_post")
             >>> loader = DataLoader(ds, batch_size=4096, shuffle=True, num_workers=2)
         """
-        names = self.resolve(names) if isinstance(names, str) else \
-            [self.resolve(n) if isinstance(n, str) else n for n in names]
-        mask = self.resolve(mask) if isinstance(mask, str) else mask
-        if isinstance(options.get("tokens"), str):
-            options["tokens"] = self.resolve(options["tokens"])
-        scale = options.get("normalize")
-        if isinstance(scale, Mapping):
-            options["normalize"] = {self.resolve(k) if isinstance(k, str) else k: v
-                                    for k, v in scale.items()}
+        names, mask = resolve_names(self.resolve, names, mask, options)
         for n in ([names] if isinstance(names, str) else list(names)) + \
                 ([mask] if mask is not None else []):
             if isinstance(n, str) and n not in self.names:

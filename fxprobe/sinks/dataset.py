@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import operator
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict
 
@@ -275,6 +275,21 @@ class CaptureDataset(Dataset[Any]):
         masked = f", mask={self.mask!r}" if self.mask else ""
         masked += ", normalized" if self.scale is not None else ""
         return f"CaptureDataset({what!r}, rows={self.rows!r}{masked}, {self._len} rows)"
+
+
+def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mask: str | None,
+                  options: Any) -> tuple[str | list[str], str | None]:
+    """The site names a dataset's arguments mean (canonical ones mapped by ``resolve``);
+    ``options`` (``tokens=``, ``normalize={site: f}``) is updated in place."""
+    def one(n: Any) -> Any:
+        return resolve(n) if isinstance(n, str) else n
+
+    if isinstance(options.get("tokens"), str):
+        options["tokens"] = resolve(options["tokens"])
+    scale = options.get("normalize")
+    if isinstance(scale, Mapping):
+        options["normalize"] = {one(k): v for k, v in scale.items()}
+    return (one(names) if isinstance(names, str) else [one(n) for n in names]), one(mask)
 
 
 def _indices(i: Any) -> tuple[torch.Tensor, bool]:

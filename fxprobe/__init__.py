@@ -40,14 +40,17 @@ from .runtime.artifact import TappedArtifact, TappedExport, TappedScript
 from .runtime.extract import extractor
 from .runtime.features import Features, features
 from .runtime.program import SiteNames
+from .runtime.stream import ActivationStream
 from .runtime.tapped import TappedModule
 from .runtime.views import render, summary, to_dot
 from .sinks.captures import Captures, open_captures
 from .sinks.disk import Disk
 from .sinks.loggers import CallbackSink, TensorBoardSink, lightning_callback, stats_scalars
+from .sinks.sampler import RowSampler
 from .sinks.statslog import StatsLogger
 
 __all__ = [
+    "ActivationStream",
     "CallbackSink",
     "CaptureError",
     "CaptureInfo",
@@ -63,6 +66,7 @@ __all__ = [
     "InterventionError",
     "RemovedError",
     "RenderError",
+    "RowSampler",
     "Selector",
     "SelectorError",
     "SelectorTypeError",

@@ -27,14 +27,14 @@ import re
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from ..capture.stats.math import Stats
 from ..core.errors import DiskError, UnknownSiteError
 from ..core.record import InOut
-from .dataset import CaptureDataset, Rows
+from .dataset import CaptureDataset, RowOptions, Rows, resolve_names
 
 INDEX = "index.json"
 FORMAT = "fxprobe-captures"
@@ -232,21 +232,28 @@ def _check_entry(path: Path, key: str, entry: Any, data_size: int) -> None:
 class CapturedForward(Mapping[str, Any]):
     """The values one forward wrote, by site name (tensors are memory-mapped views)."""
 
-    def __init__(self, index: int, values: dict[str, Any], names: tuple[str, ...]) -> None:
+    def __init__(self, index: int, values: dict[str, Any], names: tuple[str, ...],
+                 canonical: Mapping[str, str] | None = None) -> None:
         self.index = index
         self._values = values
         self._names = names
+        self._canonical = canonical or {}
 
     def __getitem__(self, name: str) -> Any:
         try:
-            return self._values[name]
+            return self._values[self._canonical.get(name, name)]
         except KeyError:
             pass
+        name = self._canonical.get(name, name)
         if name in self._names:
             raise UnknownSiteError(f"site {name!r} did not run in forward {self.index}")
-        close = difflib.get_close_matches(name, self._names, n=5, cutoff=0.5)
+        close = difflib.get_close_matches(name, [*self._names, *self._canonical], n=5,
+                                          cutoff=0.5)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise UnknownSiteError(f"{name!r} is not a captured site.{hint} caps.names lists them.")
+        more = " and caps.canonical" if self._canonical else \
+            " (these captures store no canonical names: read them by the model's own names)"
+        raise UnknownSiteError(f"{name!r} is not a captured site.{hint} caps.names{more} "
+                               "list them.")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
@@ -269,6 +276,9 @@ class Captures:
         self._verified: set[int] = set()
         self.names: tuple[str, ...] = tuple(index["sites"])
         """Site names, in the order they were first written."""
+        self.canonical: dict[str, str] = {a: n for a, n in index.get("canonical", {}).items()
+                                          if n in self.names and a not in self.names}
+        """Canonical name (``blocks.6.resid_post``) -> site name (none in older captures)."""
         self._shards: list[dict[str, Any]] = index["shards"]
         self._firsts = [s["first"] for s in self._shards]
         self._open: collections.OrderedDict[int, _ShardReader] = collections.OrderedDict()
@@ -318,7 +328,7 @@ class Captures:
         if check_data and reader.crc is not None:
             reader.check_data()
             self._verified.add(bisect.bisect_right(self._firsts, i) - 1)
-        return CapturedForward(i, reader.forward(local), self.names)
+        return CapturedForward(i, reader.forward(local), self.names, self.canonical)
 
     def rank_of(self, i: int) -> int | None:
         """The rank that wrote forward ``i`` (None where no rank was recorded)."""
@@ -338,6 +348,7 @@ class Captures:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """Every forward's tensor of site ``name`` concatenated along dim 0 (in memory)."""
+        name = self.resolve(name)
         if name not in self.names:
             CapturedForward(-1, {}, self.names)[name]  # raises with close matches
         parts: list[torch.Tensor] = []
@@ -363,10 +374,14 @@ class Captures:
         return torch.cat(parts)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.names
+        return name in self.names or name in self.canonical
+
+    def resolve(self, name: str) -> str:
+        """The site ``name`` is stored as: itself, or the site of that canonical name."""
+        return name if name in self.names else self.canonical.get(name, name)
 
     def dataset(self, names: str | Sequence[str], rows: Rows = "tokens",
-                mask: str | None = None) -> CaptureDataset:
+                mask: str | None = None, **options: Unpack[RowOptions]) -> CaptureDataset:
         """The captured values as a map-style ``torch.utils.data.Dataset`` of rows.
 
         Args:
@@ -377,6 +392,9 @@ class Captures:
             mask: a captured site holding a ``[batch, pos]`` mask (for example the
                 ``attention_mask`` input of a transformer, tapped with the rest): only
                 positions where it is non-zero become rows (``rows="tokens"`` only).
+            **options: ``positions=``, ``exclude_token_ids=``, ``tokens=``, ``normalize=``,
+                ``layout=`` (:class:`~fxprobe.sinks.dataset.RowOptions`); names may be
+                canonical.
 
         Returns:
             A :class:`~fxprobe.sinks.dataset.CaptureDataset`: memory-mapped, picklable into
@@ -386,11 +404,12 @@ class Captures:
             >>> ds = fxprobe.open_captures("acts/").dataset("blocks.3.resid_post")
             >>> loader = DataLoader(ds, batch_size=4096, shuffle=True, num_workers=2)
         """
+        names, mask = resolve_names(self.resolve, names, mask, options)
         for n in ([names] if isinstance(names, str) else list(names)) + \
                 ([mask] if mask is not None else []):
             if isinstance(n, str) and n not in self.names:
-                CapturedForward(-1, {}, self.names)[n]  # raises with close matches
-        return CaptureDataset(self, names, rows, mask)
+                CapturedForward(-1, {}, self.names, self.canonical)[n]  # raises, close matches
+        return CaptureDataset(self, names, rows, mask, **options)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -471,6 +490,8 @@ def _all_ranks(path: Path, ranks: list[int]) -> dict[str, Any]:
         for site in index["sites"]:
             if site not in merged["sites"]:
                 merged["sites"].append(site)
+        for alias, site in index.get("canonical", {}).items():
+            merged.setdefault("canonical", {}).setdefault(alias, site)
         for shard in index["shards"]:
             merged["shards"].append(dict(
                 shard, file=f"rank{rank:05d}/{shard['file']}", rank=rank,

@@ -15,15 +15,39 @@ from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypedDict
 
 import torch
 from torch.utils.data import Dataset
 
 from ..core.errors import ConfigError, DiskError
+from .rows import RowFilter, Scale, check_stackable
 
 Rows = Literal["tokens", "samples"]
+Layout = Literal["dict", "stack"]
+
+
+class RowOptions(TypedDict, total=False):
+    """What an SAE trainer chooses of the rows (``Captures.dataset``; ``ActivationStream``)."""
+
+    positions: slice | None
+    """Sequence positions kept (``slice(1, None)``: not the first); ``rows="tokens"``."""
+    exclude_token_ids: Iterable[int] | None
+    """Token ids whose rows are left out (BOS, EOS, pad): reads the ``tokens`` site."""
+    tokens: str
+    """The site of the token ids (default ``"input_ids"``, the model's input)."""
+    normalize: bool | float | Mapping[str, float]
+    """True: scale each site's rows to a mean norm of sqrt(d), the factor estimated on a
+    sample of 8192 rows; a number (or ``{site: number}``): that factor."""
+    layout: Layout
+    """Several sites: ``"dict"`` (by name) or ``"stack"`` (``(batch, n_sites, *row)``)."""
+
+
+NORM_SAMPLE = 8192
+"""Rows a normalization factor is estimated on (a seeded sample)."""
 
 
 class Source(Protocol):
@@ -38,7 +62,10 @@ class CaptureDataset(Dataset[Any]):
     """Rows of captured values: see :meth:`Captures.dataset`."""
 
     def __init__(self, caps: Source, names: str | Sequence[str], rows: Rows = "tokens",
-                 mask: str | None = None) -> None:
+                 mask: str | None = None, *, positions: slice | None = None,
+                 exclude_token_ids: Iterable[int] | None = None, tokens: str = "input_ids",
+                 normalize: bool | float | Mapping[str, float] = False,
+                 layout: Layout = "dict") -> None:
         if rows not in ("tokens", "samples"):
             raise ConfigError(f"dataset(rows={rows!r}): expected 'tokens' (one row per "
                               "[batch, pos] position) or 'samples' (one row per batch element)")
@@ -46,13 +73,20 @@ class CaptureDataset(Dataset[Any]):
         wanted = (names,) if isinstance(names, str) else tuple(names)
         if not wanted or not all(isinstance(n, str) for n in wanted):
             raise ConfigError(f"dataset(names={names!r}): give a site name or a list of them")
-        if mask is not None and rows != "tokens":
-            raise ConfigError("dataset(mask=...) leaves out [batch, pos] positions: it needs "
-                              "rows='tokens'")
+        row_filter = RowFilter.make(mask, tokens, exclude_token_ids, positions)
+        if row_filter.active and rows != "tokens":
+            raise ConfigError("dataset(mask=, exclude_token_ids=, positions=) leave out "
+                              "[batch, pos] positions: they need rows='tokens'")
+        if layout not in ("dict", "stack"):
+            raise ConfigError(f"dataset(layout={layout!r}): 'dict' (rows by site name) or "
+                              "'stack' ((batch, n_sites, d))")
         self.names = wanted
         self.rows: Rows = rows
         self.mask = mask
-        self._single = single
+        self.filter = row_filter
+        """The rows kept of each forward (mask, excluded tokens, positions)."""
+        self.layout: Layout = layout
+        self._single = single and layout == "dict"
         self._caps = caps
         self._forwards: list[int] = []
         self._starts: list[int] = []
@@ -75,9 +109,8 @@ class CaptureDataset(Dataset[Any]):
                                 "sites need every one of them in every forward")
             lead = self._rows_of(f, {n: values[n] for n in wanted})
             count = int(torch.Size(lead).numel())
-            kept = None
-            if mask is not None:
-                kept = self._masked(f, values, lead)
+            kept = row_filter.kept(values, lead, f"forward {f}") if len(lead) == 2 else None
+            if kept is not None:
                 count = int(kept.numel())
             self._forwards.append(f)
             self._starts.append(total)
@@ -86,6 +119,13 @@ class CaptureDataset(Dataset[Any]):
         self._len = total
         self._cache: collections.OrderedDict[int, dict[str, torch.Tensor]] = \
             collections.OrderedDict()
+        if layout == "stack":
+            check_stackable(self.row_shapes, self.row_dtypes)
+        self.scale: Scale | None = Scale.given(self.names, normalize)
+        """Each site's normalization factor (rows are read multiplied by it), or None."""
+        if normalize is True and self._len:
+            sample = torch.randperm(self._len, generator=torch.Generator().manual_seed(0))
+            self.scale = Scale.estimate(self._gather(sample[:NORM_SAMPLE].sort().values))
 
     def _rows_of(self, f: int, values: dict[str, Any]) -> tuple[int, ...]:
         """The sites' leading (row) dims in forward ``f``; checks row shapes and dtypes."""
@@ -115,14 +155,6 @@ class CaptureDataset(Dataset[Any]):
                                 f"{self.row_dtypes[n]} before; a dataset's rows have one dtype")
         assert count is not None
         return count
-
-    def _masked(self, f: int, values: Any, lead: tuple[int, ...]) -> torch.Tensor:
-        m = values[self.mask]
-        if not isinstance(m, torch.Tensor) or tuple(m.shape) != lead:
-            raise DiskError(f"mask {self.mask!r} in forward {f} has shape "
-                            f"{tuple(getattr(m, 'shape', ()))}, expected the sites' "
-                            f"[batch, pos] {list(lead)}")
-        return m.reshape(-1).nonzero().reshape(-1)
 
     def __len__(self) -> int:
         return self._len
@@ -177,26 +209,87 @@ class CaptureDataset(Dataset[Any]):
                    for n, s in self.row_shapes.items()}
         return out
 
+    def _read(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows ``idx`` of every name, normalized: what every read returns."""
+        got = self._gather(idx)
+        return self.scale.apply(got) if self.scale is not None else got
+
     def _pack(self, values: dict[str, torch.Tensor]) -> Any:
+        if self.layout == "stack":
+            dim = -1 - len(self.row_shapes[self.names[0]])
+            return torch.stack([values[n] for n in self.names], dim=dim)
         return values[self.names[0]] if self._single else values
+
+    def denormalize(self, rows: Any) -> Any:
+        """Rows as they were captured: undoes ``normalize=`` (a tensor, a dict by site, or a
+        ``layout="stack"`` batch)."""
+        if self.scale is None:
+            return rows
+        if self.layout == "stack":
+            trailing = len(self.row_shapes[self.names[0]])
+            f = torch.tensor([self.scale.factors[n] for n in self.names], dtype=rows.dtype)
+            return rows / f.reshape(-1, *([1] * trailing))
+        return self.scale.undo(rows, None if isinstance(rows, Mapping) else self.names[0])
+
+    def to_arrow(self, path: str | os.PathLike[str], batch_size: int = 65536) -> Path:
+        """Write every row, in order, to an Arrow file that Hugging Face ``datasets`` reads
+        (``datasets.Dataset.from_file(path)``): one column per site (fixed-size lists), the
+        normalization factors in its metadata. Needs ``pyarrow``."""
+        from .arrow import export_arrow
+
+        return export_arrow(self, path, batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to read the same rows the same way: the sites, the number
+        of rows and the normalization factors (the position is the sampler's:
+        :class:`~fxprobe.RowSampler`)."""
+        return {"names": list(self.names), "rows": self._len,
+                "scale": dict(self.scale.factors) if self.scale is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved state's normalization factors, after checking that it is of these
+        sites and rows (``ConfigError`` if not)."""
+        if list(state.get("names", ())) != list(self.names) or state.get("rows") != self._len:
+            raise ConfigError(
+                f"load_state_dict: the state is of sites {state.get('names')} with "
+                f"{state.get('rows')} rows, this dataset of {list(self.names)} with "
+                f"{self._len} rows; it resumes only the same rows (same captures and options)")
+        scale = state.get("scale")
+        self.scale = Scale({str(k): float(v) for k, v in scale.items()}) if scale else None
 
     def __getitem__(self, i: Any) -> Any:
         """Row ``i``; a list or 1-d tensor of rows gives them stacked (one batch), which is
         the fast way to read: ``DataLoader(ds, batch_size=None, sampler=BatchSampler(...))``."""
         idx, scalar = _indices(i)
-        got = self._gather(idx)
+        got = self._read(idx)
         return self._pack({n: v[0] for n, v in got.items()} if scalar else got)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Many rows at once, as ``DataLoader`` asks for a batch: one gather per forward."""
-        got = self._gather(_indices(list(indices))[0])
+        got = self._read(_indices(list(indices))[0])
         rows = {n: v.unbind(0) for n, v in got.items()}
         return [self._pack({n: rows[n][p] for n in self.names}) for p in range(len(indices))]
 
     def __repr__(self) -> str:
         what = self.names[0] if self._single else list(self.names)
         masked = f", mask={self.mask!r}" if self.mask else ""
+        masked += ", normalized" if self.scale is not None else ""
         return f"CaptureDataset({what!r}, rows={self.rows!r}{masked}, {self._len} rows)"
+
+
+def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mask: str | None,
+                  options: Any) -> tuple[str | list[str], str | None]:
+    """The site names a dataset's arguments mean (canonical ones mapped by ``resolve``);
+    ``options`` (``tokens=``, ``normalize={site: f}``) is updated in place."""
+    def one(n: Any) -> Any:
+        return resolve(n) if isinstance(n, str) else n
+
+    if isinstance(options.get("tokens"), str):
+        options["tokens"] = resolve(options["tokens"])
+    scale = options.get("normalize")
+    if isinstance(scale, Mapping):
+        options["normalize"] = {one(k): v for k, v in scale.items()}
+    return (one(names) if isinstance(names, str) else [one(n) for n in names]), one(mask)
 
 
 def _indices(i: Any) -> tuple[torch.Tensor, bool]:

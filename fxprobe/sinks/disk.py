@@ -169,6 +169,9 @@ class Disk(Sink):
         self._closed = False
         self._shard: Shard | None = None
         self._module: Any = None
+        self._canonical_known: set[str] = set()
+        self._canonical: dict[str, str] = {}
+        """Canonical name -> site name, of the sites written so far (listed in the index)."""
         global _ATEXIT
         if not _ATEXIT:
             atexit.register(_close_all)
@@ -222,6 +225,8 @@ class Disk(Sink):
         captures_inputs = getattr(options, "capture", "output") == "input"
         job = Encoder(protected, input_sites, self.copy, captures_inputs).job(-1, values)
         self._dir.check_same_model(job.signature)
+        if module is not None and not self._canonical_known.issuperset(values):
+            self._learn_canonical(module, values)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -239,6 +244,15 @@ class Disk(Sink):
             self._jobs.append(job)
             self._queued_bytes += job.nbytes
             self._cond.notify_all()
+
+    def _learn_canonical(self, module: Any, values: Mapping[str, Any]) -> None:
+        """Record the canonical names (``blocks.6.resid_post``) of sites not seen before, so
+        that a reader finds them by either name; the writer thread lists them in the index."""
+        found = {c: s.name for s in getattr(module, "sites", ()) if s.name in values
+                 for c in getattr(s, "canonical", ())}
+        with self._cond:
+            self._canonical.update(found)
+        self._canonical_known.update(values)
 
     def release(self) -> None:
         """Unlock the directory if nothing was handed over yet (the tapped module's selection
@@ -349,7 +363,9 @@ class Disk(Sink):
     def _write_job(self, job: Job) -> None:
         if job.event is not None:
             job.event.synchronize()
-        self._dir.add_sites(job.signature)
+        with self._cond:
+            canonical = dict(self._canonical)
+        self._dir.add_sites(job.signature, canonical)
         layout_json = json.dumps(job.layout, separators=(",", ":"))
         shard = self._shard
         if shard is not None and not shard.fits(job, layout_json):

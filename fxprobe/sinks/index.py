@@ -123,13 +123,20 @@ class CaptureDir:
             raise DiskError(_mismatch(self.path, known, signature))
         self.appending = False
 
-    def add_sites(self, signature: dict[str, str]) -> None:
-        """Record the sites of a forward not seen before (listed at the next commit)."""
+    def add_sites(self, signature: dict[str, str],
+                  canonical: dict[str, str] | None = None) -> None:
+        """Record the sites of a forward not seen before, and the canonical names of sites
+        (``{"blocks.6.resid_post": "transformer.h.6.add_1"}``); listed at the next commit."""
         known: dict[str, str] = self.index["signature"]
         for name, sig in signature.items():
             if name not in known:
                 known[name] = sig
                 self.index["sites"].append(name)
+        if canonical:
+            names = self.index.setdefault("canonical", {})
+            for alias, name in canonical.items():
+                if name in known:
+                    names.setdefault(alias, name)
 
     def take_shard_number(self) -> int:
         """The number of the next shard file (``shard-000007.safetensors``)."""

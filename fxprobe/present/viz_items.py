@@ -38,6 +38,8 @@ class Item:
     """Attributes (parameters, buffers, constants) read by this op, drawn in its label."""
     graph: str | None = None
     """For the items of a graph torch dynamo captured: its key in ``tapped.graphs``."""
+    span: list[str] = field(default_factory=list)
+    """For a node standing for a run of repeated blocks: their paths (``present.viz_fold``)."""
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Folded:
     modules: dict[str, list[str]] = field(default_factory=dict)
     """Modules that pass their input through unchanged (``Identity``, ``Dropout`` in eval
     mode), by type name: their input is drawn going straight to their users."""
+    blocks: list[Item] = field(default_factory=list)
+    """The nodes that stand for runs of repeated blocks (``present.viz_fold``)."""
 
 def path_depth(path: str) -> int:
     return path.count(".") + 1 if path else 0

@@ -158,6 +158,6 @@ def _render(view: Callable[[], View], path: str | Path, kwargs: dict[str, Any],
     # In the order fxprobe.render checks: the path, the drawing options, then what is drawn.
     path = check_path(path)
     kwargs = dict(kwargs)
-    check_drawing(kwargs.get("depth"), kwargs.get("rankdir", "TB"))
+    check_drawing(kwargs.get("depth"), kwargs.get("rankdir", "TB"), kwargs.get("fold", True))
     refuse(kwargs.pop("ops", None), kwargs.pop("tracer", "auto"), kwargs.pop("train", None))
     return write(to_dot(view(), **kwargs), path)

@@ -41,7 +41,7 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
            example_kwargs: Mapping[str, Any] | None = None, ops: Any = None,
            depth: int | None = None, tracer: TracerKind = "auto", train: bool | None = None,
            rankdir: str = "TB", show_plumbing: bool = False,
-           focus: str | None = None) -> graphviz.Digraph:
+           focus: str | None = None, fold: bool = True) -> graphviz.Digraph:
     """Draw a tapped module, or a model, as a ``graphviz.Digraph``.
 
     Nodes are sites (name, op and, when known, dtype and shape); edges are data flow inside
@@ -76,6 +76,11 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
         focus: the path of one module to draw whole (``"blocks.3"``): nothing inside it is
             collapsed by ``depth``; without ``depth``, its siblings (and those of the modules
             around it) are drawn as one node each.
+        fold: draw a run of three or more sibling blocks of one class (ResNet's
+            ``layer3.0`` ... ``layer3.5``, a ViT's encoder layers) as its first block, then
+            one node for the others, whose tooltip (SVG) lists their sites and shapes; a run
+            ``depth`` draws as one node per block, or that holds ``focus``, is not folded.
+            ``False`` draws every block.
 
     Returns:
         A ``graphviz.Digraph``; ``.source`` is the DOT text, ``.pipe("svg")`` renders it.
@@ -89,10 +94,10 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
         >>> dot = fxprobe.to_dot(model, torch.randn(1, 3, 224, 224), ops=nn.Conv2d, depth=2)
         >>> dot.pipe("svg")
     """
-    viz.check_drawing(depth, rankdir)
+    viz.check_drawing(depth, rankdir, fold)
     view = view_of(obj, ops=ops, tracer=tracer, train=train)
     return viz.to_dot(view, example_input, example_kwargs=example_kwargs, depth=depth,
-                      rankdir=rankdir, show_plumbing=show_plumbing, focus=focus)
+                      rankdir=rankdir, show_plumbing=show_plumbing, focus=focus, fold=fold)
 
 
 def render(obj: nn.Module, path: str | Path, **kwargs: Any) -> Path:

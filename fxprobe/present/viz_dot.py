@@ -277,6 +277,9 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
         lines = [f"{s.name}: {_module_type(scene, it.module) if it.module else s.op}"]
         tip = [f"{s.name}: {s.op} ({s.kind}, reached by {s.how})",
                f"in module: {s.module_path or '(top level)'}"]
+        if s.canonical:  # the transformer vocabulary's names select it too
+            lines.append("= " + ", ".join(s.canonical))
+            tip.append("canonical name: " + ", ".join(s.canonical))
         if s.how == "hook":
             attrs["style"] = "rounded,filled,dashed"
             classes.append("hook")

@@ -24,7 +24,7 @@ selectors (--ops, repeatable or comma-separated; a site is selected if any match
   op:add               the same, by canonical op name (add, relu, flatten, matmul, ...)
   method:view          tensor method calls x.view(...)
   re:attn\\.(q|k)       a regular expression searched in site names
-  how:hook             sites reached by a module hook only (how:fx for op-level sites)
+  how:hook             sites reached by a module hook only (how:fx, how:dynamo: op level)
   name:GLOB            a glob, spelled out (for names that look like a selector kind)
 """
 

@@ -52,7 +52,7 @@ def cmd_sites(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def quiet_tracing() -> Iterator[None]:
-    """No warnings of torch.fx, torch dynamo or the model's library on the terminal while
+    """No warnings of torch.fx, torch dynamo or transformers on the terminal while
     fxprobe traces and runs a model to list or draw its sites: what could not be traced is
     reported in the table (modules that run as written), not as tracebacks."""
     import logging
@@ -64,7 +64,8 @@ def quiet_tracing() -> Iterator[None]:
         for lg in loggers:
             lg.setLevel(logging.ERROR)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            # torch's and the model library's; fxprobe's own (a forward it cannot reach) stay
+            warnings.filterwarnings("ignore", module=r"(torch|transformers)(\.|$)")
             yield
     finally:
         for lg, level in zip(loggers, levels, strict=True):

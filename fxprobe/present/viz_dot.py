@@ -9,17 +9,19 @@ from typing import Any
 from ..core.site import node_site
 from ..core.view import Fallback, ValueInfo
 from .summary import describe_value
-from .viz_fold import block_runs, fold_blocks, site_lines
 from .viz_items import (
     Folded,
     Item,
     Scene,
+    block_runs,
     collapse,
+    fold_blocks,
     items_of,
     path_depth,
     path_inside,
     path_parent,
     path_prefix,
+    site_lines,
 )
 
 # Okabe-Ito colours: told apart with every common colour-vision deficiency; the tapped fill

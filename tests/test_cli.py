@@ -154,11 +154,16 @@ def test_sites_and_graph_commands(models: Path, capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().out.startswith("| name ")
 
     out = "g.svg" if HAS_DOT else "g.dot"
-    assert _cli.main(["graph", "models.py:good", "--input", "3x4", "-o", out,
-                      "--ops", "how:hook"]) == 0
+    assert _cli.main(["graph", "models.py:good", "-o", out, "--ops", "how:hook"]) == 0
     assert capsys.readouterr().out == f"wrote {out}\n"
     text = (models / out).read_text()
-    assert "2.a" in text and "fallback" in text and "float32 [3, 4]" in text
+    assert "2.a" in text and "fallback" in text  # before a forward: as fx and hooks see it
+    # with an example input, captured as fxprobe.tap does: the Gate under torch dynamo
+    assert _cli.main(["graph", "models.py:good", "--input", "3x4", "-o", out,
+                      "--ops", "how:dynamo"]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
+    text = (models / out).read_text()
+    assert "2.a" in text and "torch dynamo" in text and "float32 [3, 4]" in text
     if HAS_DOT:  # the default output is named after the factory
         assert _cli.main(["graph", "models.py:good", "--depth", "0", "--rankdir", "LR"]) == 0
         assert capsys.readouterr().out == "wrote good.svg\n"

@@ -24,7 +24,7 @@ selectors (--ops, repeatable or comma-separated; a site is selected if any match
   op:add               the same, by canonical op name (add, relu, flatten, matmul, ...)
   method:view          tensor method calls x.view(...)
   re:attn\\.(q|k)       a regular expression searched in site names
-  how:hook             sites reached by a module hook only (how:fx for op-level sites)
+  how:hook             sites reached by a module hook only (how:fx, how:dynamo: op level)
   name:GLOB            a glob, spelled out (for names that look like a selector kind)
 """
 
@@ -92,12 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
         description=_para("List every site of MODEL in execution order: its name (what ops= and "
                     "tapped.taps use), its op, the module path, and how fxprobe reaches it "
                     "(fx: at op level in a traced graph; hook: by a module hook, inside code "
-                    "torch.fx could not trace). Modules that run as written are listed under "
-                    "the table with the reason."),
+                    "torch.fx could not trace; dynamo: in a graph torch dynamo captured, "
+                    "found by running --input or --tokens). Modules that run as written are "
+                    "listed under the table with the reason."),
         epilog=_MODEL_HELP + "\n" + _SELECTOR_HELP + "\nexample:\n"
-               "  fxprobe sites fxprobe.examples:small_cnn --ops module:Conv2d,op:add",
+               "  fxprobe sites fxprobe.examples:small_cnn --ops module:Conv2d,op:add\n"
+               "  fxprobe sites models.py:gpt2 --tokens 1x16 --ops 'blocks.*.resid_post'",
     )
     _model_args(p, "list")
+    _input_args(p, "to list the sites torch dynamo finds (in code torch.fx cannot trace: "
+                   "a Hugging Face model) and their canonical names (blocks.0.resid_post), "
+                   "as fxprobe.tap finds them at the first forward")
     p.add_argument("--format", choices=("text", "github", "html"), default="text",
                    help="table format: terminal text (default), GitHub Markdown, or HTML")
     p.set_defaults(command="sites", handler=cmd_sites)
@@ -123,11 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=_depth, metavar="N",
                    help="draw every module nested deeper than N levels as one node "
                         "(0: only the model's direct children); default: draw everything")
-    p.add_argument("--input", action="append", default=[], metavar="SPEC",
-                   help="an example input, to show dtype and shape at every site: sizes "
-                        "joined by 'x', optionally ':dtype' (1x3x224x224, 2x128:int64); "
-                        "repeat the option or separate with commas for several positional "
-                        "inputs. Floats are random normal, integers and bools zero.")
+    _input_args(p, "to show dtype and shape at every site, and to draw the graphs torch "
+                   "dynamo captures (a Hugging Face model) op by op, as fxprobe.tap runs them")
+    p.add_argument("--no-fold", dest="fold", action="store_false",
+                   help="draw every block; by default a run of three or more sibling blocks "
+                        "of one class is drawn as its first block and one node for the rest "
+                        "(its tooltip lists their sites)")
     p.add_argument("--rankdir", choices=("TB", "LR"), default="TB",
                    help="layout direction: top to bottom (default) or left to right")
     p.add_argument("--focus", metavar="MODULE",
@@ -174,14 +180,30 @@ def _model_args(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument("--ops", action="append", default=[], metavar="SELECTOR",
                    help=f"{verb} only the sites a selector matches; repeatable, or "
                         "comma-separated (see selectors below)")
-    p.add_argument("--tracer", choices=("auto", "fx", "hooks"), default="auto",
-                   help="auto (default): fx where it can, hooks elsewhere; fx: fail if "
-                        "anything cannot be traced; hooks: module hooks only")
+    p.add_argument("--tracer", choices=("auto", "fx", "hooks", "dynamo", "fx+dynamo"),
+                   default="auto",
+                   help="auto (default): fx where it can, torch dynamo where fx cannot (its "
+                        "sites are found by running an example input: --input or --tokens), "
+                        "hooks where dynamo fails too; fx: fail if anything cannot be traced; "
+                        "hooks: module hooks only; dynamo: the whole model under dynamo; "
+                        "fx+dynamo: auto without hooks")
     p.add_argument("--train", action="store_true",
                    help="use the model's train-mode graph (default: eval mode)")
     p.add_argument("--kw", action="append", default=[], metavar="NAME=VALUE",
                    help="a keyword argument of the factory, VALUE a Python literal "
                         "(--kw image_size=64 --kw dropout=0.1); repeatable")
+
+
+def _input_args(p: argparse.ArgumentParser, why: str) -> None:
+    p.add_argument("--input", action="append", default=[], metavar="SPEC",
+                   help=f"an example input, {why}: sizes joined by 'x', optionally ':dtype' "
+                        "(1x3x224x224, 2x128:int64); repeat the option or separate with "
+                        "commas for several positional inputs. Floats are random normal, "
+                        "integers and bools zero.")
+    p.add_argument("--tokens", metavar="BxT",
+                   help="token ids for a transformer, as its first positional input "
+                        "(input_ids): BATCHxLENGTH int64 zeros, e.g. 1x16 (same as --input "
+                        "1x16:int64); comes before any --input")
 
 
 def _depth(text: str) -> int:

@@ -239,6 +239,25 @@ def parse_inputs(specs: Sequence[str]) -> tuple[torch.Tensor, ...]:
     return tuple(tensors)
 
 
+def example_of(inputs: Sequence[str], tokens: str | None) -> tuple[torch.Tensor, ...] | None:
+    """``--tokens BxT`` and ``--input SPEC`` -> the positional example input (token ids
+    first), or None when neither was given.
+
+    Raises:
+        UsageError: a malformed spec (see :func:`parse_inputs`).
+    """
+    given = []
+    if tokens is not None:
+        text = tokens.strip().lower().replace(",", "x")
+        parts = text.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise UsageError(f"--tokens {tokens!r}: write BATCHxLENGTH, two positive integers "
+                             "(for example --tokens 1x16)")
+        given.append(f"{text}:int64")
+    given += list(inputs)
+    return parse_inputs(given) if given else None
+
+
 def parse_ops(texts: Sequence[str]) -> list[Selector] | None:
     """``--ops`` values -> selectors (None when none was given). See ``fxprobe sites --help``.
 
@@ -270,8 +289,9 @@ def parse_selector(text: str) -> Selector:
         except re.error as e:
             raise UsageError(f"--ops {text!r}: not a regular expression: {e}") from e
     if kind == "how":
-        if value not in ("fx", "hook", "script", "export"):
-            raise UsageError(f"--ops {text!r}: use how:fx, how:hook, how:script or how:export")
+        if value not in ("fx", "hook", "dynamo", "script", "export"):
+            raise UsageError(f"--ops {text!r}: use how:fx, how:hook, how:dynamo, how:script or "
+                             "how:export")
         return where(lambda s: s.how == value, text)
     if kind == "op":
         return where(lambda s: s.op_key == value, text)

@@ -17,7 +17,7 @@ from torch import nn
 from ..core.errors import ConfigError, TraceError, UsageError
 from ..core.select import select
 from ..core.site import Site
-from .arguments import load_model, parse_inputs, parse_kw, parse_ops
+from .arguments import example_of, load_model, parse_kw, parse_ops
 
 
 def cmd_sites(args: argparse.Namespace) -> int:
@@ -25,9 +25,14 @@ def cmd_sites(args: argparse.Namespace) -> int:
     from ..present.summary import sites_table
 
     model, _ = load_model(args.model, parse_kw(args.kw))
+    example = example_of(args.input, args.tokens)
     selectors = parse_ops(args.ops)
-    with _factory_hint(args):
-        listing = sites(model, train=args.train, tracer=args.tracer)
+    artifact = args.model.endswith((".pt", ".pt2"))
+    if artifact and example is not None:
+        raise UsageError(f"{args.model} is read from its graph, which names every site; "
+                         "leave out --input and --tokens")
+    with _factory_hint(args), quiet_tracing():
+        listing = sites(model, train=args.train, tracer=args.tracer, example_input=example)
     records: list[Site] = list(listing.records)
     if selectors is not None:
         mode = "train" if args.train else "eval"
@@ -35,23 +40,60 @@ def cmd_sites(args: argparse.Namespace) -> int:
                          context=f"{type(model).__name__} ({mode} mode)",
                          fallbacks=listing.fallbacks)
     print(sites_table(records, listing.fallbacks, args.format))
+    if example is None and listing.fallbacks and args.tracer in ("auto", "fx+dynamo") \
+            and not artifact:
+        which = "these modules" if len(listing.fallbacks) > 1 else "this module"
+        print(f"\nfxprobe.tap captures {which} with torch dynamo at the first forward: "
+              "pass an example input (--tokens 1x16 "
+              "for a transformer, --input 1x3x224x224) to list the sites it finds, with their "
+              "canonical names")
     return 0
 
 
+@contextlib.contextmanager
+def quiet_tracing() -> Iterator[None]:
+    """No warnings of torch.fx, torch dynamo or transformers on the terminal while
+    fxprobe traces and runs a model to list or draw its sites: what could not be traced is
+    reported in the table (modules that run as written), not as tracebacks."""
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in ("torch._dynamo", "torch.fx", "transformers")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            # torch's and the model library's; fxprobe's own (a forward it cannot reach) stay
+            warnings.filterwarnings("ignore", module=r"(torch|transformers)(\.|$)")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def cmd_graph(args: argparse.Namespace) -> int:
-    from ..runtime.views import render
+    from ..present import viz
+    from ..runtime.views import render, view_for_input
 
     model, name = load_model(args.model, parse_kw(args.kw))
-    inputs = parse_inputs(args.input)
+    inputs = example_of(args.input, args.tokens)
     selectors = parse_ops(args.ops)
     out = Path(args.output or f"{name.rpartition('.')[2]}.svg")
     if not out.parent.is_dir():
         raise UsageError(f"-o {str(out)!r}: the folder {str(out.parent)!r} does not exist; "
                          "create it first or name a file in an existing folder")
-    with _factory_hint(args):
-        render(model, out, example_input=inputs or None, ops=selectors, depth=args.depth,
-               tracer=args.tracer, train=args.train, rankdir=args.rankdir,
-               show_plumbing=args.show_plumbing, focus=args.focus)
+    drawing = dict(depth=args.depth, rankdir=args.rankdir, show_plumbing=args.show_plumbing,
+                   focus=args.focus, fold=args.fold)
+    with _factory_hint(args), quiet_tracing():
+        if inputs is None:
+            render(model, out, ops=selectors, tracer=args.tracer, train=args.train, **drawing)
+        else:  # captured as fxprobe.tap would: dynamo's graphs drawn op by op
+            viz.check_drawing(args.depth, args.rankdir, args.fold)
+            viz.check_path(out)
+            view = view_for_input(model, inputs, ops=selectors, tracer=args.tracer,
+                                  train=args.train)
+            viz.render(view, out, example_input=inputs, **drawing)
     print(f"wrote {out}")
     return 0
 

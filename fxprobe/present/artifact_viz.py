@@ -33,7 +33,9 @@ def _stand_in(sites: Sequence[Site]) -> nn.Module:
 
     root = make(None)
     types = {s.module_path: s.type_name for s in sites if s.kind == "call_module"}
-    for path in sorted({p for s in sites for p in _prefixes(s.module_path)}, key=len):
+    # Parents first; siblings in the order they first run, as a module registers them.
+    first = {p: i for i, s in reversed(list(enumerate(sites))) for p in _prefixes(s.module_path)}
+    for path in sorted(first, key=lambda p: (p.count("."), first[p])):
         parent_path, _, child = path.rpartition(".")
         parent = root.get_submodule(parent_path) if parent_path else root
         if child not in parent._modules:

@@ -250,13 +250,18 @@ def tapped_table(sites: Sequence[Site], taps: Mapping[str, Any], fallbacks: Iter
 
 def sites_table(sites: Sequence[Site], fallbacks: Iterable[Any], fmt: str = "text",
                 tapped: Iterable[str] | None = None) -> Table:
-    """Every site: name, op, module path, and whether fx or only a hook reaches it."""
+    """Every site: name, op, module path, and whether fx or only a hook reaches it; with a
+    ``canonical`` column after the name where any site has canonical names (a transformer's
+    ``blocks.0.resid_post``, which select it as its name does)."""
     check_format(fmt)
     chosen = set(tapped) if tapped is not None else None
-    headers = ("name", "op", "module path", "how") + (("tapped",) if chosen is not None else ())
+    canonical = any(s.canonical for s in sites)  # a transformer's: its vocabulary's names
+    headers = ("name",) + (("canonical",) if canonical else ()) + (
+        "op", "module path", "how") + (("tapped",) if chosen is not None else ())
     rows = []
     for s in sites:
-        row: tuple[str, ...] = (s.name, s.op, s.module_path, s.how)
+        row: tuple[str, ...] = (s.name,) + ((", ".join(s.canonical),) if canonical else ()) + (
+            s.op, s.module_path, s.how)
         if chosen is not None:
             row += ("yes" if s.name in chosen else "",)
         rows.append(row)

@@ -42,7 +42,7 @@ _INSTALL_HINT = (
 def to_dot(view: View, example_input: Any = None, *,
            example_kwargs: Mapping[str, Any] | None = None, depth: int | None = None,
            rankdir: str = "TB", show_plumbing: bool = False,
-           focus: str | None = None) -> graphviz.Digraph:
+           focus: str | None = None, fold: bool = True) -> graphviz.Digraph:
     """Draw ``view`` as a ``graphviz.Digraph`` (see ``fxprobe.to_dot``, which hands this the
     view of a model, a tapped module or an artifact).
 
@@ -51,13 +51,13 @@ def to_dot(view: View, example_input: Any = None, *,
         example_input: a tensor or a tuple of positional arguments whose shapes are noted at
             every site, by ``view.shapes`` (which changes nothing of the user's).
         example_kwargs: keyword arguments for that run.
-        depth, rankdir, show_plumbing, focus: as for ``fxprobe.to_dot``.
+        depth, rankdir, show_plumbing, focus, fold: as for ``fxprobe.to_dot``.
 
     Raises:
-        ConfigError: a bad ``depth``, ``rankdir`` or ``focus``; an example input for a view
-            that runs none.
+        ConfigError: a bad ``depth``, ``rankdir``, ``focus`` or ``fold``; an example input
+            for a view that runs none.
     """
-    graphviz = check_drawing(depth, rankdir)
+    graphviz = check_drawing(depth, rankdir, fold)
     if view.plan is None or view.root is None:
         raise ConfigError(f"{view.title or 'this'} has no graph to draw; draw the model")
     scene = _scene(view, view.plan, view.root)
@@ -70,7 +70,7 @@ def to_dot(view: View, example_input: Any = None, *,
             raise ConfigError(f"{view.title} cannot run an example input")
         scene.infos.update(view.shapes(_as_args(example_input), dict(example_kwargs or {})))
         scene.ran = True
-    return draw(graphviz, scene, depth, rankdir, show_plumbing, focus)
+    return draw(graphviz, scene, depth, rankdir, show_plumbing, focus, fold)
 
 
 def check_focus(focus: Any, root: Any) -> None:
@@ -90,9 +90,13 @@ def check_focus(focus: Any, root: Any) -> None:
     raise ConfigError(f"focus={focus!r} is not a module of {type(root).__name__}{hint}")
 
 
-def check_drawing(depth: int | None, rankdir: str) -> Any:
-    """The ``graphviz`` package, once ``depth`` and ``rankdir`` are known to be good."""
+def check_drawing(depth: int | None, rankdir: str, fold: bool = True) -> Any:
+    """The ``graphviz`` package, once ``depth``, ``rankdir`` and ``fold`` are known to be
+    good."""
     graphviz = _import_graphviz()
+    if not isinstance(fold, bool):
+        raise ConfigError(f"fold={fold!r} is not accepted; pass True (fold repeated blocks, "
+                          "the default) or False (draw every block)")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
         raise ConfigError(f"depth={depth!r} is not accepted; pass an int >= 0, or None")
     if rankdir not in ("TB", "LR", "BT", "RL"):

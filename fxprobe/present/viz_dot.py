@@ -13,12 +13,15 @@ from .viz_items import (
     Folded,
     Item,
     Scene,
+    block_runs,
     collapse,
+    fold_blocks,
     items_of,
     path_depth,
     path_inside,
     path_parent,
     path_prefix,
+    site_lines,
 )
 
 # Okabe-Ito colours: told apart with every common colour-vision deficiency; the tapped fill
@@ -52,7 +55,7 @@ def _cluster_of(item: Item, drawn: list[Item]) -> str:
 
 
 def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
-         show_plumbing: bool = True, focus: str | None = None) -> Any:
+         show_plumbing: bool = True, focus: str | None = None, fold: bool = True) -> Any:
     p = scene.plan
     folds = Folded()
 
@@ -63,6 +66,8 @@ def draw(graphviz: Any, scene: Scene, depth: int | None, rankdir: str,
     items, edges, after = items_of(p, scene.tapped, show_plumbing, scene.graphs,
                                    scene.root, given, folds)
     rep = collapse(items, depth, focus)
+    if fold:
+        rep, folds.blocks = fold_blocks(items, rep, block_runs(scene.root), depth, focus)
     drawn: list[Item] = []
     seen: set[str] = set()
     for it in items:
@@ -211,6 +216,11 @@ def _caption(scene: Scene, depth: int | None, folds: Folded | None = None,
             left.append(f"{_count(len(folds.shape_ops), 'shape op')} (into the ops they feed)")
         if left:
             lines.append("not drawn (show_plumbing=True draws them): " + "; ".join(left))
+        if folds.blocks:
+            lines.append("repeated blocks drawn as one node after the first of each run "
+                         "(fold=False draws them): " + ", ".join(
+                             f"{f.span[0]} ... {f.span[-1]}" if len(f.span) > 1 else f.span[0]
+                             for f in folds.blocks))
     return "".join(_text(x) + "\\l" for x in [*lines, _LEGEND])
 
 
@@ -269,6 +279,9 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
         lines = [f"{s.name}: {_module_type(scene, it.module) if it.module else s.op}"]
         tip = [f"{s.name}: {s.op} ({s.kind}, reached by {s.how})",
                f"in module: {s.module_path or '(top level)'}"]
+        if s.canonical:  # the transformer vocabulary's names select it too
+            lines.append("= " + ", ".join(s.canonical))
+            tip.append("canonical name: " + ", ".join(s.canonical))
         if s.how == "hook":
             attrs["style"] = "rounded,filled,dashed"
             classes.append("hook")
@@ -356,22 +369,33 @@ def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
 
 def _group_text(it: Item, scene: Scene, fallbacks: Mapping[str, Any], depth: int | None
                 ) -> tuple[list[str], list[str], bool, Any]:
+    scopes = it.span or [it.owner]
     sites = [m.site for m in it.members if m.site is not None]
     names = {s.name for s in sites}
     sites += [s for s in scene.plan.sites  # folded ones (Identity, shape ops) count too
-              if not s.inlined and s.name not in names and path_inside(s.module_path, it.owner)
+              if not s.inlined and s.name not in names
+              and any(path_inside(s.module_path, scope) for scope in scopes)
               and s.kind not in ("placeholder", "get_attr")]
     tapped = [s.name for s in sites if s.name in scene.tapped]
-    inner = [f for path, f in fallbacks.items() if path and path_inside(path, it.owner)]
+    inner = [f for path, f in fallbacks.items()
+             if path and any(path_inside(path, scope) for scope in scopes)]
     mtype = _module_type(scene, it.owner)
     count = _count(len(sites), "site") + (f", {len(tapped)} tapped" if tapped else "")
-    lines = [f"{it.owner}: {mtype}", count]
-    tip = [f"{it.owner} ({mtype}): drawn as one node at depth={depth}; {count}"]
+    if it.span:
+        first, last = it.span[0], it.span[-1]
+        shown = f"{first} ... {last}" if len(it.span) > 1 else first
+        lines = [f"{shown}: {mtype} ×{len(it.span)}", count]
+        tip = [f"{shown} ({len(it.span)} × {mtype}): drawn as one node, like the block before "
+               f"them (fold=False draws each); {count}"]
+    else:
+        lines = [f"{it.owner}: {mtype}", count]
+        tip = [f"{it.owner} ({mtype}): drawn as one node at depth={depth}; {count}"]
     if tapped:
         tip.append("tapped: " + ", ".join(tapped[:12]) + (" ..." if len(tapped) > 12 else ""))
+    tip += site_lines(sites, scene.infos)
     for f in inner[1:] if inner and inner[0].path == it.owner else inner:
         tip += _fallback_tip(f)
-    own = fallbacks.get(it.owner)
+    own = fallbacks.get(it.owner) if not it.span else None
     return lines, tip, bool(tapped), own if own is not None else (inner[0] if inner else None)
 
 
@@ -379,7 +403,7 @@ def _group_info(it: Item, infos: Mapping[str, ValueInfo], out: str | None
                 ) -> ValueInfo | None:
     """The value that leaves a collapsed module: its own call's (a tapped module site), else
     that of the member whose value leaves it (``out``); never an inner value in its place."""
-    known = infos.get(it.owner)
+    known = infos.get(it.span[-1] if it.span else it.owner)
     if known is None and out is not None:
         known = infos.get(out)
     if known is None and out is None:  # nothing leaves it by an edge: its last value

@@ -54,7 +54,7 @@ def artifact_view(source: Any, tap: TapArtifact, *, ops: Any = None,
         with quiet_jit():
             sg = ScriptGraph(source)
         title = f"{source.original_name} (TorchScript)"
-        plan, root = picture(sg.sites, list(sg.values.values()), lambda v: v.node().inputs(),
+        plan, root = picture(sg.sites, list(sg.values.values()), _script_inputs,
                              lambda v: v.unique())
     else:
         eg = ExportGraph(source)
@@ -82,6 +82,17 @@ def artifact_view(source: Any, tap: TapArtifact, *, ops: Any = None,
         taps = None
     return View(title, tuple(plan.sites), selected, tapped=tapped is not None, taps=taps,
                 plan=plan, root=root, artifact=True, shapes=shapes)
+
+
+def _script_inputs(value: Any) -> list[Any]:
+    """What a TorchScript value is computed from: its node's inputs, and for a node with blocks
+    (``prim::If``: an in-place ``ReLU`` is one, ``prim::Loop``) what its blocks return, whose
+    data flow the node's own inputs (the condition) do not show."""
+    node = value.node()
+    found = list(node.inputs())
+    for block in node.blocks():
+        found += list(block.outputs())
+    return found
 
 
 def _last_error(e: BaseException) -> str:
@@ -147,6 +158,6 @@ def _render(view: Callable[[], View], path: str | Path, kwargs: dict[str, Any],
     # In the order fxprobe.render checks: the path, the drawing options, then what is drawn.
     path = check_path(path)
     kwargs = dict(kwargs)
-    check_drawing(kwargs.get("depth"), kwargs.get("rankdir", "TB"))
+    check_drawing(kwargs.get("depth"), kwargs.get("rankdir", "TB"), kwargs.get("fold", True))
     refuse(kwargs.pop("ops", None), kwargs.pop("tracer", "auto"), kwargs.pop("train", None))
     return write(to_dot(view(), **kwargs), path)

@@ -71,15 +71,20 @@ def propagate(p: Plan, source: nn.Module, args: Sequence[Any],
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = root(*args, **kwargs) if root is not None else work(*args, **kwargs)
     except Exception as e:
-        shown = ", ".join(describe_value(a).label or type(a).__name__ for a in args)
-        raise ConfigError(
-            f"the example input ({shown}) does not run through {type(source).__name__}: "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
-            + (_token_id_hint(source, args) or
-               "pass inputs its forward accepts (a tensor, or a tuple of positional arguments)")
-        ) from e
+        raise refused_input(source, args, e) from e
     note("/output", out)
     return infos
+
+
+def refused_input(model: nn.Module, args: Sequence[Any], e: BaseException) -> ConfigError:
+    """The error for an example input ``model`` cannot run (``e``, its own error): what was
+    given, what the model raised, what to pass instead."""
+    shown = ", ".join(describe_value(a).label or type(a).__name__ for a in args)
+    return ConfigError(
+        f"the example input ({shown}) does not run through {type(model).__name__}: "
+        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
+        + (_token_id_hint(model, args) or
+           "pass inputs its forward accepts (a tensor, or a tuple of positional arguments)"))
 
 
 def _token_id_hint(source: nn.Module, args: Sequence[Any]) -> str | None:

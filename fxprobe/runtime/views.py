@@ -10,13 +10,14 @@ artifact read from its graph (``runtime.pictures``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..core.errors import UnsupportedModelError
+from ..core.errors import FxProbeError, UnsupportedModelError
 from ..core.options import TracerKind, check_choice
 from ..core.select import as_selectors, paths_in, select
 from ..core.site import Site
@@ -28,7 +29,7 @@ from ..present import viz
 from .artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from .pictures import artifact_view, refuse_for_artifact, refuse_for_module, tapped_artifact_view
 from .program import SiteNames, check_model, list_sites
-from .shapes import propagate
+from .shapes import propagate, refused_input
 from .tapped import TappedModule
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
            example_kwargs: Mapping[str, Any] | None = None, ops: Any = None,
            depth: int | None = None, tracer: TracerKind = "auto", train: bool | None = None,
            rankdir: str = "TB", show_plumbing: bool = False,
-           focus: str | None = None) -> graphviz.Digraph:
+           focus: str | None = None, fold: bool = True) -> graphviz.Digraph:
     """Draw a tapped module, or a model, as a ``graphviz.Digraph``.
 
     Nodes are sites (name, op and, when known, dtype and shape); edges are data flow inside
@@ -76,6 +77,11 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
         focus: the path of one module to draw whole (``"blocks.3"``): nothing inside it is
             collapsed by ``depth``; without ``depth``, its siblings (and those of the modules
             around it) are drawn as one node each.
+        fold: draw a run of three or more sibling blocks of one class (ResNet's
+            ``layer3.0`` ... ``layer3.5``, a ViT's encoder layers) as its first block, then
+            one node for the others, whose tooltip (SVG) lists their sites and shapes; a run
+            ``depth`` draws as one node per block, or that holds ``focus``, is not folded.
+            ``False`` draws every block.
 
     Returns:
         A ``graphviz.Digraph``; ``.source`` is the DOT text, ``.pipe("svg")`` renders it.
@@ -89,10 +95,10 @@ def to_dot(obj: nn.Module, example_input: Any = None, *,
         >>> dot = fxprobe.to_dot(model, torch.randn(1, 3, 224, 224), ops=nn.Conv2d, depth=2)
         >>> dot.pipe("svg")
     """
-    viz.check_drawing(depth, rankdir)
+    viz.check_drawing(depth, rankdir, fold)
     view = view_of(obj, ops=ops, tracer=tracer, train=train)
     return viz.to_dot(view, example_input, example_kwargs=example_kwargs, depth=depth,
-                      rankdir=rankdir, show_plumbing=show_plumbing, focus=focus)
+                      rankdir=rankdir, show_plumbing=show_plumbing, focus=focus, fold=fold)
 
 
 def render(obj: nn.Module, path: str | Path, **kwargs: Any) -> Path:
@@ -164,6 +170,63 @@ def view_of(obj: Any, *, ops: Any = None, tracer: TracerKind = "auto",
                         fallbacks=p.fallbacks)
     return View(title, tuple(p.sites), tuple(chosen), tuple(p.fallbacks), plan=p, root=root,
                 shapes=partial(propagate, p, root))
+
+
+def view_for_input(obj: nn.Module, example_input: Any, *, ops: Any = None,
+                   tracer: TracerKind = "auto", train: bool | None = None) -> View:
+    """What ``fxprobe graph --input`` draws: a plain model whose modules torch dynamo captures
+    (a Hugging Face model) as ``fxprobe.tap`` captures it at the first forward
+    (:func:`probed_view`); any other model, or an artifact, as :func:`view_of` plans it."""
+    if artifact_kind(obj) is not None or isinstance(obj, (TappedModule, TappedArtifact)):
+        return view_of(obj, ops=ops, tracer=tracer, train=train)
+    view = view_of(obj, tracer=tracer, train=train)
+    p = view.plan
+    if p is not None and (p.deferred or p.dynamo):  # sites dynamo finds: run it as tap would
+        return probed_view(obj, example_input, None, ops=ops, tracer=tracer,
+                           training=view.root is not None and view.root.training)
+    if ops is None or p is None:
+        return view
+    return replace(view, selected=tuple(select(p.sites, as_selectors(ops, paths_in(obj)),
+                                               context=view.title, fallbacks=p.fallbacks)))
+
+
+def probed_view(model: nn.Module, example_input: Any, example_kwargs: Mapping[str, Any] | None,
+                *, ops: Any, tracer: TracerKind, training: bool) -> View:
+    """What ``to_dot`` draws of a plain model whose modules torch dynamo captures, given an
+    example input: the model tapped at every site as ``fxprobe.tap`` would (on a copy), run
+    once, its sites and values as that forward found them, ``ops`` marked."""
+    import torch
+
+    from ..core.options import default_options
+
+    probe = TappedModule(model, None, default_options(tracer=tracer))
+    probe.train(training)
+    # The probe shares the model's buffers: a train-mode forward would update its BatchNorm
+    # statistics, which are put back as they were.
+    buffers = [(b, b.clone()) for b in model.buffers()] if training else []
+    try:
+        args = example_input if isinstance(example_input, tuple) else (
+            () if example_input is None else (example_input,))
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                probe(*args, **dict(example_kwargs or {}))
+        except FxProbeError:
+            raise
+        except Exception as e:  # the model's own error: as runtime.shapes reports it
+            raise refused_input(model, args, e) from e
+        view = probe.view()
+        chosen: Sequence[Site] = ()
+        if ops is not None:
+            known = probe.known_sites()
+            chosen = select([*known.records, *known.modules, *known.inner],
+                            as_selectors(ops, paths_in(model)), context=view.title,
+                            fallbacks=known.fallbacks)
+        return replace(view, selected=tuple(chosen), tapped=False)
+    finally:
+        probe.remove()
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
 
 
 def listing_of(obj: Any) -> View:

@@ -21,8 +21,9 @@ new process pays: dynamo's caches are empty), wall-clock seconds (``time.perf_co
 - ``new_length``: the first forward at ``--seq + 7`` tokens; ``new_batch``: the first at batch 2;
 - ``first_edit``: the first forward with the edit (``tapped.intervene``, a hook returning the
   doubled output, an nnsight assignment);
-- ``warm``: ``--repeats`` rounds, each a bare forward of the untapped model then one of the
-  approach (interleaved); the medians of each, and the median of the per-round ratios.
+- ``warm``: ``--repeats`` rounds, each ``--iters`` bare forwards of an untapped twin of the
+  model then as many of the approach (interleaved); the medians of the per-call times, and
+  the median of the per-round ratios.
 
 On cuda, ``peak_added_mib`` is the peak memory of a warm recording forward above the bare
 forward's (``torch.cuda.max_memory_allocated``). Each child also reports a checksum of the last
@@ -166,7 +167,7 @@ def _nnsight(model: nn.Module, layers: int) -> dict[str, Callable[..., Any]]:
 
 
 def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, device: str,
-            size: str, new_shapes: bool = True) -> dict[str, Any]:
+            size: str, new_shapes: bool = True, iters: int = 5) -> dict[str, Any]:
     """One (approach, depth): the costs the module docstring lists."""
     model = llama(layers, size, device)
     vocab = SIZES[size]["vocab_size"]
@@ -194,8 +195,8 @@ def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, 
         bares, treated, ratios = [], [], []
         for _ in range(repeats):
             with gc_paused():
-                b = clock(lambda: bare(ids))
-                t = clock(lambda: ops["run"](ids))
+                b = clock(lambda: [bare(ids) for _ in range(iters)]) / iters
+                t = clock(lambda: [ops["run"](ids) for _ in range(iters)]) / iters
             bares.append(b)
             treated.append(t)
             ratios.append(t / b)
@@ -216,10 +217,12 @@ def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, 
 
 def _child(config: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration in a fresh interpreter; its row, or a failed one."""
+    config = dict(config)
+    timeout = config.pop("timeout", 3600)
     cmd = [sys.executable, "-m", "benchmarks.scale", "--child", json.dumps(config)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=_ROOT.parent,
-                              timeout=config.pop("timeout", 3600), check=False)
+                              timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"status": "timed out"}
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -240,7 +243,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             config = dict(approach=approach, layers=layers, seq=args.seq, repeats=args.repeats,
                           tracer=args.tracer, device=args.device, size=args.size,
-                          new_shapes=not args.no_new_shapes)
+                          new_shapes=not args.no_new_shapes, iters=args.iters)
             if args.in_process:
                 try:
                     row = measure(**config)
@@ -276,7 +279,8 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str,
              f"thread(s). "
              + ("All rows in one process (a smoke run: first calls are not first)"
                 if args.in_process else "Each row a fresh process")
-             + f"; warm: medians of {args.repeats} interleaved rounds; wall-clock on a "
+             + f"; warm: medians of {args.repeats} interleaved rounds of {args.iters} forwards; "
+             "wall-clock on a "
              "machine that may be running other work.", "",
              "| approach | layers | first (s) | new length (s) | new batch (s) | first edit (s) "
              "| bare (ms) | warm (ms) | warm / bare | agrees |",
@@ -314,6 +318,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--size", default=None, choices=tuple(SIZES),
                    help="tiny (default on cpu) or 1b (default on cuda)")
+    p.add_argument("--iters", type=int, default=5, help="forwards per timed slot (warm)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
     p.add_argument("--out", type=Path, default=None)

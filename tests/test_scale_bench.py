@@ -5,6 +5,7 @@ approaches record the same values, and the JSON and Markdown records are written
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -38,3 +39,19 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
 def test_scale_benchmark_refuses_an_unknown_approach() -> None:
     with pytest.raises(SystemExit, match="nnsigt"):
         scale.main(["--approaches", "nnsigt", "--layers", "2"])
+
+
+def test_scale_benchmark_child_command_is_what_measure_takes(monkeypatch) -> None:
+    """What the parent hands a child process (``--child``) is a call of ``measure``."""
+    sent = []
+
+    def run(cmd, **kwargs):
+        sent.append(json.loads(cmd[cmd.index("--child") + 1]))
+        raise scale.subprocess.TimeoutExpired(cmd, 0)
+
+    monkeypatch.setattr(scale.subprocess, "run", run)
+    args = scale.parser().parse_args(["--layers", "2", "--approaches", "hooks", "--quiet"])
+    args.size = "tiny"
+    (row,) = scale.run_all(args)
+    assert row["status"] == "timed out"
+    inspect.signature(scale.measure).bind(**sent[0])

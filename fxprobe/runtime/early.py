@@ -43,9 +43,11 @@ def check_before_capture(root: nn.Module, sites: Sequence[Site], selectors: Sequ
     """
     if not selectors or not regions:
         return
+    unmatched = [sel for sel in selectors if not any(sel(s) for s in sites)]
+    if not unmatched:
+        return
     reach = Reach.of(root, regions)
-    verdict = {sel: True if any(sel(s) for s in sites) else reach.could_match(sel)
-               for sel in selectors}
+    verdict = {sel: sel not in unmatched or reach.could_match(sel) for sel in selectors}
     never = [sel for sel in selectors if verdict[sel] is False]
     alone = all(v is False for v in verdict.values())
     refused = [sel for sel in never if sel.strict or len(selectors) == 1 or alone]

@@ -5,7 +5,11 @@ buffers, add up to the bytes of the selected values, computed by hand from their
 Reachable means reachable through Python references (``gc.get_referents``) from the tapped
 module: its recording, its programs, the graphs dynamo handed it, the pipeline; modules,
 classes and module globals are not followed (they are not the tapped module's). Fake tensors
-(dynamo's example values in node meta) hold no memory and are not counted."""
+(dynamo's example values in node meta) hold no memory and are not counted, nor are the
+constants of a captured graph (attributes of its ``GraphModule``: a few bytes of code, the
+same at every input size), nor dynamo's record of a graph input (``GraphArg`` in node meta,
+which the graphs' copies keep: where dynamo made a Python number attribute of a module, such
+as an attention's ``scaling``, a graph input, it holds that number as a 0-d tensor)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import types
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.variables.builder import GraphArg
 from torch._subclasses.fake_tensor import FakeTensor
 
 import fxprobe
@@ -42,6 +47,7 @@ def kept_bytes(root: object, model: nn.Module) -> dict[int, tuple[int, tuple[int
     seen: set[int] = set()
     stack = [root]
     out: dict[int, tuple[int, tuple[int, ...]]] = {}
+    constants: set[int] = set()
     while stack:
         o = stack.pop()
         if id(o) in seen:
@@ -53,10 +59,15 @@ def kept_bytes(root: object, model: nn.Module) -> dict[int, tuple[int, tuple[int
                 if st.nbytes() and st.data_ptr() not in own:
                     out[st.data_ptr()] = (st.nbytes(), tuple(o.shape))
             continue
-        if isinstance(o, (types.ModuleType, type, types.FrameType)) or id(o) in globals_:
+        if isinstance(o, (types.ModuleType, type, types.FrameType, GraphArg)) or (
+                id(o) in globals_):
             continue
+        if isinstance(o, torch.fx.GraphModule):  # a captured graph's constants are code
+            constants.update(t.untyped_storage().data_ptr() for t in (
+                *vars(o).values(), *o.buffers(), *o.parameters())
+                if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor))
         stack.extend(gc.get_referents(o))
-    return out
+    return {ptr: v for ptr, v in out.items() if ptr not in constants}
 
 
 def _total(kept: dict[int, tuple[int, tuple[int, ...]]]) -> int:

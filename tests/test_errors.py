@@ -46,10 +46,13 @@ def test_tap_leaves_the_model_alone_when_it_fails() -> None:
         fxprobe.tap(model, tracer="fx")
     with pytest.raises(fxprobe.SelectorError):
         fxprobe.tap(model, ops="nothing*here", tracer="hooks")
-    # tracer="auto": dynamo may find the name inside the module fx cannot trace, so the
-    # error comes at the first forward, which runs that module under dynamo.
-    tapped = fxprobe.tap(model, ops="nothing*here")
-    with pytest.raises(fxprobe.SelectorError, match="nothing"), torch.no_grad():
+    # tracer="auto": no name dynamo can give inside the module fx cannot trace fits the
+    # pattern either (the module tree decides it), so the error comes at tap().
+    with pytest.raises(fxprobe.SelectorError, match="nothing"):
+        fxprobe.tap(model, ops="nothing*here")
+    # a name only dynamo can decide (an op inside that module) waits for the first forward
+    tapped = fxprobe.tap(model, ops="gate.nothinghere")
+    with pytest.raises(fxprobe.SelectorError, match="nothinghere"), torch.no_grad():
         tapped(*zoo.make("data_dependent")[1])
     assert states_equal(before, model_state(model))
 

@@ -47,6 +47,7 @@ FRONTEND_FAMILIES: dict[str, tuple[str, ...]] = {
     "attention": ("attention",),
     "dynamo_names": ("dynamo_names",),
     "dynamo_quiet": ("dynamo_quiet",),
+    "dynamo_reach": ("dynamo_reach", "canonical"),
     "canonical": ("canonical", "canonical_graph", "canonical_layout", "dynamo_names",
                   "attention"),
     "canonical_layout": ("canonical_layout",),

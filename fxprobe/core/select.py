@@ -25,14 +25,17 @@ from .site import Site
 class Selector:
     """A predicate on sites, with a description used in error messages."""
 
-    __slots__ = ("_predicate", "description", "strict")
+    __slots__ = ("_predicate", "description", "source", "strict")
 
     def __init__(self, predicate: Callable[[Site], bool], description: str,
-                 strict: bool = False) -> None:
+                 strict: bool = False, source: Any = None) -> None:
         self._predicate = predicate
         self.description = description
         self.strict = strict
         """A name pattern: matching nothing is a typo, even beside other selectors."""
+        self.source = source
+        """What a glob or module-type selector was made from (the pattern, the class), for
+        checks made before any site is known; None for the others."""
 
     def __call__(self, site: Site) -> bool:
         return bool(self._predicate(site))
@@ -80,11 +83,11 @@ def module_type(cls: type[nn.Module]) -> Selector:
     """Select calls of modules that are instances of ``cls`` (traced through or not); where
     no Python class is at hand (TorchScript, torch.export), calls of the class of that name."""
     qualname = f"{cls.__module__}.{cls.__qualname__}"
-    return where(
+    return Selector(
         lambda s: s.kind == "call_module" and (
             issubclass(s.module_type, cls) if s.module_type is not None
             else s.type_name == qualname),  # TorchScript/export: the class is not at hand
-        cls.__name__,
+        cls.__name__, source=cls,
     )
 
 
@@ -103,7 +106,7 @@ def glob(pattern: str) -> Selector:
     """Select sites whose name, or one of their canonical names (``Site.canonical``:
     ``"blocks.*.resid_post"``), matches a shell-style pattern (``"layer1.*.add"``)."""
     return Selector(lambda s: any(fnmatch.fnmatchcase(n, pattern) for n in names_of(s)),
-                    repr(pattern), strict=True)
+                    repr(pattern), strict=True, source=pattern)
 
 
 def regex(pattern: re.Pattern[str]) -> Selector:

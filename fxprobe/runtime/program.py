@@ -28,6 +28,7 @@ from ..core.view import View, Viewable
 from ..frontends.dynamo import DynamoRegion
 from ..frontends.fx import Deferred, Fallback, Plan, is_leaf, plan
 from ..frontends.mirror import HookWatch, mirror
+from .early import check_before_capture
 
 if TYPE_CHECKING:
     from ..present.summary import Table
@@ -140,6 +141,10 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         other.train(not training)
         return plan_model(other, options).sites
 
+    regions = [*(t.path for t in p.dynamo), *(d.path for d in p.deferred)]
+    if strict and selectors:  # what the module tree decides: now, not after the capture
+        check_before_capture(root, p.sites, selectors, regions,
+                             context=f"{model_name} ({mode} mode)", other_mode=other_mode)
     if p.dynamo:  # more sites appear as dynamo captures graphs: check after a forward
         selected = [s for s in p.sites if not s.inlined] if selectors is None else [
             s for s in p.sites if any(sel(s) for sel in selectors)]
@@ -176,7 +181,7 @@ def build_program(root: nn.Module, selectors: list[Selector] | None, options: Ta
         if calls:
             guarded[path] = tuple(s.name for s in calls)
     dynamo: dict[str, DynamoRegion] = {}
-    for path in [*(t.path for t in p.dynamo), *(d.path for d in p.deferred)]:
+    for path in regions:
         dynamo[path] = _dynamo_region(root, path, selectors, options, pipeline)
     inlined = _inlined(root, compiled, dynamo)
     return Program(training, p, tuple(selected), compiled, tuple(hooks), guarded, dynamo,

@@ -1,0 +1,360 @@
+"""First-call and warm costs against depth: fxprobe, hand-written hooks and nnsight.
+
+    python -m benchmarks.scale [--layers 2,8,32,80] [--seq 32] [--repeats 7]
+                               [--approaches fxprobe,hooks,nnsight] [--tracer dynamo]
+                               [--device cpu|cuda] [--size tiny|1b] [--out DIR]
+
+A ``LlamaForCausalLM`` from a config (random weights, seed 0, eval mode, ``torch.no_grad``):
+``--size tiny`` is the Llama layout with hidden size 64 (4 heads, 2 key/value heads, MLP 128,
+vocabulary 256), ``--size 1b`` a Llama-shaped ~1.2 B model (hidden 2048, 32 heads, 8 key/value
+heads, MLP 8192, vocabulary 32000, bfloat16) for ``--device cuda``. Each approach records the
+output of every decoder layer (fxprobe: ``ops="blocks.*.resid_post"``; hooks: a forward hook
+per layer keeping a detached reference; nnsight: ``.output.save()`` of every layer in one
+trace) and, as its first edit, doubles layer 0's output.
+
+Per (approach, depth), in a fresh subprocess (so that first-call costs include everything a
+new process pays: dynamo's caches are empty), wall-clock seconds (``time.perf_counter``;
+``torch.cuda.synchronize`` before each reading on cuda) of:
+
+- ``first``: setting up (``fxprobe.tap``, registering hooks, ``NNsight(model)``) and the first
+  forward, batch 1 and ``--seq`` tokens;
+- ``new_length``: the first forward at ``--seq + 7`` tokens; ``new_batch``: the first at batch 2;
+- ``first_edit``: the first forward with the edit (``tapped.intervene``, a hook returning the
+  doubled output, an nnsight assignment);
+- ``warm``: ``--repeats`` rounds, each ``--iters`` bare forwards of an untapped twin of the
+  model then as many of the approach (interleaved); the medians of the per-call times, and
+  the median of the per-round ratios.
+
+On cuda, ``peak_added_mib`` is the peak memory of a warm recording forward above the bare
+forward's (``torch.cuda.max_memory_allocated``). Each child also reports a checksum of the last
+layer's recorded output and of the edited logits: the parent says whether every approach at a
+depth agrees with the hooks. nnsight is not a dependency: where it is not installed, its rows
+say so. ``--in-process`` runs the children in this process (for the smoke test only: first
+calls are then not first). Writes ``scale.json`` and ``scale.md`` to
+``benchmarks/results/<device>/`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dynamo import environment
+from .timing import gc_paused
+
+_ROOT = Path(__file__).resolve().parent
+APPROACHES = ("fxprobe", "hooks", "nnsight")
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=256),
+    "1b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=32000),
+}
+
+
+def llama(layers: int, size: str, device: str) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, **SIZES[size])
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if size != "tiny" else torch.float32
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+class _Clock:
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        """Seconds ``fn`` takes, its device work included."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def _fxprobe(model: nn.Module, layers: int, tracer: str) -> dict[str, Callable[..., Any]]:
+    import fxprobe
+
+    state: dict[str, Any] = {}
+    name = "blocks.{}.resid_post"
+
+    def setup() -> None:
+        state["t"] = fxprobe.tap(model, ops="blocks.*.resid_post", tracer=tracer)
+
+    def run(ids: torch.Tensor) -> Any:
+        return state["t"](ids)
+
+    def edit(ids: torch.Tensor) -> Any:
+        with state["t"].intervene({name.format(0): lambda s, v: v * 2}):
+            return state["t"](ids)
+
+    def last() -> torch.Tensor:
+        return state["t"].taps[name.format(layers - 1)]
+
+    return dict(setup=setup, run=run, edit=edit, last=last)
+
+
+def _hooks(model: nn.Module, layers: int) -> dict[str, Callable[..., Any]]:
+    kept: dict[int, torch.Tensor] = {}
+    blocks = model.model.layers
+
+    def keep(i: int) -> Callable[..., None]:
+        def hook(m: nn.Module, args: Any, out: Any) -> None:
+            kept[i] = (out[0] if isinstance(out, tuple) else out).detach()
+        return hook
+
+    def setup() -> None:
+        for i, b in enumerate(blocks):
+            b.register_forward_hook(keep(i))
+
+    def edit(ids: torch.Tensor) -> Any:
+        def double(m: nn.Module, args: Any, out: Any) -> Any:
+            return (out[0] * 2, *out[1:]) if isinstance(out, tuple) else out * 2
+        h = blocks[0].register_forward_hook(double, prepend=True)
+        try:
+            return model(ids)
+        finally:
+            h.remove()
+
+    return dict(setup=setup, run=lambda ids: model(ids), edit=edit,
+                last=lambda: kept[layers - 1])
+
+
+def _nnsight(model: nn.Module, layers: int) -> dict[str, Callable[..., Any]]:
+    from nnsight import NNsight
+
+    state: dict[str, Any] = {}
+
+    def setup() -> None:
+        state["m"] = NNsight(model)
+
+    def run(ids: torch.Tensor) -> Any:
+        m = state["m"]
+        saved: list[Any] = []
+        with m.trace(ids):
+            for i in range(layers):
+                saved.append(m.model.layers[i].output.save())
+        state["saved"] = saved
+
+    def edit(ids: torch.Tensor) -> Any:
+        m = state["m"]
+        with m.trace(ids):
+            m.model.layers[0].output[:] = m.model.layers[0].output * 2
+            out = m.output.save()
+        return out
+
+    def last() -> torch.Tensor:
+        v = state["saved"][-1]
+        return v[0] if isinstance(v, tuple) else v
+
+    return dict(setup=setup, run=run, edit=edit, last=last)
+
+
+def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, device: str,
+            size: str, new_shapes: bool = True, iters: int = 5) -> dict[str, Any]:
+    """One (approach, depth): the costs the module docstring lists."""
+    model = llama(layers, size, device)
+    vocab = SIZES[size]["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (1, seq), generator=gen).to(device)
+    longer = torch.randint(1, vocab, (1, seq + 7), generator=gen).to(device)
+    batch = torch.randint(1, vocab, (2, seq), generator=gen).to(device)
+    clock = _Clock(device)
+    bare = _hooks(llama(layers, size, device), layers)["run"]  # an untapped twin
+    with torch.no_grad():
+        bare_first = clock(lambda: bare(ids))
+        ops = {"fxprobe": lambda: _fxprobe(model, layers, tracer),
+               "hooks": lambda: _hooks(model, layers),
+               "nnsight": lambda: _nnsight(model, layers)}[approach]()
+        row: dict[str, Any] = {"approach": approach, "layers": layers, "status": "ok",
+                               "bare_first_s": bare_first}
+        row["first_s"] = clock(lambda: (ops["setup"](), ops["run"](ids)))
+        last = ops["last"]().double().sum().item()
+        if new_shapes:
+            row["new_length_s"] = clock(lambda: ops["run"](longer))
+            row["new_batch_s"] = clock(lambda: ops["run"](batch))
+        out: dict[str, Any] = {}
+        row["first_edit_s"] = clock(lambda: out.setdefault("o", ops["edit"](ids)))
+        logits = out["o"].logits if hasattr(out["o"], "logits") else out["o"]
+        bares, treated, ratios = [], [], []
+        for _ in range(repeats):
+            with gc_paused():
+                b = clock(lambda: [bare(ids) for _ in range(iters)]) / iters
+                t = clock(lambda: [ops["run"](ids) for _ in range(iters)]) / iters
+            bares.append(b)
+            treated.append(t)
+            ratios.append(t / b)
+        row.update(bare_ms=1e3 * statistics.median(bares),
+                   warm_ms=1e3 * statistics.median(treated),
+                   warm_ratio=statistics.median(ratios),
+                   checksum_last=last, checksum_edit=logits.double().sum().item())
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            bare(ids)
+            bare_peak = torch.cuda.max_memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            ops["run"](ids)
+            row["peak_added_mib"] = (torch.cuda.max_memory_allocated() - base - bare_peak) / 2**20
+    return row
+
+
+def _child(config: dict[str, Any]) -> dict[str, Any]:
+    """Run one configuration in a fresh interpreter; its row, or a failed one."""
+    config = dict(config)
+    timeout = config.pop("timeout", 3600)
+    cmd = [sys.executable, "-m", "benchmarks.scale", "--child", json.dumps(config)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=_ROOT.parent,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"status": "timed out"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"status": f"failed: {tail[:300]}"}
+    return dict(json.loads(lines[-1]))
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    have_nnsight = importlib.util.find_spec("nnsight") is not None
+    for layers in args.layers:
+        for approach in args.approaches:
+            base = {"approach": approach, "layers": layers}
+            if approach == "nnsight" and not have_nnsight:
+                rows.append({**base, "status": "nnsight not installed"})
+                continue
+            config = dict(approach=approach, layers=layers, seq=args.seq, repeats=args.repeats,
+                          tracer=args.tracer, device=args.device, size=args.size,
+                          new_shapes=not args.no_new_shapes, iters=args.iters)
+            if args.in_process:
+                try:
+                    row = measure(**config)
+                except Exception as e:  # a failed configuration is a row, not the end
+                    row = {"status": f"failed: {type(e).__name__}: {e}"[:300]}
+            else:
+                row = _child({**config, "timeout": args.timeout})
+            rows.append({**base, **row})
+            if not args.quiet:
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    _agree(rows)
+    return rows
+
+
+def _agree(rows: list[dict[str, Any]]) -> None:
+    """Per depth, whether each approach's checksums equal the hooks' (relative 1e-4)."""
+    ref = {r["layers"]: r for r in rows if r["approach"] == "hooks" and r["status"] == "ok"}
+    for r in rows:
+        h = ref.get(r["layers"])
+        if r["status"] != "ok" or h is None:
+            continue
+        r["agrees_with_hooks"] = all(
+            abs(r[k] - h[k]) <= 1e-4 * max(1.0, abs(h[k])) for k in ("checksum_last",
+                                                                     "checksum_edit"))
+
+
+def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    lines = [f"# Scale: first-call and warm costs against depth ({args.device}, {args.size})", "",
+             f"Llama layout ({SIZES[args.size]}), batch 1, {args.seq} tokens (new length: "
+             f"{args.seq + 7}; new batch: 2), fxprobe tracer={args.tracer!r}, "
+             f"ops='blocks.*.resid_post'. {env['run']}, torch {env['torch']}, transformers "
+             f"{env['transformers']}, commit {env['commit']}, {env['torch_threads']} torch "
+             f"thread(s). "
+             + ("All rows in one process (a smoke run: first calls are not first)"
+                if args.in_process else "Each row a fresh process")
+             + f"; warm: medians of {args.repeats} interleaved rounds of {args.iters} forwards; "
+             "wall-clock on a "
+             "machine that may be running other work.", "",
+             "| approach | layers | first (s) | new length (s) | new batch (s) | first edit (s) "
+             "| bare (ms) | warm (ms) | warm / bare | agrees |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['approach']} | {r['layers']} | {r['status']} |||||||| ")
+            continue
+        lines.append(
+            f"| {r['approach']} | {r['layers']} | {r['first_s']:.2f} | {_s(r, 'new_length_s')} "
+            f"| {_s(r, 'new_batch_s')} | {r['first_edit_s']:.2f} | {r['bare_ms']:.1f} "
+            f"| {r['warm_ms']:.1f} | {r['warm_ratio']:.2f} | "
+            f"{_yes(r.get('agrees_with_hooks'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def _s(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "-"
+
+
+def _yes(flag: bool | None) -> str:
+    return "-" if flag is None else "yes" if flag else "no"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[2, 8, 32, 80])
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--approaches", type=lambda s: s.split(","), default=list(APPROACHES))
+    p.add_argument("--tracer", default="dynamo", choices=("dynamo", "auto", "fx+dynamo"),
+                   help="fxprobe's tracer (per-call edits and canonical names need dynamo)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--size", default=None, choices=tuple(SIZES),
+                   help="tiny (default on cpu) or 1b (default on cuda)")
+    p.add_argument("--iters", type=int, default=5, help="forwards per timed slot (warm)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--in-process", action="store_true",
+                   help="no subprocess per configuration (smoke tests: first calls not first)")
+    p.add_argument("--no-new-shapes", action="store_true",
+                   help="skip the new length and batch (smoke tests)")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.child is not None:
+        print(json.dumps(measure(**json.loads(args.child))), flush=True)
+        return 0
+    unknown = sorted(set(args.approaches) - set(APPROACHES))
+    if unknown:
+        raise SystemExit(f"unknown approach(es) {unknown}: choose from {list(APPROACHES)}")
+    args.size = args.size or ("tiny" if args.device == "cpu" else "1b")
+    env = {**environment(), "device": args.device}
+    rows = run_all(args)
+    out = args.out or _ROOT / "results" / (args.device if args.size == "tiny"
+                                           else f"{args.device}-{args.size}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k not in ("child", "quiet")}
+    (out / "scale.json").write_text(json.dumps(
+        {"environment": env, "config": config, "rows": rows}, indent=1) + "\n")
+    text = markdown(env, args, rows)
+    (out / "scale.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

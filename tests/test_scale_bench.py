@@ -1,0 +1,57 @@
+"""benchmarks/scale.py runs end to end at a tiny size (2 layers, one repeat), so that it does
+not rot: every approach gives a row (nnsight's says it is not installed where it is not), the
+approaches record the same values, and the JSON and Markdown records are written."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import scale  # noqa: E402
+
+pytest.importorskip("transformers")
+
+
+def test_scale_benchmark_smoke(tmp_path: Path) -> None:
+    assert scale.main(["--layers", "2", "--repeats", "1", "--seq", "8", "--no-new-shapes",
+                       "--in-process", "--quiet", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "scale.json").read_text())
+    rows = {r["approach"]: r for r in record["rows"]}
+    assert set(rows) == {"fxprobe", "hooks", "nnsight"}
+    for name in ("fxprobe", "hooks"):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        assert r["agrees_with_hooks"] is True
+        assert r["first_s"] > 0 and r["warm_ms"] > 0 and r["layers"] == 2
+    if importlib.util.find_spec("nnsight") is None:
+        assert rows["nnsight"]["status"] == "nnsight not installed"
+    else:
+        assert rows["nnsight"]["status"] == "ok" and rows["nnsight"]["agrees_with_hooks"]
+    assert "| fxprobe | 2 |" in (tmp_path / "scale.md").read_text()
+
+
+def test_scale_benchmark_refuses_an_unknown_approach() -> None:
+    with pytest.raises(SystemExit, match="nnsigt"):
+        scale.main(["--approaches", "nnsigt", "--layers", "2"])
+
+
+def test_scale_benchmark_child_command_is_what_measure_takes(monkeypatch) -> None:
+    """What the parent hands a child process (``--child``) is a call of ``measure``."""
+    sent = []
+
+    def run(cmd, **kwargs):
+        sent.append(json.loads(cmd[cmd.index("--child") + 1]))
+        raise scale.subprocess.TimeoutExpired(cmd, 0)
+
+    monkeypatch.setattr(scale.subprocess, "run", run)
+    args = scale.parser().parse_args(["--layers", "2", "--approaches", "hooks", "--quiet"])
+    args.size = "tiny"
+    (row,) = scale.run_all(args)
+    assert row["status"] == "timed out"
+    inspect.signature(scale.measure).bind(**sent[0])

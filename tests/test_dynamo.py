@@ -133,8 +133,13 @@ def test_fx_plus_dynamo_captures_what_fx_cannot_trace() -> None:
     assert states_equal(before, model_state(model))
 
 
-def test_selectors_are_checked_at_the_first_forward() -> None:
-    tapped = fxprobe.tap(make_vit(), ops=["*.atn.softmax"], tracer="dynamo")
+def test_selectors_are_checked_at_tap_or_at_the_first_forward() -> None:
+    # no module path can fit: refused at tap(), before dynamo captures anything
+    with pytest.raises(fxprobe.SelectorError, match="atn") as early:
+        fxprobe.tap(make_vit(), ops=["*.atn.softmax"], tracer="dynamo")
+    assert "attn" in str(early.value)
+    # an op name inside a module only the capture can decide
+    tapped = fxprobe.tap(make_vit(), ops=["blocks.0.attn.sofmax"], tracer="dynamo")
     with pytest.raises(fxprobe.SelectorError, match="first forward") as e:
         with torch.no_grad():
             tapped(image())

@@ -52,6 +52,7 @@ from collections import Counter
 import sympy
 from torch import fx, nn
 
+from ..capture.inplace import settled
 from ..core.site import SITES, Site, node_site
 from .attention import attention_scores
 from .canonical_graph import (
@@ -134,9 +135,12 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         return named
     replaced: dict[int, Site] = {}
     for node, names in out.names.items():
+        # What the code after it reads: the value after the in-place writes that follow it
+        # (a row-parallel projection's partial sum, reduced in place into the same tensor).
+        written = settled(node, g.nodes[g.index[node] + 1:])
         for n in names:
             # Beside SDPA, the scores and the pattern are the sites computed from its arguments.
-            target = node_site(node)
+            target = node_site(written) or node_site(node)
             if n.endswith(".scores") and node in scores:
                 target = scores[node]
             elif n.endswith(".pattern") and node in named.sdpa:

@@ -23,6 +23,11 @@ VIEWS = frozenset(VIEW_OPS - {"dropout", "feature_alpha_dropout", "alpha_dropout
                                "unbind", "tensor_split", "split_with_sizes"}) | {"clone"}
 
 
+SHARDS = frozenset({"getattr", "to_local", "redistribute", "full_tensor"})
+"""Between a parameter and the op that reads it: an attribute, and a tensor-parallel layer's
+view of its ``DTensor`` weight (this rank's shard, ``weight.to_local()``)."""
+
+
 # ...and those that hand their input back in eval mode (dropout): between two values.
 PASS = VIEWS | {"dropout", "feature_alpha_dropout", "alpha_dropout", "identity"}
 
@@ -120,7 +125,7 @@ class GraphIndex:
         """The parameter of two or more dimensions ``n`` reads (through views), if any."""
         for a in n.all_input_nodes:
             seen = 0
-            while seen < 4 and not self.is_param(a) and self.key(a) in VIEWS | {"getattr"} \
+            while seen < 4 and not self.is_param(a) and self.key(a) in VIEWS | SHARDS \
                     and a.all_input_nodes:
                 a, seen = a.all_input_nodes[0], seen + 1
             if self.is_parameter(a):

@@ -24,6 +24,7 @@ from .core.options import (
 )
 from .core.select import as_selectors, paths_in
 from .core.site import Site
+from .frontends.sharding import check_tracer
 from .runtime.artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from .runtime.program import SiteNames, check_model, list_sites
 from .runtime.tapped import TappedModule
@@ -147,7 +148,9 @@ def tap(model: Any, ops: Any = None, *,
     if artifact_kind(model) is not None:  # a ScriptModule or an ExportedProgram
         return tap_artifact(model, ops, **kwargs)
     model = check_model(model)
-    return TappedModule(model, as_selectors(ops, paths_in(model)), make_options(**kwargs))
+    options = make_options(**kwargs)
+    check_tracer(model, options.tracer)  # tensor parallelism is followed under dynamo
+    return TappedModule(model, as_selectors(ops, paths_in(model)), options)
 
 
 def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",

@@ -87,3 +87,4 @@ def test_an_edit_of_that_output_reaches_the_code_after_the_call(tracer: str) -> 
         with plain.intervene({"a": lambda s, v: v * 3.0}):
             y2 = plain(x)
     torch.testing.assert_close(y2, want_y)
+

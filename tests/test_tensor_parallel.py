@@ -352,6 +352,10 @@ def a_part_fxprobe_cannot_follow_is_said(rank: int, path: Path) -> None:
     model = parallelize_module(Scores(), init_device_mesh("cpu", (WORLD,)),
                                {"proj": ColwiseParallel()})
     x = torch.randn(3, 8)
+    for tracer in ("auto", "hooks"):  # tracers that do not follow the parts say so at tap()
+        with pytest.warns(ShardingWarning, match=r"DTensor parameters, the first in proj.*"
+                          r"pass tracer='dynamo'"):
+            fxprobe.tap(model, tracer=tracer)
     for gather in (False, True):
         tapped = fxprobe.tap(model, tracer="dynamo", gather=gather)
         with warnings.catch_warnings(record=True) as seen:

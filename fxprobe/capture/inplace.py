@@ -423,7 +423,7 @@ def outplace(analyse: Callable[[], Hazards], values: Mapping[Any, Hashable],
 
 
 
-def settled(value: fx.Node, nodes: Iterable[fx.Node]) -> fx.Node:
+def settled(value: fx.Node, nodes: Iterable[fx.Node], replaced: bool = False) -> fx.Node:
     """The node whose value is ``value`` as a module call hands it on: the last of ``nodes``
     (the call's nodes after ``value``, in graph order) that writes ``value`` itself in place
     and returns it (``y.copy_(z)``, ``y.add_(b)``, the write-back of an in-place collective:
@@ -431,10 +431,15 @@ def settled(value: fx.Node, nodes: Iterable[fx.Node]) -> fx.Node:
 
     A module call's site sits on that node: on ``value`` it would show the tensor before the
     call finished writing it (a partial sum where a row-parallel layer reduces in place).
+    ``replaced``: only writes that replace the value whole (``copy_``), not those that
+    update it (``y += a`` makes another value, Falcon's attention + MLP sum).
     """
     last, same = value, {value}
     for n in nodes:
         first = n.args[0] if n.args else None
+        if replaced and not (n.op == "call_method" and n.target == "copy_"
+                             or getattr(n.target, "__name__", "") == "copy_"):
+            continue
         if first in same and _writes_itself(n):
             same.add(n)
             last = n

@@ -52,7 +52,6 @@ from collections import Counter
 import sympy
 from torch import fx, nn
 
-from ..capture.inplace import settled
 from ..core.site import SITES, Site, node_site
 from .attention import attention_scores
 from .canonical_graph import (
@@ -70,6 +69,7 @@ from .canonical_graph import (
     mlp_points,
     norms_after,
     numel_of,
+    reduced,
 )
 from .canonical_layout import per_head, z_of
 from .dynamo_names import NamedGraph
@@ -137,7 +137,7 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
     for node, names in out.names.items():
         # What the code after it reads: the value after the in-place writes that follow it
         # (a row-parallel projection's partial sum, reduced in place into the same tensor).
-        written = settled(node, g.nodes[g.index[node] + 1:])
+        written = reduced(g, node)
         for n in names:
             # Beside SDPA, the scores and the pattern are the sites computed from its arguments.
             target = node_site(written) or node_site(node)

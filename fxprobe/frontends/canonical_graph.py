@@ -13,6 +13,7 @@ import sympy
 import torch
 from torch import fx, nn
 
+from ..capture.inplace import settled
 from ..core.ops import VIEW_OPS
 from ..core.site import CALL_ARGS, SITES, Site, node_site, source_name
 from .dynamo_names import NamedGraph, dynamo_op_key, is_state
@@ -389,3 +390,22 @@ def mlp_points(g: GraphIndex, out: fx.Node, inside: set[fx.Node], stops: set[fx.
     if numel_of((g.shape(pre) or ())[:-1]) != positions:
         return None, post
     return pre, post
+
+
+def reduced(g: GraphIndex, node: fx.Node) -> fx.Node:
+    """``node``'s value as its readers read it: after the copies into it that follow it when
+    nothing reads it before them but what computes the copy (a row-parallel projection's
+    partial sum, reduced in place: ``all_reduce(y)``, ``y.copy_(reduced)``), else ``node``
+    (an update such as ``y += a`` makes another value: Falcon's MLP output + attention)."""
+    written = settled(node, g.nodes[g.index[node] + 1:], replaced=True)
+    if written is node:
+        return node
+    feeding, todo = set(), [written]
+    while todo:
+        x = todo.pop()
+        for a in x.all_input_nodes:
+            if a not in feeding and g.index.get(a, -1) > g.index[node]:
+                feeding.add(a)
+                todo.append(a)
+    early = [u for u in node.users if g.index.get(u, -1) < g.index[written]]
+    return written if all(u in feeding or u is written for u in early) else node

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-from torch import fx
+from torch import fx, nn
 
 from ..core.shard import Sharding
 from ..core.site import SITES, Site, sites_of
@@ -432,3 +432,22 @@ def part(full: Any, value: Any, spec: Sharding) -> Any:
 
 
 __all__ = ["ShardingWarning", "gather", "mark"]
+
+
+def check_tracer(model: nn.Module, tracer: str) -> None:
+    """Warn where a tensor-parallel model (``DTensor`` parameters) is tapped by a tracer that
+    does not follow its parts: its values would be each rank's parts with no record saying so."""
+    if tracer == "dynamo" or DTensor is None:
+        return
+    split = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if not split:
+        return
+    owner = split[0].rpartition(".")[0] or type(model).__name__
+    how = ("fx traces what it can first, and what fx traces is not followed"
+           if tracer in ("auto", "fx+dynamo") else f"tracer={tracer!r} does not follow them")
+    warnings.warn(
+        f"{type(model).__name__} is split by tensor parallelism ({len(split)} DTensor "
+        f"parameters, the first in {owner}): fxprobe says which part of a value each rank "
+        f"holds (site.sharding) and gathers it (gather=True) under tracer='dynamo'; {how}, "
+        "so values may be this rank's parts with no record saying so: pass tracer='dynamo'",
+        ShardingWarning, stacklevel=3)

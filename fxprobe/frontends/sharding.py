@@ -300,7 +300,9 @@ def mark(graph: fx.Graph, named: NamedGraph, gather: bool = False) -> NamedGraph
         else:
             parts[n] = None
         current[n] = parts[n]
-        if _key(n) == "copy_" and n.args and isinstance(n.args[0], fx.Node):
+        key = _key(n)
+        if (key.endswith("_") or key.startswith("i") and key in ELEMENTWISE) and n.args \
+                and isinstance(n.args[0], fx.Node):  # written in place: read as written
             current[n.args[0]] = parts[n]
     # Beside SDPA, the pattern and scores are computed from its arguments: its heads' part.
     extra = {id(s): parts.get(node) for node, s in [*named.sdpa.items(),

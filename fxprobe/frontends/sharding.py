@@ -441,7 +441,13 @@ def check_tracer(model: nn.Module, tracer: str) -> None:
     does not follow its parts: its values would be each rank's parts with no record saying so."""
     if tracer == "dynamo" or DTensor is None:
         return
-    split = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    try:  # FSDP2 shards parameters as DTensors too, and unshards them for the forward
+        from torch.distributed.fsdp import FSDPModule
+        fsdp = tuple(path for path, m in model.named_modules() if isinstance(m, FSDPModule))
+    except ImportError:
+        fsdp = ()
+    split = [name for name, p in model.named_parameters() if isinstance(p, DTensor)
+             and not any(path == "" or name.startswith(path + ".") for path in fsdp)]
     if not split:
         return
     owner = split[0].rpartition(".")[0] or type(model).__name__

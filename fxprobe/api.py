@@ -24,6 +24,7 @@ from .core.options import (
 )
 from .core.select import as_selectors, paths_in
 from .core.site import Site
+from .frontends.sharding import check_tracer
 from .runtime.artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from .runtime.program import SiteNames, check_model, list_sites
 from .runtime.tapped import TappedModule
@@ -44,7 +45,8 @@ def tap(  # type: ignore[overload-overlap]  # a ScriptModule is an nn.Module too
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
         seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedScript: ...
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
+        gather: bool = False) -> TappedScript: ...
 
 
 @overload
@@ -55,7 +57,8 @@ def tap(model: ExportedProgram, ops: Any = None, *,
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
         seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedExport: ...
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
+        gather: bool = False) -> TappedExport: ...
 
 
 @overload
@@ -66,7 +69,8 @@ def tap(model: nn.Module, ops: Any = None, *,
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
         seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None) -> TappedModule: ...
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
+        gather: bool = False) -> TappedModule: ...
 
 
 def tap(model: Any, ops: Any = None, *,
@@ -76,8 +80,8 @@ def tap(model: Any, ops: Any = None, *,
         reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
         seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
         fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None
-        ) -> TappedModule | TappedArtifact:
+        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
+        gather: bool = False) -> TappedModule | TappedArtifact:
     """Tap ``model`` at the sites ``ops`` selects; run the result like the model.
 
     Args:
@@ -116,6 +120,10 @@ def tap(model: Any, ops: Any = None, *,
         grad: after ``backward()``, ``tapped.grads[name]`` is the gradient with respect to
             each tapped value.
         grad_fn: ``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it.
+        gather: under tensor parallelism, each sharded value (``site.sharding``) is tapped
+            whole, gathered from every rank (one collective per sharded site and forward),
+            and an edit of it flows on as this rank's part; the default, False, taps this
+            rank's part as the model holds it (docs/distributed.md).
 
     Returns:
         A :class:`TappedModule`; a :class:`TappedScript` for a ScriptModule, a
@@ -136,11 +144,13 @@ def tap(model: Any, ops: Any = None, *,
     kwargs: dict[str, Any] = dict(
         capture=capture, detach=detach, copy=copy, tracer=tracer, leaf_modules=leaf_modules,
         autowrap_functions=autowrap_functions, reduce=reduce, sample_size=sample_size, seed=seed,
-        keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn)
+        keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn, gather=gather)
     if artifact_kind(model) is not None:  # a ScriptModule or an ExportedProgram
         return tap_artifact(model, ops, **kwargs)
     model = check_model(model)
-    return TappedModule(model, as_selectors(ops, paths_in(model)), make_options(**kwargs))
+    options = make_options(**kwargs)
+    check_tracer(model, options.tracer)  # tensor parallelism is followed under dynamo
+    return TappedModule(model, as_selectors(ops, paths_in(model)), options)
 
 
 def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",

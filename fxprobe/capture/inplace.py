@@ -421,3 +421,37 @@ def outplace(analyse: Callable[[], Hazards], values: Mapping[Any, Hashable],
     return current, saved
 
 
+
+
+def settled(value: fx.Node, nodes: Iterable[fx.Node], replaced: bool = False) -> fx.Node:
+    """The node whose value is ``value`` as a module call hands it on: the last of ``nodes``
+    (the call's nodes after ``value``, in graph order) that writes ``value`` itself in place
+    and returns it (``y.copy_(z)``, ``y.add_(b)``, the write-back of an in-place collective:
+    ``dist.all_reduce(y)`` in a tensor-parallel layer), or ``value`` where none does.
+
+    A module call's site sits on that node: on ``value`` it would show the tensor before the
+    call finished writing it (a partial sum where a row-parallel layer reduces in place).
+    ``replaced``: only writes that replace the value whole (``copy_``), not those that
+    update it (``y += a`` makes another value, Falcon's attention + MLP sum).
+    """
+    last, same = value, {value}
+    for n in nodes:
+        first = n.args[0] if n.args else None
+        if replaced and not (n.op == "call_method" and n.target == "copy_"
+                             or getattr(n.target, "__name__", "") == "copy_"):
+            continue
+        if first in same and _writes_itself(n):
+            same.add(n)
+            last = n
+    return last
+
+
+def _writes_itself(n: fx.Node) -> bool:
+    """An in-place op on its first argument whose result is that argument."""
+    if n.op == "call_method":
+        name = str(n.target)
+        return (name.endswith("_") and not name.startswith("_")) or name in INPLACE_DUNDERS
+    if n.op == "call_function" and callable(n.target):
+        name = getattr(n.target, "__name__", "")
+        return n.target in INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
+    return False

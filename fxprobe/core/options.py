@@ -130,6 +130,9 @@ class TapOptions:
     """``grad_fn(site, grad)`` on each such gradient; a returned tensor replaces it."""
     sink: Sink | None = None
     """``to=fxprobe.Disk(...)``: receives each forward's values (``write``/``flush``/``close``)."""
+    gather: bool = False
+    """Under tensor parallelism, tap (keep, edit) each sharded value whole, gathered from every
+    rank, instead of this rank's part (``Site.sharding`` says which part; docs/distributed.md)."""
 
     @property
     def wants_grads(self) -> bool:
@@ -139,12 +142,12 @@ class TapOptions:
 def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
                  leaf_modules: Sequence[Any], autowrap_functions: Sequence[Any], reduce: Any,
                  sample_size: Any, seed: Any, keep: Any, to: Any, fn: Any, grad: Any,
-                 grad_fn: Any) -> TapOptions:
+                 grad_fn: Any, gather: Any = False) -> TapOptions:
     """Validate ``fxprobe.tap``'s arguments; every refusal says what to pass instead."""
     check_choice("capture", capture, Capture)
     check_choice("copy", copy, CopyPolicy)
     check_choice("tracer", tracer, TracerKind)
-    for name, flag in (("detach", detach), ("grad", grad)):
+    for name, flag in (("detach", detach), ("grad", grad), ("gather", gather)):
         check_flag(name, flag)
     leaf_modules = check_sequence("leaf_modules", leaf_modules, "e.g. [MyBlock, 'encoder.0']")
     autowrap_functions = check_sequence("autowrap_functions", autowrap_functions,
@@ -219,13 +222,13 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
         )
     return TapOptions(capture, bool(detach), copy, tracer, tuple(leaf_modules),
                       tuple(autowrap_functions), reduce, sample_size, seed, keep_n, device, fn,
-                      bool(grad), grad_fn, sink)
+                      bool(grad), grad_fn, sink, bool(gather))
 
 
 TAP_DEFAULTS: dict[str, Any] = {
     "capture": "output", "detach": True, "copy": "auto", "tracer": "auto", "leaf_modules": (),
     "autowrap_functions": (), "reduce": None, "sample_size": 1024, "seed": 0, "keep": "last",
-    "to": None, "fn": None, "grad": False, "grad_fn": None,
+    "to": None, "fn": None, "grad": False, "grad_fn": None, "gather": False,
 }
 """``fxprobe.tap``'s defaults for every argument of :func:`make_options`."""
 

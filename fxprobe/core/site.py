@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from .irtypes import op_name, python_type
 from .ops import describe_function, method_key, module_key
+from .shard import Sharding
 
 How = Literal["fx", "hook", "dynamo", "script", "export"]
 
@@ -61,6 +62,10 @@ class Site:
     """The names it also answers to in fxprobe's one vocabulary of transformers
     (``blocks.3.resid_post``, ``blocks.4.resid_pre``: one value, two roles), derived from the
     graph by ``frontends.canonical``; empty elsewhere. Name and glob selectors match them."""
+    sharding: Sharding | None = field(default=None, compare=False)
+    """Under tensor parallelism, which part of the full value this rank's value is (the
+    dimension split over which ranks, or a partial sum: :class:`~fxprobe.core.shard.Sharding`,
+    found by ``frontends.sharding``); None where every rank holds the full value."""
 
     @property
     def op(self) -> str:

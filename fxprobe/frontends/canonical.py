@@ -69,6 +69,7 @@ from .canonical_graph import (
     mlp_points,
     norms_after,
     numel_of,
+    reduced,
 )
 from .canonical_layout import per_head, z_of
 from .dynamo_names import NamedGraph
@@ -134,9 +135,12 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         return named
     replaced: dict[int, Site] = {}
     for node, names in out.names.items():
+        # What the code after it reads: the value after the in-place writes that follow it
+        # (a row-parallel projection's partial sum, reduced in place into the same tensor).
+        written = reduced(g, node)
         for n in names:
             # Beside SDPA, the scores and the pattern are the sites computed from its arguments.
-            target = node_site(node)
+            target = node_site(written) or node_site(node)
             if n.endswith(".scores") and node in scores:
                 target = scores[node]
             elif n.endswith(".pattern") and node in named.sdpa:

@@ -13,6 +13,7 @@ import sympy
 import torch
 from torch import fx, nn
 
+from ..capture.inplace import settled
 from ..core.ops import VIEW_OPS
 from ..core.site import CALL_ARGS, SITES, Site, node_site, source_name
 from .dynamo_names import NamedGraph, dynamo_op_key, is_state
@@ -21,6 +22,11 @@ from .dynamo_names import NamedGraph, dynamo_op_key, is_state
 VIEWS = frozenset(VIEW_OPS - {"dropout", "feature_alpha_dropout", "alpha_dropout",
                                "dropout1d", "dropout2d", "dropout3d", "split", "chunk",
                                "unbind", "tensor_split", "split_with_sizes"}) | {"clone"}
+
+
+SHARDS = frozenset({"getattr", "to_local", "redistribute", "full_tensor"})
+"""Between a parameter and the op that reads it: an attribute, and a tensor-parallel layer's
+view of its ``DTensor`` weight (this rank's shard, ``weight.to_local()``)."""
 
 
 # ...and those that hand their input back in eval mode (dropout): between two values.
@@ -120,7 +126,7 @@ class GraphIndex:
         """The parameter of two or more dimensions ``n`` reads (through views), if any."""
         for a in n.all_input_nodes:
             seen = 0
-            while seen < 4 and not self.is_param(a) and self.key(a) in VIEWS | {"getattr"} \
+            while seen < 4 and not self.is_param(a) and self.key(a) in VIEWS | SHARDS \
                     and a.all_input_nodes:
                 a, seen = a.all_input_nodes[0], seen + 1
             if self.is_parameter(a):
@@ -384,3 +390,22 @@ def mlp_points(g: GraphIndex, out: fx.Node, inside: set[fx.Node], stops: set[fx.
     if numel_of((g.shape(pre) or ())[:-1]) != positions:
         return None, post
     return pre, post
+
+
+def reduced(g: GraphIndex, node: fx.Node) -> fx.Node:
+    """``node``'s value as its readers read it: after the copies into it that follow it when
+    nothing reads it before them but what computes the copy (a row-parallel projection's
+    partial sum, reduced in place: ``all_reduce(y)``, ``y.copy_(reduced)``), else ``node``
+    (an update such as ``y += a`` makes another value: Falcon's MLP output + attention)."""
+    written = settled(node, g.nodes[g.index[node] + 1:], replaced=True)
+    if written is node:
+        return node
+    feeding, todo = set(), [written]
+    while todo:
+        x = todo.pop()
+        for a in x.all_input_nodes:
+            if a not in feeding and g.index.get(a, -1) > g.index[node]:
+                feeding.add(a)
+                todo.append(a)
+    early = [u for u in node.users if g.index.get(u, -1) < g.index[written]]
+    return written if all(u in feeding or u is written for u in early) else node

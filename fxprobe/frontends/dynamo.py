@@ -36,6 +36,7 @@ from ..core.names import join
 from ..core.options import Capture, CopyPolicy
 from ..core.site import SOURCE, STATE, Site, attach, source_name
 from ..core.view import CapturedGraph, CaptureInfo
+from . import sharding
 from .attention import attention_probs, drive_output
 from .canonical import annotate
 from .dynamo_names import (
@@ -359,6 +360,7 @@ class DynamoRegion:
             captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
         named = annotate(graph, named, root=self.module, root_path=self.path)
+        named = sharding.mark(graph, named, self.pipeline.options.gather)  # Site.sharding
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
         self.sites.update((s.name, s) for s in named.order)
@@ -375,6 +377,8 @@ class DynamoRegion:
             attach(extra, probs)
         if self.on_sites is not None:
             self.on_sites(new, selected)
+        if self.pipeline.options.gather:  # the full values of sharded sites (tap(gather=True))
+            sharding.gather(graph, {s.name for s in named.order} if points else chosen)
         named_graph = copy_graph(graph)
         if points:  # not beside SDPA where not computed (a pattern not selected at tap())
             self.pointable |= insert_points(graph, gm.get_submodule, self.pipeline,

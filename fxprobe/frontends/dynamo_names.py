@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..capture.inplace import settled
 from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
@@ -189,6 +190,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         read = [n for n in leaving if any(u not in group and u.op != "output" for u in n.users)]
         out = (read or leaving or nodes)[-1]
         _k, rel, m = leaf_call[out]
+        out = settled(out, nodes[nodes.index(out) + 1:])
         outputs[out] = (_join(root_path, rel), m)
         inputs[out] = (_call_inputs(nodes, group), nodes[0])
     # Calls of modules dynamo traced through (``h.0.mlp``): a site on the one node whose value
@@ -219,7 +221,8 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         if len(leaving) != 1:
             continue  # several values (a tuple) or none: no one node holds the output
         rel, m = where[key]
-        module_calls.setdefault(leaving[0], []).append(
+        out = settled(leaving[0], nodes[nodes.index(leaving[0]) + 1:])
+        module_calls.setdefault(out, []).append(
             (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0]))
 
     seen: dict[tuple[str, str], int] = {}

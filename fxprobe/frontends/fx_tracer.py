@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..capture.inplace import OUT_OF_PLACE
+from ..capture.inplace import OUT_OF_PLACE, settled
 from ..core.names import join as _join
 from ..core.ops import AUGMENTED_OPERATORS, method_key, module_key, op_key
 from ..core.site import CALL_ARGS, Site, attach
@@ -115,6 +115,9 @@ class SiteTracer(fx.Tracer):
                 # value it returns is that one after those ops (which may have written it in
                 # place), so the site sits on a node after them.
                 last = self.graph.create_node("call_function", _nest, (last,), {})
+            if path and last is not None and _made_since(before, last):
+                # Written in place later in the call (``y.copy_(z)``): the site is on the write.
+                last = settled(last, _nodes_after(last))
             if path and last is not None:
                 first = made if made is not None else last
                 self._name_call(m, path, last, args, first, listed=listed)
@@ -252,6 +255,15 @@ def _made_since(before: fx.Node, node: fx.Node) -> bool:
             return True
         n = n.next
     return False
+
+
+def _nodes_after(node: fx.Node) -> list[fx.Node]:
+    """The nodes after ``node``, in graph order."""
+    out, n = [], node.next
+    while n.op != "root":
+        out.append(n)
+        n = n.next
+    return out
 
 
 def _nest(value: Any) -> Any:

@@ -30,7 +30,7 @@ from ..frontends.export import rewrite as rewrite_export
 
 _DEFAULTS: dict[str, Any] = {
     "capture": "output", "tracer": "auto", "leaf_modules": (), "autowrap_functions": (),
-    "fn": None, "grad": False, "grad_fn": None,
+    "fn": None, "grad": False, "grad_fn": None, "gather": False,
 }
 _WHY = {
     "capture": "only a site's output is captured from a deployed graph (tap the sites that "
@@ -42,6 +42,8 @@ _WHY = {
     "grad": "gradient hooks are Python callbacks, which a saved graph cannot hold; run "
             "backward on the tapped values yourself with detach=False",
     "grad_fn": "gradient hooks are Python callbacks, which a saved graph cannot hold",
+    "gather": "a saved graph's values are gathered by no tensor-parallel layer fxprobe sees; "
+              "tap the model itself",
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -173,7 +174,7 @@ def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tup
     for site in static:
         if site.how == "hook":
             hooked = True
-            if site.name in table.fns or site.name in table.cache:
+            if _reaches(table, site):
                 path = site.module_path or site.name
                 module = state.root.get_submodule(path) if path else state.root
                 state.hookset.ensure(site.name, module)
@@ -182,6 +183,19 @@ def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tup
     if not hooked and all(r.finished for r in regions):  # every site is known: check now
         table.unmatched()  # (a hooked module's second call, fc_1, is known once it ran)
     return table
+
+
+def _reaches(table: Table, site: Site) -> bool:
+    """Whether ``table`` reaches the hooked module of ``site``: at its first call, or at a
+    later one in a forward (``fc_1``; a call later than the fourth that only a pattern names
+    is not hooked for it, and the block then says that its selector matched nothing)."""
+    if site.name in table.fns or site.name in table.cache or table.cache_selectors is None:
+        return True
+    sels = [sel for sel, _, _ in table.entries] + list(table.cache_selectors)
+    literal = re.compile(re.escape(site.name) + r"_\d+")
+    return (any(name is not None and literal.fullmatch(name) for _, _, name in table.entries)
+            or any(sel(dataclasses.replace(site, name=f"{site.name}_{n}", canonical=()))
+                   for sel in sels for n in range(1, 4)))
 
 
 class Intervention:

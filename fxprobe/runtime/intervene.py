@@ -48,12 +48,15 @@ class Table:
         cache: the selectors of the sites to keep (None: every site; ``()``: none).
         model: the model's name, for messages.
         pointed: the fx sites that have an intervention point (the others no graph computes).
+        literals: the plain site names among the selectors (naming a site no point reaches
+            is an error; a pattern matching one leaves it out).
     """
 
     def __init__(self, life: Lifecycle, fns: list[Entry],
                  cache: list[Selector] | None | tuple[()], model: str,
-                 pointed: frozenset[str]) -> None:
+                 pointed: frozenset[str], literals: frozenset[str] = frozenset()) -> None:
         self.life = life
+        self.literals = literals
         self.entries = fns
         self.cache_selectors = cache
         self.model = model
@@ -88,34 +91,29 @@ class Table:
                 self.resolve([dataclasses.replace(base, name=key, canonical=())])
 
     def resolve(self, sites: Iterable[Site]) -> None:
-        """Match the selectors against ``sites``: which functions apply, which values to keep."""
+        """Match the selectors against ``sites``: which functions apply, which values to keep.
+        A site no point reaches (a parameter the graph reads) is an error where a plain name
+        names it, and left out where a pattern or type matches it among others."""
         cached = set(self.cache)
+        sels = self.cache_selectors
         for site in sites:
             self.sites.setdefault(site.name, site)
-            fns = []
-            for i, (sel, fn, _) in enumerate(self.entries):
-                if sel(site):
-                    self.matched.add(i)
-                    fns.append(fn)
-            if fns:
-                self._editable(site)
-                self.fns[site.name] = (site, tuple(fns))
-            if self._cached(site):
+            hits = [i for i, (sel, _, _) in enumerate(self.entries) if sel(site)]
+            keeps = [] if sels is None else [i for i, sel in enumerate(sels) if sel(site)]
+            why = self._reason(site)
+            if why is not None:
+                if (hits or keeps) and (site.name in self.literals
+                                        or any(c in self.literals for c in site.canonical)):
+                    what = "intervene on" if hits else "cache"
+                    raise InterventionError(f"cannot {what} site {site.name!r} per call: {why}")
+                continue
+            if hits:
+                self.matched.update(hits)
+                self.fns[site.name] = (site, tuple(self.entries[i][1] for i in hits))
+            if sels is None or keeps:
+                self.cache_matched.update(keeps)
                 cached.add(site.name)
         self.cache = frozenset(cached)
-
-    def _cached(self, site: Site) -> bool:
-        sels = self.cache_selectors
-        if sels is None:
-            return self._reason(site) is None
-        hit = False
-        for i, sel in enumerate(sels):
-            if sel(site):
-                self.cache_matched.add(i)
-                hit = True
-        if hit:
-            self._editable(site, "cache")
-        return hit
 
     def _reason(self, site: Site) -> str | None:
         if site.kind == "get_attr":
@@ -126,11 +124,6 @@ class Table:
         if site.how == "fx" and site.name not in self.pointed:
             return "no graph of fxprobe's computes it (it is inside a module run as one call)"
         return None
-
-    def _editable(self, site: Site, what: str = "intervene on") -> None:
-        why = self._reason(site)
-        if why is not None:
-            raise InterventionError(f"cannot {what} site {site.name!r} per call: {why}")
 
     def unmatched(self) -> None:
         """Raise :class:`SelectorError` for a selector that matched no site known so far."""
@@ -154,8 +147,8 @@ def _regions(life: Lifecycle) -> list[DynamoRegion]:
             if life.state.get(path) is not State.FALLBACK]
 
 
-def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tuple[()]
-           ) -> Table:
+def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tuple[()],
+           literals: frozenset[str] = frozenset()) -> Table:
     """A table composed with the thread's current one (whose functions run first), resolved
     against the sites known now; the hooks of the hooked sites it reaches installed."""
     life = lifecycle(state)
@@ -163,7 +156,8 @@ def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tup
     outer = state.pipeline.per_call.table
     if isinstance(outer, Table):
         fns = [*outer.entries, *fns]
-    table = Table(life, fns, cache, state.model_name, points.names)
+    literals = literals | {name for _, _, name in fns if name is not None}
+    table = Table(life, fns, cache, state.model_name, points.names, literals)
     regions = _regions(life)
     dynamo = {n for r in regions for n in r.sites}
     hidden = life.hidden()  # a deferred module's hook sites, until dynamo has run it
@@ -245,7 +239,9 @@ def run_with_cache(state: TapState, call: Callable[..., Any], args: tuple[Any, .
     """One forward (``call``, the tapped module) keeping the values of the sites ``names``
     selects."""
     per_call = state.pipeline.per_call
-    table = _start(state, [], as_selectors(names))
+    given = names if isinstance(names, (list, tuple, set, frozenset)) else [names]
+    table = _start(state, [], as_selectors(names),
+                   frozenset(n for n in given if _literal(n) is not None))
     outer = per_call.table  # inside an intervene block, its functions apply (see _start)
     per_call.table = table
     try:

@@ -223,3 +223,17 @@ def test_a_selector_no_site_matches_says_so_on_every_frontend() -> None:
         with pytest.raises(fxprobe.SelectorError, match="'nine'"):
             with tapped.intervene({"nine": lambda s, v: v}):
                 tapped(torch.randn(2, 4))
+
+
+def test_a_tapped_artifact_refuses_per_call_blocks_and_says_why() -> None:
+    model = _model().eval()
+    x = torch.randn(2, 4)
+    artifacts = [fxprobe.tap(torch.jit.script(model), ops="1"),
+                 fxprobe.tap(torch.export.export(model, (x,)), ops=nn.ReLU)]
+    for tapped, kind in zip(artifacts, ["TorchScript module", "torch.export program"],
+                            strict=True):
+        with pytest.raises(fxprobe.ConfigError, match=f"a {kind} runs its saved graph"):
+            tapped.intervene({"1": lambda s, v: v})
+        with pytest.raises(fxprobe.ConfigError, match=r"fxprobe.tap\(model\)"):
+            tapped.run_with_cache(x)
+        assert torch.equal(tapped(x), model(x))  # and the artifact runs on

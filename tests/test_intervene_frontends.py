@@ -237,3 +237,47 @@ def test_a_tapped_artifact_refuses_per_call_blocks_and_says_why() -> None:
         with pytest.raises(fxprobe.ConfigError, match=r"fxprobe.tap\(model\)"):
             tapped.run_with_cache(x)
         assert torch.equal(tapped(x), model(x))  # and the artifact runs on
+
+
+class _Odd(nn.Module):
+    """fx cannot trace it (data-dependent control flow): tracer="auto" runs it under dynamo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) if x.sum() > 0 else self.lin(x) * 2
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+@pytest.mark.parametrize("call_between", [False, True])
+def test_a_hook_registered_after_tap_runs_inside_a_block(call_between: bool) -> None:
+    """The root region has no tap (only the dynamo module's site is selected), so outside a
+    block the root runs as written and a hook registered later on an inlined module runs;
+    the block's version with points inlined it too, and ran without the hook (silently other
+    values than the model's). It is traced again, as the graphs of tap() are."""
+    torch.manual_seed(3)
+    model = nn.Sequential(_Block(), _Odd())
+    x = torch.randn(2, 4)
+    tapped = fxprobe.tap(model, ops="1.lin")
+    tapped(x)
+    handle = model[0].register_forward_hook(lambda m, a, o: o * 0 + 1)
+    try:
+        if call_between:  # the copy has the hook when the block's graphs are built
+            assert torch.equal(tapped(x), model(x))
+        with pytest.warns(UserWarning, match="traced again"):
+            with tapped.intervene({"1.lin": lambda s, v: v * 2}):
+                out = tapped(x)
+        assert torch.equal(out, _hooked(model, {("1.lin", 0): lambda v: v * 2}, x))
+        assert torch.equal(tapped(x), model(x))
+    finally:
+        handle.remove()

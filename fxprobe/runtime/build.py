@@ -18,6 +18,7 @@ from ..core.site import Site
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
     HookMirror,
+    HookWatch,
     adopt,
     mirror,
     user_hooks,
@@ -76,6 +77,7 @@ def compile_points(life: Lifecycle, pipeline: Pipeline, options: TapOptions) -> 
     chosen = {s.name for s in prog.selected}
     out: dict[str, Compiled] = {}
     names: set[str] = set()
+    inlined: dict[str, nn.Module] = {}
     for path, region in prog.plan.regions.items():
         graph = copy_graph(region.graph)
         modules = region.module.get_submodule
@@ -84,4 +86,11 @@ def compile_points(life: Lifecycle, pipeline: Pipeline, options: TapOptions) -> 
             graph, modules, chosen & {s.name for _, s in region.sites()},
             capture=options.capture, copy=options.copy, pipeline=pipeline, escapes=bool(path))
         out[path] = compile_region(path, region.module, graph, order, copied, outplaced)
-    return Points(out, frozenset(names))
+        # A module the graph inlined runs no hook registered on it later: watched, as the
+        # program watches its compiled regions (``runtime.program``).
+        called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+        for rel, m in region.module.named_modules():
+            parts = rel.split(".")
+            if rel and not any(".".join(parts[:i]) in called for i in range(1, len(parts) + 1)):
+                inlined[f"{path}.{rel}" if path else rel] = m
+    return Points(out, frozenset(names), HookWatch(inlined, fresh=True) if inlined else None)

@@ -15,6 +15,7 @@ import torch
 from ..core.errors import RemovedError, SelectorError
 from ..core.names import some
 from ..frontends.mirror import (
+    HookWatch,
     count_changes,
     drop_overrides,
     install_override,
@@ -100,6 +101,20 @@ def _retrace(state: TapState, why: str | None) -> Lifecycle:
     return lifecycle(state)
 
 
+def _rehooked(state: TapState, watch: HookWatch) -> Lifecycle | None:
+    """Trace again where the hooks of a module a graph inlined changed (the graph would not
+    run them as set); None where none did."""
+    changed = watch.changed()
+    if not changed:
+        return None
+    users = watch.by_user(changed)  # not a library's own (transformers')
+    return _retrace(state, (
+        f"fxprobe: the hooks of {some(users)} changed after tap() (on the model or the "
+        "tapped module), inside code fxprobe had traced through (where they would not run "
+        "as set); the model is traced again, so that they do. Register hooks before tap() "
+        "to avoid the second trace.") if users else None)
+
+
 def _root_dispatcher(state: TapState) -> Callable[..., Any]:
     """The forward fxprobe installs on the copied root: called by fxprobe (the root's hooks
     ran) it runs the program; called by the model itself (``generate()``) a new frame."""
@@ -120,7 +135,7 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
     """One forward of the tapped module (a frame of the recording)."""
     if state.removed:
         raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
-    root = state.root
+    root, pipeline = state.root, state.pipeline
     if "" in state.model_hooks.sync():  # the model's hooks as set now: the root's changed
         state.root_hooked = user_hooks(root)  # fxprobe calls the root exactly while it has
         for other in state.lives.values():  # hooks
@@ -133,20 +148,16 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
         if state.changes[0] != state.structure:
             life = _retrace(state, adopted(state))
         elif watch is not None:
-            changed = watch.changed()
-            if changed:  # hooks on modules a graph inlined
-                users = watch.by_user(changed)  # not a library's own (transformers')
-                life = _retrace(state, (
-                    f"fxprobe: the hooks of {some(users)} changed after tap() (on the "
-                    "model or the tapped module), inside code fxprobe had traced through "
-                    "(where they would not run as set); the model is traced again, so that "
-                    "they do. Register hooks before tap() to avoid the second trace.")
-                    if users else None)
+            life = _rehooked(state, watch) or life
+        if pipeline.per_call.table is not None:  # the graphs with points watch their own
+            points = state.points.get(root.training)
+            if points is not None and points.watch is not None:
+                life = _rehooked(state, points.watch) or life
+                pointed(state, life)
     else:
         life = lifecycle(state)
     if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written
         fall_back_all(life)
-    pipeline = state.pipeline
     # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
     # so that torch.compile adds no Python guard that the two paths agree.
     rec_state = pipeline.rec.begin(life.hook_names)

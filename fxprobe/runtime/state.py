@@ -21,7 +21,7 @@ from ..capture.rewrite import Compiled
 from ..core.options import TapOptions
 from ..core.select import Selector
 from ..frontends.hooks import HookSet
-from ..frontends.mirror import HookMirror
+from ..frontends.mirror import HookMirror, HookWatch
 from .lifecycle import Lifecycle
 
 
@@ -72,3 +72,5 @@ class Points:
     """Each fx region so rewritten (its taps kept, after the points), by module path."""
     names: frozenset[str]
     """The sites that have a point: the ones a per-call table reaches in these regions."""
+    watch: HookWatch | None
+    """Watches the modules these graphs inlined for hooks registered after they were built."""

@@ -281,3 +281,19 @@ def test_a_hook_registered_after_tap_runs_inside_a_block(call_between: bool) -> 
         assert torch.equal(tapped(x), model(x))
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("capture", ["input", "both"])
+def test_a_hooked_module_called_twice_is_edited_at_its_call_whatever_is_captured(
+        capture: str) -> None:
+    """With capture="input" the pre-hook names each call (``lin``, ``lin_1``); the output's
+    per-call step named it again (``lin_1`` for the first call: the edit went to no call)."""
+    torch.manual_seed(4)
+    model = Twice()
+    x = torch.randn(3, 4)
+    tapped = fxprobe.tap(model, ops="lin", tracer="hooks", capture=capture)
+    for name, n in [("lin", 0), ("lin_1", 1)]:
+        with tapped.intervene({name: lambda s, v: v * 0 + 1}):
+            out = tapped(x)
+        assert torch.equal(out, _hooked(model, {("lin", n): lambda v: v * 0 + 1}, x)), name
+        assert list(tapped.taps) == ["lin", "lin_1"]

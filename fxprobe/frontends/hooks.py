@@ -85,7 +85,11 @@ class HookSet:
             kept_here = outputs and name in state.hook_paths
             if table is None and not kept_here:
                 return None
-            key = rec.hook_name(name)
+            if capture == "input" and name in state.hook_paths:  # the pre-hook named it
+                n = state.frame.hook_calls.get(name, 1) - 1
+                key = f"{name}_{n}" if n else name
+            else:
+                key = rec.hook_name(name)
             flow = output
             if table is not None:  # the per-call step first, as at a graph's point
                 table.see(name, key)

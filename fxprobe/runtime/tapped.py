@@ -1,6 +1,8 @@
-"""The runtime: ``TappedModule``, what ``fxprobe.tap`` returns for a model (``fxprobe.api``);
-its programs are built per mode (train/eval) on first use (``runtime.program``), installed, run
-and read here; what running a program changes is its ``Lifecycle`` (``runtime.lifecycle``)."""
+"""``TappedModule``, what ``fxprobe.tap`` returns for a model (``fxprobe.api``): a thin
+``nn.Module`` over one record, :class:`~runtime.state.TapState`. Its programs are built per mode
+(train/eval) on first use and run by ``runtime.run`` (planned by ``runtime.program``); what
+running a program changes is its ``Lifecycle`` (``runtime.lifecycle``); here the record is only
+read (taps, history, sites, the view) and the per-call blocks handed to ``runtime.intervene``."""
 
 from __future__ import annotations
 

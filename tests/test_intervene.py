@@ -136,7 +136,7 @@ def test_nested_blocks_compose_and_an_exception_leaves_cleanly(gpt2: Any) -> Non
     with pytest.raises(RuntimeError, match="boom"):
         with tapped.intervene({"transformer.h.1": _zero_pos(0)}):
             raise RuntimeError("boom")
-    assert tapped._pipeline.per_call.table is None
+    assert tapped._state.pipeline.per_call.table is None
     assert torch.equal(tapped(input_ids=ids).logits, plain)
 
 
@@ -157,7 +157,7 @@ def test_bad_selectors_and_replacements_are_refused(gpt2: Any) -> None:
     model, tapped, ids = gpt2
     with pytest.raises(fxprobe.SelectorError, match="transformer.h.9"):
         tapped.intervene({"transformer.h.9": _zero_pos(0)}).__enter__()
-    assert tapped._pipeline.per_call.table is None
+    assert tapped._state.pipeline.per_call.table is None
     with pytest.raises(fxprobe.InterventionError, match="shape"):
         with tapped.intervene({"transformer.h.1": lambda s, v: v[:, :1]}):
             tapped(input_ids=ids)
@@ -250,11 +250,19 @@ def test_a_plain_model_with_in_place_ops() -> None:
     assert torch.equal(tapped(x), model(x))
 
 
-def test_a_model_fx_traces_whole_needs_tracer_dynamo() -> None:
+def test_a_model_fx_traces_whole_is_edited_per_call_too() -> None:
+    """It raised ConfigError (per-call edits reached dynamo's sites only); fx regions run
+    their version with intervention points now (tests/test_intervene_frontends.py)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     tapped = fxprobe.tap(model)
-    with pytest.raises(fxprobe.ConfigError, match="tracer='dynamo'"):
-        tapped.intervene({"0": _zero_pos(0)}).__enter__()
+    x = torch.randn(2, 4)
+    with tapped.intervene({"0": _zero_pos(0)}):
+        out = tapped(x)
+    handle = model[0].register_forward_hook(lambda m, a, o: _zero_pos(0)(None, o))
+    ref = model(x)
+    handle.remove()
+    assert torch.equal(out, ref)
+    assert torch.equal(tapped(x), model(x))
 
 
 @torch.no_grad()

@@ -178,10 +178,10 @@ def test_context_manager_removes_on_exception(dynamo_fails: None) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with fxprobe.tap(model, ops=nn.Linear) as tapped:
             tapped(x)
-            assert tapped._hookset.handles
+            assert tapped._state.hookset.handles
             raise RuntimeError("boom")
-    assert not tapped._hookset.handles
-    assert all(not m.__dict__.get("forward") for m in tapped._root.modules())
+    assert not tapped._state.hookset.handles
+    assert all(not m.__dict__.get("forward") for m in tapped._state.root.modules())
     assert states_equal(before, model_state(model))
     with pytest.raises(fxprobe.RemovedError):
         tapped(x)

@@ -70,6 +70,10 @@ class CallTable(Protocol):
     def check(self, region: Any) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones."""
 
+    def see(self, name: str, key: str) -> None:
+        """A hooked module's call, named ``key`` (``name``, then ``name_1`` in one forward):
+        resolve the selectors against its site if not yet."""
+
 
 class _PerCall(threading.local):
     """The calling thread's :class:`CallTable` (None: no ``intervene`` block, no cache)."""

@@ -3,7 +3,10 @@
 Hooks go on fxprobe's own copies of the modules, never on the user's objects, and record only
 while the tapped module's forward runs, in the thread that runs it. They apply the same
 :class:`~capture.pipeline.Pipeline` as the taps in traced graphs. They return ``None`` unless
-``fn=`` replaced the output: a forward hook that returns a value replaces the module's output.
+``fn=`` or a per-call edit (the calling thread's table, ``Pipeline.point``) replaced the output:
+a forward hook that returns a value replaces the module's output. A module's hook is installed
+for the sites ``tap()`` selected, and for those a per-call table reaches (then it keeps
+nothing: it applies the table only).
 
 A module call inside a traced region below untraced code (``self.inner.lin(x)`` written in an
 untraceable forward, where ``inner`` is traced) is also hooked: the hook records only while that
@@ -36,7 +39,8 @@ class HookSet:
         self.modules: dict[str, nn.Module] = {}
 
     def ensure(self, name: str, module: nn.Module, region: str | None = None) -> None:
-        """Hook ``module`` as site ``name``; with ``region``, only while it is not running."""
+        """Hook ``module`` as site ``name`` (idempotent); with ``region``, only while it is not
+        running."""
         if name in self.handles:
             if self.modules[name] is module:
                 return
@@ -70,24 +74,40 @@ class HookSet:
 
             handles.append(module.register_forward_pre_hook(fxprobe_hook(pre_hook)))
 
-        if capture in ("output", "both"):
-            def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-                if not wanted():
-                    return None
+        outputs = capture in ("output", "both")
+
+        # Always there (capture="input" too): a per-call table may edit or keep the output.
+        def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            state = rec.state
+            if not state.active or (region is not None and state.running.get(region)):
+                return None
+            table = pipeline.per_call.table
+            kept_here = outputs and name in state.hook_paths
+            if table is None and not kept_here:
+                return None
+            if capture == "input" and name in state.hook_paths:  # the pre-hook named it
+                n = state.frame.hook_calls.get(name, 1) - 1
+                key = f"{name}_{n}" if n else name
+            else:
                 key = rec.hook_name(name)
-                flow, kept = pipeline.output(key, output, copy)
-                if (flow is not output and getattr(mod, "inplace", False) is True
-                        and not torch.is_grad_enabled()):
-                    # The caller may read the tensor the module wrote, not what it returns.
-                    # Not while autograd records: the module's backward may need that tensor.
-                    write_back(output, flow)
+            flow = output
+            if table is not None:  # the per-call step first, as at a graph's point
+                table.see(name, key)
+                flow = pipeline.point(output, (key,), copy, False)
+            if kept_here:
+                flow, kept = pipeline.output(key, flow, copy)
                 if capture == "both":
-                    stack = rec.state.pending.get(name)
+                    stack = state.pending.get(name)
                     kept = (stack.pop() if stack else (), kept)
                 pipeline.store((key,), (kept,))
-                return None if flow is output else flow
+            if (flow is not output and getattr(mod, "inplace", False) is True
+                    and not torch.is_grad_enabled()):
+                # The caller may read the tensor the module wrote, not what it returns.
+                # Not while autograd records: the module's backward may need that tensor.
+                write_back(output, flow)
+            return None if flow is output else flow
 
-            handles.append(module.register_forward_hook(fxprobe_hook(hook)))
+        handles.append(module.register_forward_hook(fxprobe_hook(hook)))
         self.handles[name] = handles
         self.modules[name] = module
 

@@ -246,12 +246,16 @@ class HookWatch:
     hooks; those few are compared with their hook tables at every check, since removing a hook
     draws no number."""
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    def __init__(self, modules: dict[str, nn.Module], fresh: bool = False) -> None:
         self.modules = modules
         self.hooked = {path: _hook_keys(m) for path, m in modules.items() if user_hooks(m)}
         self.users = {path: _hook_keys(modules[path], library=False) for path in self.hooked}
         self.epoch = RemovableHandle.next_id
         self.globals = _global_keys()
+        if fresh:  # graphs built after the trace: a user's hook there now is new to them
+            self.hooked = {p: k for p, k in self.hooked.items() if not any(self.users[p])}
+            self.users = {p: self.users[p] for p in self.hooked}
+            self.epoch = -1  # the first check looks at every module
 
     def changed(self) -> list[str]:
         """The paths of the watched modules whose hooks changed (empty: none did);

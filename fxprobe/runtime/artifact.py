@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import fx
@@ -140,6 +140,23 @@ class TappedArtifact(Viewable):
         out, values = result
         return out, values
 
+    def intervene(self, fns: Any) -> NoReturn:
+        """Refused (:class:`ConfigError`): a saved graph cannot call Python at its sites."""
+        raise ConfigError(self._per_call("tapped.intervene()"))
+
+    def run_with_cache(self, *args: Any, names: Any = None, **kwargs: Any) -> NoReturn:
+        """Refused (:class:`ConfigError`): a saved graph cannot call Python at its sites."""
+        raise ConfigError(self._per_call("tapped.run_with_cache()"))
+
+    def _per_call(self, what: str) -> str:
+        return (f"{what} needs a call into Python at each site of the graph as it runs, and "
+                f"a {self._kind} runs its saved graph without one, tapped only at the sites "
+                "fxprobe.tap(artifact, ops=...) chose (their values are in tapped.taps after "
+                "each call). To edit or keep any site per call, tap the Python model it was "
+                "made from: fxprobe.tap(model).intervene({...}) / .run_with_cache(...)")
+
+    _kind = "deployed artifact"
+
     @property
     def taps(self) -> Taps:
         """The values the last forward captured, by site name (a branch not taken is absent)."""
@@ -195,6 +212,8 @@ class TappedScript(TappedArtifact):
     ``script_module`` is itself a ScriptModule, savable with ``torch.jit.save``: its forward
     returns ``(output, (values...))`` in the order of its ``fxprobe_names`` attribute.
     """
+
+    _kind = "TorchScript module"
 
     def __init__(self, module: Any, sites: Sequence[Site],
                  options: TapOptions, graph: Any = None,
@@ -282,6 +301,8 @@ class TappedExport(TappedArtifact):
     reader without fxprobe finds them. (A program tapped by fxprobe before the values were
     named returns ``(output, (values...))``; it is read the same way.)
     """
+
+    _kind = "torch.export program"
 
     def __init__(self, program: Any, sites: Sequence[Site], options: TapOptions,
                  copied: frozenset[str] = frozenset(),

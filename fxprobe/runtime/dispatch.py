@@ -10,18 +10,20 @@ from typing import Any
 
 from torch import nn
 
-from ..core.record import Recording
+from ..core.errors import ConfigError
 from ..frontends.mirror import own_forward
-from .lifecycle import Lifecycle
+from .state import Points, TapState
 
 
-def module_dispatcher(lives: Mapping[bool, Lifecycle], rec: Recording,
-                      store: Callable[[Any, Any], None], module: nn.Module, path: str
-                      ) -> Callable[..., Any]:
-    """The forward fxprobe installs on the copied module at ``path``: its compiled region,
-    its dynamo region, or (``tracer=\"auto\"``) what the lifecycle decides; the module as
-    written where the current mode has no program for it."""
+def module_dispatcher(state: TapState, module: nn.Module, path: str) -> Callable[..., Any]:
+    """The forward fxprobe installs on the copied module at ``path``: its compiled region
+    (with intervention points while the calling thread has a per-call table), its dynamo
+    region, or (``tracer=\"auto\"``) what the lifecycle decides; the module as written where
+    the current mode has no program for it."""
     own = own_forward(module)
+    lives, points = state.lives, state.points
+    pipeline = state.pipeline
+    rec, store, per_call = pipeline.rec, pipeline.store, pipeline.per_call
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         life = lives.get(module.training)
@@ -29,6 +31,8 @@ def module_dispatcher(lives: Mapping[bool, Lifecycle], rec: Recording,
             return own(*args, **kwargs)
         prog = life.program
         comp = prog.compiled.get(path)
+        if per_call.table is not None:  # one check per region run outside a block
+            comp = pointed_in(points, prog.training).regions.get(path, comp)
         if comp is None:
             dyn = prog.dynamo.get(path)
             if dyn is None:
@@ -36,16 +40,16 @@ def module_dispatcher(lives: Mapping[bool, Lifecycle], rec: Recording,
             if path in prog.deferred:  # tracer="auto": the lifecycle decides what runs
                 return life.run(path, own, args, kwargs)
             return dyn(*args, **kwargs)
-        state = rec.state
-        running = state.running
+        rec_state = rec.state
+        running = rec_state.running
         running[path] = running.get(path, 0) + 1
         try:
             result = comp.fn(comp.holder, *args, **kwargs)
         finally:
             running[path] -= 1
         store(comp.names, result[1])
-        if state.active:
-            calls = state.frame.hook_calls
+        if rec_state.active:
+            calls = rec_state.frame.hook_calls
             for name in prog.guarded.get(path, ()):
                 calls[name] = calls.get(name, 0) + 1
         return result[0]
@@ -53,18 +57,16 @@ def module_dispatcher(lives: Mapping[bool, Lifecycle], rec: Recording,
     return signed(forward, own)
 
 
-def root_dispatcher(tapped: Any) -> Callable[..., Any]:
-    """The forward fxprobe installs on the copied root: called by fxprobe (the root's hooks
-    ran) it runs the program; called by the model itself (``generate()``) a new frame."""
-    rec = tapped._rec
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if rec.state.active:  # called by fxprobe (the root's hooks ran) or by the model
-            life = tapped._lives.get(tapped._root.training) or tapped._lifecycle()
-            return tapped._body(life, args, kwargs)
-        return tapped._run(args, kwargs, through_root=False)  # generate(): a new frame
-
-    return signed(forward, own_forward(tapped._root))
+def pointed_in(points: Mapping[bool, Points], mode: bool) -> Points:
+    """The fx regions with intervention points of ``mode``, built when the calling thread's
+    per-call table was set (in the mode of that time)."""
+    found = points.get(mode)
+    if found is None:
+        raise ConfigError(
+            f"the tapped module ran in {'train' if mode else 'eval'} mode inside an "
+            "intervene() block or run_with_cache() entered in the other mode: call "
+            "tapped.train() or tapped.eval() before entering the block")
+    return found
 
 
 def signed(forward: Callable[..., Any], like: Callable[..., Any]) -> Callable[..., Any]:

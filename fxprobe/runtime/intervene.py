@@ -2,15 +2,21 @@
 
 ``with tapped.intervene({selector: fn}): tapped(...)`` and ``tapped.run_with_cache(...)`` set a
 table for the calling thread (:class:`Table`, the ``CallTable`` that ``Pipeline.point``
-reads). While one is set, each graph that torch dynamo captured runs its second version, with
-an intervention point at every site (``capture.points``; built once per graph, the first time,
-from the graph dynamo already handed over: dynamo captures nothing again). Without a table the
-graphs run as ``tap()`` built them: one check per graph run is all that a block costs outside.
+reads). While one is set, every graph runs its second version, with an intervention point at
+every site (``capture.points``): each fx region's (built once per mode, the first time a table
+is set: ``runtime.build.compile_points``) and each graph torch dynamo captured (built once per
+graph, from the graph dynamo already handed over); a module run as written applies the table
+in its forward hook (``frontends.hooks``: installed for the sites a table reaches). One
+mechanism, one order: the per-call functions, then ``fn=`` and the taps of ``tap()``, which
+keep the value that flows on. Without a table the graphs run as ``tap()`` built them: one
+check per graph (or hooked call) is all that a block costs outside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -22,9 +28,8 @@ from ..core.site import Site
 from ..frontends.attention import attention_probs
 from ..frontends.dynamo import DynamoRegion
 from .lifecycle import Lifecycle, State
-
-TappedModule = Any
-"""``tapped.TappedModule``, which imports this module (no import back: no cycle)."""
+from .run import lifecycle, pointed
+from .state import TapState
 
 Fn = Callable[[Site, Any], Any]
 Entry = tuple[Selector, Fn, str | None]
@@ -33,25 +38,35 @@ Entry = tuple[Selector, Fn, str | None]
 
 class Table:
     """One thread's per-call interventions (selectors and functions) and cache selectors,
-    resolved against each dynamo region's sites as they are found.
+    resolved against the sites each graph or hook reaches, as they are known (fx and hook
+    sites when the table is made; dynamo's as their graphs are captured; a hooked module's
+    later calls in a forward as they run).
 
     Args:
-        prog: the lifecycle of the tapped module's program (which sites are selected now).
+        life: the lifecycle of the tapped module's program (which sites are selected now).
         fns: ``(selector, fn, name)`` entries, applied in this order where several match a site.
         cache: the selectors of the sites to keep (None: every site; ``()``: none).
         model: the model's name, for messages.
+        pointed: the fx sites that have an intervention point (the others no graph computes).
+        literals: the plain site names among the selectors (naming a site no point reaches
+            is an error; a pattern matching one leaves it out).
     """
 
-    def __init__(self, prog: Lifecycle, fns: list[Entry],
-                 cache: list[Selector] | None | tuple[()], model: str) -> None:
-        self.prog = prog
+    def __init__(self, life: Lifecycle, fns: list[Entry],
+                 cache: list[Selector] | None | tuple[()], model: str,
+                 pointed: frozenset[str], literals: frozenset[str] = frozenset()) -> None:
+        self.life = life
+        self.literals = literals
         self.entries = fns
         self.cache_selectors = cache
         self.model = model
+        self.pointed = pointed
         self.fns: dict[str, tuple[Site, tuple[Fn, ...]]] = {}
         self.cache: frozenset[str] = frozenset()
         self.values: dict[str, Any] = {}
         self.replaced: set[str] = set()
+        self.sites: dict[str, Site] = {}
+        """Every site resolved so far, by name, in the order met."""
         self.known: dict[int, int] = {}
         self.matched: set[int] = set()
         self.cache_matched: set[int] = set()
@@ -61,53 +76,59 @@ class Table:
         if self.known.get(id(region)) == len(region.sites):
             return
         self.known[id(region)] = len(region.sites)
-        cached = set(self.cache)
         sites: Iterable[Site] = region.sites.values()
         names = [name for _, _, name in self.entries]
         if self.cache_selectors == () and all(n in region.sites for n in names):  # no scan
             sites = [region.sites[n] for n in dict.fromkeys(names) if n in region.sites]
+        self.resolve(sites)
+
+    def see(self, name: str, key: str) -> None:
+        """A hooked module's call ``key`` (``fc_1``: the second call of ``fc`` in a forward,
+        a site of its own, as under torch.fx and dynamo)."""
+        if key not in self.sites:
+            base = self.sites.get(name)
+            if base is not None:
+                self.resolve([dataclasses.replace(base, name=key, canonical=())])
+
+    def resolve(self, sites: Iterable[Site]) -> None:
+        """Match the selectors against ``sites``: which functions apply, which values to keep.
+        A site no point reaches (a parameter the graph reads) is an error where a plain name
+        names it, and left out where a pattern or type matches it among others."""
+        cached = set(self.cache)
+        sels = self.cache_selectors
         for site in sites:
-            fns = []
-            for i, (sel, fn, _) in enumerate(self.entries):
-                if sel(site):
-                    self.matched.add(i)
-                    fns.append(fn)
-            if fns:
-                self._editable(site)
-                self.fns[site.name] = (site, tuple(fns))
-            if self._cached(site):
+            self.sites.setdefault(site.name, site)
+            hits = [i for i, (sel, _, _) in enumerate(self.entries) if sel(site)]
+            keeps = [] if sels is None else [i for i, sel in enumerate(sels) if sel(site)]
+            why = self._reason(site)
+            if why is not None:
+                if (hits or keeps) and (site.name in self.literals
+                                        or any(c in self.literals for c in site.canonical)):
+                    what = "intervene on" if hits else "cache"
+                    raise InterventionError(f"cannot {what} site {site.name!r} per call: {why}")
+                continue
+            if hits:
+                self.matched.update(hits)
+                self.fns[site.name] = (site, tuple(self.entries[i][1] for i in hits))
+            if sels is None or keeps:
+                self.cache_matched.update(keeps)
                 cached.add(site.name)
         self.cache = frozenset(cached)
-
-    def _cached(self, site: Site) -> bool:
-        sels = self.cache_selectors
-        if sels is None:
-            return self._reason(site) is None
-        hit = False
-        for i, sel in enumerate(sels):
-            if sel(site):
-                self.cache_matched.add(i)
-                hit = True
-        if hit:
-            self._editable(site, "cache")
-        return hit
 
     def _reason(self, site: Site) -> str | None:
         if site.kind == "get_attr":
             return "it is a parameter or buffer the graph reads, not a value it computes"
-        if site.target is attention_probs and site.name not in self.prog.order:
+        if site.target is attention_probs and site.name not in self.life.order:
             return ("the pattern beside SDPA is computed only where tap() selected it: "
                     "fxprobe.tap(model, ops=[..., fxprobe.attention_probs], tracer='dynamo')")
+        if site.how == "fx" and site.name not in self.pointed:
+            return "no graph of fxprobe's computes it (it is inside a module run as one call)"
         return None
 
-    def _editable(self, site: Site, what: str = "intervene on") -> None:
-        why = self._reason(site)
-        if why is not None:
-            raise InterventionError(f"cannot {what} site {site.name!r} per call: {why}")
-
-    def unmatched(self, sites: list[Site]) -> None:
-        """Raise :class:`SelectorError` for a selector that matched no site found so far."""
-        context = f"{self.model} (the sites torch dynamo captured so far)"
+    def unmatched(self) -> None:
+        """Raise :class:`SelectorError` for a selector that matched no site known so far."""
+        sites = list(self.sites.values())
+        context = f"{self.model} (its sites, with those torch dynamo captured so far)"
         for i, (sel, _, _) in enumerate(self.entries):
             if i not in self.matched:
                 raise SelectorError(no_match_message(sel, sites, context))
@@ -126,46 +147,55 @@ def _regions(life: Lifecycle) -> list[DynamoRegion]:
             if life.state.get(path) is not State.FALLBACK]
 
 
-def _start(tapped: TappedModule, fns: list[Entry],
-           cache: list[Selector] | None | tuple[()]) -> Table:
-    """A table composed with the thread's current one (whose functions run first)."""
-    prog = tapped._lifecycle()
-    regions = _regions(prog)
-    if not regions:
-        fallen = [repr(p) if p else "the model" for p in prog.reasons]
-        why = (f"torch dynamo failed on {', '.join(fallen)}, which runs as written"
-               if fallen else "torch.fx traced it whole")
-        raise ConfigError(
-            f"per-call interventions and run_with_cache reach the sites torch dynamo captures, "
-            f"and {tapped._model_name} has none ({why}): tap it with "
-            "fxprobe.tap(model, ..., tracer='dynamo')")
-    outer = tapped._pipeline.per_call.table
+def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tuple[()],
+           literals: frozenset[str] = frozenset()) -> Table:
+    """A table composed with the thread's current one (whose functions run first), resolved
+    against the sites known now; the hooks of the hooked sites it reaches installed."""
+    life = lifecycle(state)
+    points = pointed(state, life)
+    outer = state.pipeline.per_call.table
     if isinstance(outer, Table):
         fns = [*outer.entries, *fns]
-    table = Table(prog, fns, cache, tapped._model_name)
+    literals = literals | {name for _, _, name in fns if name is not None}
+    table = Table(life, fns, cache, state.model_name, points.names, literals)
+    regions = _regions(life)
     dynamo = {n for r in regions for n in r.sites}
-    pending = prog.hidden()  # a deferred module's hook sites, until dynamo has run it
-    others = [s for s in prog.known_sites() if s.name not in dynamo and s.how != "dynamo"
-              and s.name not in pending] if prog.program.compiled or prog.program.hooks else []
-    for sel, _, _ in fns:
-        hit = next((s for s in others if sel(s)), None)
-        if hit is not None:
-            raise ConfigError(
-                f"selector {sel.description} matches site {hit.name!r}, which "
-                f"{'a hook' if hit.how == 'hook' else 'torch.fx'} captures; per-call "
-                "interventions reach the sites torch dynamo captures: tap the model with "
-                "tracer='dynamo'")
+    hidden = life.hidden()  # a deferred module's hook sites, until dynamo has run it
+    static = [s for s in life.known_sites() if s.how != "dynamo" and s.name not in dynamo
+              and s.name not in hidden]
+    table.resolve(static)
+    hooked = False
+    for site in static:
+        if site.how == "hook":
+            hooked = True
+            if _reaches(table, site):
+                path = site.module_path or site.name
+                module = state.root.get_submodule(path) if path else state.root
+                state.hookset.ensure(site.name, module)
     for region in regions:
         table.check(region)
-    if all(r.finished for r in regions):  # every site is known: check the selectors now
-        table.unmatched([s for r in regions for s in r.sites.values()])
+    if not hooked and all(r.finished for r in regions):  # every site is known: check now
+        table.unmatched()  # (a hooked module's second call, fc_1, is known once it ran)
     return table
+
+
+def _reaches(table: Table, site: Site) -> bool:
+    """Whether ``table`` reaches the hooked module of ``site``: at its first call, or at a
+    later one in a forward (``fc_1``; a call later than the fourth that only a pattern names
+    is not hooked for it, and the block then says that its selector matched nothing)."""
+    if site.name in table.fns or site.name in table.cache or table.cache_selectors is None:
+        return True
+    sels = [sel for sel, _, _ in table.entries] + list(table.cache_selectors)
+    literal = re.compile(re.escape(site.name) + r"_\d+")
+    return (any(name is not None and literal.fullmatch(name) for _, _, name in table.entries)
+            or any(sel(dataclasses.replace(site, name=f"{site.name}_{n}", canonical=()))
+                   for sel in sels for n in range(1, 4)))
 
 
 class Intervention:
     """The context manager ``tapped.intervene(...)`` returns (see there)."""
 
-    def __init__(self, tapped: TappedModule, fns: Mapping[Any, Fn]) -> None:
+    def __init__(self, state: TapState, fns: Mapping[Any, Fn]) -> None:
         if not isinstance(fns, Mapping) or not fns:
             raise ConfigError(
                 "tapped.intervene() takes a non-empty dict {selector: fn}, fn(site, value) "
@@ -173,7 +203,7 @@ class Intervention:
         for key, fn in fns.items():
             if not callable(fn):
                 raise ConfigError(f"the function for selector {key!r} is {fn!r}, not callable")
-        self.tapped = tapped
+        self.state = state
         self.pairs = [(as_selector(k), fn, _literal(k)) for k, fn in fns.items()]
         self.table: Table | None = None
         self.outer: Any = None
@@ -181,40 +211,47 @@ class Intervention:
     def __enter__(self) -> Table:
         if self.table is not None:
             raise ConfigError("this intervene() block is already entered; make a new one")
-        per_call = self.tapped._pipeline.per_call
-        table = _start(self.tapped, self.pairs, ())
+        per_call = self.state.pipeline.per_call
+        table = _start(self.state, self.pairs, ())
         self.outer, self.table = per_call.table, table
         per_call.table = table
         return table
 
     def __exit__(self, kind: object, *exc: object) -> None:
-        per_call = self.tapped._pipeline.per_call
+        per_call = self.state.pipeline.per_call
         table, self.table = self.table, None
         if per_call.table is not table:
             per_call.table = self.outer
             raise ConfigError("intervene() blocks must be left in the reverse order they "
                               "were entered, on the thread that entered them")
         per_call.table = self.outer
-        regions = _regions(table.prog) if kind is None and table is not None else []
-        if table is not None and regions and all(r.finished for r in regions):
+        if kind is not None or table is None:
+            return
+        regions = _regions(table.life)
+        if all(r.finished for r in regions):
             for region in regions:  # sites found by a forward under another table (a cache)
                 table.check(region)
-            table.unmatched([s for r in regions for s in r.sites.values()])
+            table.unmatched()
 
 
-def run_with_cache(tapped: TappedModule, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   names: Any) -> tuple[Any, Cache]:
-    """One forward of ``tapped`` keeping the values of the sites ``names`` selects."""
-    per_call = tapped._pipeline.per_call
-    table = _start(tapped, [], as_selectors(names))
+def run_with_cache(state: TapState, call: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any], names: Any) -> tuple[Any, Cache]:
+    """One forward (``call``, the tapped module) keeping the values of the sites ``names``
+    selects."""
+    per_call = state.pipeline.per_call
+    given = names if isinstance(names, (list, tuple, set, frozenset)) else [names]
+    table = _start(state, [], as_selectors(names),
+                   frozenset(n for n in given if _literal(n) is not None))
     outer = per_call.table  # inside an intervene block, its functions apply (see _start)
     per_call.table = table
     try:
-        out = tapped(*args, **kwargs)
+        out = call(*args, **kwargs)
     finally:
         per_call.table = outer
-    sites = {s.name: s for r in _regions(table.prog) for s in r.sites.values()}
-    table.unmatched(list(sites.values()))
+    for region in _regions(table.life):
+        table.check(region)
+    table.unmatched()
+    sites = table.sites
     values: dict[str, Any] = {}
     calls: dict[str, Any] = {}
     others: dict[str, str] = {}

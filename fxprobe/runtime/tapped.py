@@ -1,44 +1,35 @@
-"""The runtime: ``TappedModule``, what ``fxprobe.tap`` returns for a model (``fxprobe.api``);
-its programs are built per mode (train/eval) on first use (``runtime.program``), installed, run
-and read here; what running a program changes is its ``Lifecycle`` (``runtime.lifecycle``)."""
+"""``TappedModule``, what ``fxprobe.tap`` returns for a model (``fxprobe.api``): a thin
+``nn.Module`` over one record, :class:`~runtime.state.TapState`. Its programs are built per mode
+(train/eval) on first use and run by ``runtime.run`` (planned by ``runtime.program``); what
+running a program changes is its ``Lifecycle`` (``runtime.lifecycle``); here the record is only
+read (taps, history, sites, the view) and the per-call blocks handed to ``runtime.intervene``."""
 
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import fx, nn
 
-from ..capture.pipeline import Pipeline
-from ..core.errors import ConfigError, RemovedError, SelectorError
-from ..core.names import some
+from ..core.errors import ConfigError
 from ..core.options import TapOptions
-from ..core.record import Grads, Recording, Taps
+from ..core.record import Grads, Taps
 from ..core.select import Selector, as_selector
 from ..core.site import Site
 from ..core.view import CaptureInfo, Fallback, Viewable
-from ..frontends.hooks import HookSet
-from ..frontends.mirror import (
-    HookMirror,
-    adopt,
-    count_changes,
-    drop_overrides,
-    install_override,
-    mirror,
-    own_forward,
-    user_hooks,
-)
+from ..frontends.mirror import drop_overrides, own_forward
 from ..frontends.wrappers import site_devices
-from .dispatch import module_dispatcher, root_dispatcher, signed
+from .build import make_state
+from .dispatch import signed
 from .intervene import Cache, Intervention, run_with_cache
-from .lifecycle import Lifecycle, State, fall_back_all
-from .program import Program, SiteNames, View, build_program
+from .lifecycle import Lifecycle
+from .program import Program, SiteNames, View
+from .run import lifecycle, run
 from .shapes import propagate
+from .state import TapState
 
 if TYPE_CHECKING:
     from ..present.summary import Table
@@ -53,130 +44,46 @@ class TappedModule(nn.Module, Viewable):
     of the calling thread.
     """
 
-    _root: nn.Module
-    _selectors: list[Selector] | None
-    _options: TapOptions
-    _model_name: str
-    _rec: Recording
-    _pipeline: Pipeline
-    _hookset: HookSet
-    _lives: dict[bool, Lifecycle]
-    _root_hooked: bool
-    _changes: list[int]
-    _structure: int
-    _removed: bool
-    _sink: Any
+    _state: TapState
+    """Everything it holds (``runtime.state``): built and run by ``runtime.run``, read here."""
 
     def __init__(self, model: nn.Module, selectors: list[Selector] | None,
                  options: TapOptions) -> None:
         super().__init__()
-        root = mirror(model)
+        state = make_state(model, selectors, options)
+        root = state.root
         d = self.__dict__
-        d["_root"] = root
+        d["_state"] = state
         # The copied root's containers: state_dict keys and parameters are the model's.
         d["_modules"] = root._modules
         d["_parameters"] = root._parameters
         d["_buffers"] = root._buffers
         d["_non_persistent_buffers_set"] = root._non_persistent_buffers_set
         d["training"] = root.training
-        d["_selectors"] = selectors
-        d["_options"] = options
-        d["_model_name"] = type(model).__name__
-        d["_lives"] = {}  # per mode: its program, as it runs
-        d["_root_hooked"] = user_hooks(root)
-        d["_changes"] = [0]  # counts changes of the copied tree's submodule dicts
-        d["_structure"] = -1  # the count the programs were built at
-        rec = Recording(detach=options.detach, both=options.capture == "both",
-                        keep=options.keep, to=options.to)
-        pipeline = Pipeline(options, rec, self._site)
-        rec.finalize = pipeline.finalize
-        d["_rec"] = rec
-        d["_pipeline"] = pipeline
-        d["_hookset"] = HookSet(pipeline, capture=options.capture, copy=options.copy)
-        d["_removed"] = False
-        # The copy has hook tables of its own: the model's hooks as the user sets them after
-        # tap() (registered or removed) are carried over at each forward.
-        shared = {id(m) for m in root.modules()}
-        copies = dict(root.named_modules(remove_duplicate=False))
-        pairs = {id(m): (p, m, copies[p]) for p, m in model.named_modules(
-            remove_duplicate=False) if id(m) not in shared and p in copies}
-        d["_model_hooks"] = HookMirror(list(pairs.values()))
-        d["_sink"] = options.sink  # fxprobe.Disk: write(values, inputs) after each forward
         # Callers read the model's signature to decide what to pass (transformers' generate()
         # builds position_ids from the attention mask only where forward accepts them).
-        d["forward"] = signed(self._forward_of_instance(), own_forward(root))
-        self._lifecycle(strict=True)
+        d["forward"] = signed(lambda *args, **kwargs: run(state, args, kwargs),
+                              own_forward(root))
+        state.shell = d
+        lifecycle(state, strict=True)
         if options.sink is not None:
             options.sink.attach(self)
 
-    # -- building ---------------------------------------------------------------------------
     def _lifecycle(self, strict: bool = False) -> Lifecycle:
         """The current mode's program as it runs (built, installed the first time)."""
-        life = self._lives.get(self.training)
-        if life is None:
-            if self._removed:
-                raise RemovedError(
-                    "this tapped module was removed; call fxprobe.tap(model, ...) again"
-                )
-            drop_overrides(self._root)
-            prog = build_program(self._root, self._selectors, self._options, self.training,
-                                 self._pipeline, model_name=self._model_name, strict=strict)
-            life = Lifecycle(prog, self._rec, self._moved)
-            self._lives[self.training] = life
-            self._install(life)
-            count_changes(self._root, self._changes, tuple(prog.dynamo))
-            self.__dict__["_modules"] = self._root._modules  # maybe a counting dict now
-            self.__dict__["_structure"] = self._changes[0]
-        return life
+        return lifecycle(self._state, strict)
 
-    def _program(self, strict: bool = False) -> Program:
+    def _program(self) -> Program:
         """The current mode's program (fixed once built)."""
-        return self._lifecycle(strict).program
+        return self._lifecycle().program
 
-    def _site(self, name: str) -> Site | None:
-        life = self._lives.get(self.training)
-        return life.site(name) if life is not None else None
-
-    def _install(self, life: Lifecycle) -> None:
-        root = self._root
-        for spec in life.program.hooks:
-            if not life.active(spec.path):
-                continue  # inside a module dynamo runs: installed if dynamo fails on it
-            module = root.get_submodule(spec.path) if spec.path else root
-            self._hookset.ensure(spec.name, module, spec.region)
-        paths = {path for li in self._lives.values()
-                 for path in (*li.program.compiled, *li.program.dynamo)
-                 if path and li.active(path)}
-        for path in paths:
-            module = root.get_submodule(path)
-            install_override(module, self._dispatcher(module, path))
-        if self._root_hooked or any("" in li.program.dynamo for li in self._lives.values()):
-            # The root's own hooks run around the program (fxprobe calls the root); and
-            # model.generate() and other methods call the model itself: one frame per call.
-            install_override(root, self._root_dispatcher())
-
-    def _dispatcher(self, module: nn.Module, path: str) -> Callable[..., Any]:
-        return module_dispatcher(self._lives, self._rec, self._pipeline.store, module, path)
-
-    def _root_dispatcher(self) -> Callable[..., Any]:
-        return root_dispatcher(self)
-
-    def _moved(self, life: Lifecycle, path: str, state: State) -> None:
-        """A deferred module moved to ``state``: its hooks and inner regions are installed
-        exactly while it runs as written."""
-        if state is not State.FALLBACK:
-            self._hookset.discard(life.program.deferred[path].sites)
-            drop_overrides(self._root)
-        for other in self._lives.values():
-            self._install(other)
+    @property
+    def _sink(self) -> Any:
+        return self._state.sink
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(args, kwargs)
-
-    def _forward_of_instance(self) -> Callable[..., Any]:
-        """The instance's ``forward`` (a function, to carry the model's signature)."""
-        return lambda *args, **kwargs: self._run(args, kwargs)
+        return run(self._state, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # What is not the tapped module's own is the model's (config, generation_config,
@@ -185,98 +92,10 @@ class TappedModule(nn.Module, Viewable):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            root = self.__dict__.get("_root")
-            if root is None:
+            state = self.__dict__.get("_state")
+            if state is None:
                 raise
-        return getattr(root, name)
-
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-             through_root: bool | None = None) -> Any:
-        if self._removed:
-            raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
-        if "" in self._model_hooks.sync():  # the model's hooks as set now: the root's changed
-            self.__dict__["_root_hooked"] = user_hooks(self._root)  # fxprobe calls the root
-            for other in self._lives.values():  # exactly while it has hooks
-                self._install(other)
-        if through_root is None:  # a call of the tapped module: the root's hooks run around
-            through_root = self._root_hooked
-        life = self._lives.get(self.training)
-        if life is not None:
-            watch = life.program.watch
-            if self._changes[0] != self._structure:
-                life = self._retrace(self._adopt())
-            elif watch is not None:
-                changed = watch.changed()
-                if changed:  # hooks on modules a graph inlined
-                    users = watch.by_user(changed)  # not a library's own (transformers')
-                    life = self._retrace(
-                        f"fxprobe: the hooks of {some(users)} changed after tap() (on the "
-                        "model or the tapped module), inside code fxprobe had traced through "
-                        "(where they would not run as set); the model is traced again, so that "
-                        "they do. Register hooks before tap() to avoid the second trace."
-                        if users else None)
-        else:
-            life = self._lifecycle()
-        if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written
-            fall_back_all(life)
-        # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
-        # so that torch.compile adds no Python guard that the two paths agree.
-        state = self._pipeline.rec.begin(life.hook_names)
-        try:
-            if through_root:  # the root's own hooks run around the body (its override)
-                out = self._root(*args, **kwargs)
-            else:
-                out = self._body(life, args, kwargs)
-        finally:
-            # Also when the forward raised: the statistics of what it captured are taken now,
-            # not when first read (by then a value could have changed).
-            if state.frame.deferred:
-                self._pipeline.finish(state.frame)
-            state.active = False
-        if life.unchecked:  # before anything is written: a failed selection writes nothing
-            try:
-                life.check(self._model_name)
-            except SelectorError:
-                if self._sink is not None:  # and holds nothing (a corrected tap writes there)
-                    self._sink.release()
-                raise
-        if self._sink is not None:
-            self._sink.write(self._rec.values(state.frame), (args, kwargs))
-        return out
-
-    def _body(self, life: Lifecycle, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        prog = life.program
-        root = prog.compiled.get("")
-        if root is not None:
-            result = root.fn(root.holder, *args, **kwargs)
-            self._pipeline.store(root.names, result[1])
-            return result[0]
-        dyn = prog.dynamo.get("")
-        if dyn is not None:
-            if "" in prog.deferred:  # tracer="auto": the lifecycle decides what runs
-                return life.run("", own_forward(self._root), args, kwargs)
-            return dyn(*args, **kwargs)
-        return own_forward(self._root)(*args, **kwargs)
-
-    def _adopt(self) -> str:
-        """Submodules of the tapped module were replaced, added or deleted, so the graphs call
-        modules that are gone: copy what was put in (fxprobe never installs on the user's
-        objects) and say so."""
-        adopted = adopt(self._root)
-        return (
-            "fxprobe: submodules of the tapped module changed after tap()"
-            + (f" ({some(adopted)} assigned; each is replaced by a copy sharing its "
-               "parameters, so that fxprobe never installs anything on your object)"
-               if adopted else "")
-            + "; the model is traced again.")
-
-    def _retrace(self, why: str | None) -> Lifecycle:
-        """What the graphs were traced from changed: say ``why`` (unless None: a library's own
-        hooks), plan and compile again."""
-        if why is not None:
-            warnings.warn(why, stacklevel=6)
-        self._lives.clear()
-        return self._lifecycle()
+        return getattr(state.root, name)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (HuggingFace), tapped: one frame per forward it makes.
@@ -286,11 +105,11 @@ class TappedModule(nn.Module, Viewable):
             >>> tokens = tapped.generate(input_ids, max_new_tokens=5)
             >>> len(tapped.history)  # the prompt, then one forward per new token
         """
-        gen = getattr(type(self._root), "generate", None)
+        gen = getattr(type(self._state.root), "generate", None)
         if gen is None:
-            raise AttributeError(f"{self._model_name} has no generate() method")
+            raise AttributeError(f"{self._state.model_name} has no generate() method")
         self._lifecycle()
-        return gen(self._root, *args, **kwargs)
+        return gen(self._state.root, *args, **kwargs)
 
     def intervene(self, fns: Mapping[Any, Callable[[Site, Any], Any]]) -> Intervention:
         """A block whose calls (this thread's) apply ``fn(site, value)`` at the sites each
@@ -302,12 +121,12 @@ class TappedModule(nn.Module, Viewable):
         """
         if isinstance(fns, Mapping):  # the model's modules as selectors, by their paths
             fns = {self._selector(k): fn for k, fn in fns.items()}
-        return Intervention(self, fns)
+        return Intervention(self._state, fns)
 
     def run_with_cache(self, *args: Any, names: Any = None, **kwargs: Any) -> tuple[Any, Cache]:
         """``(output, cache)``: one forward and the values of the sites ``names`` selects
         (every site by default), by name. Example: ``out, cache = tapped.run_with_cache(ids)``."""
-        return run_with_cache(self, args, kwargs, self._selector(names))
+        return run_with_cache(self._state, self, args, kwargs, self._selector(names))
 
     def _selector(self, obj: Any) -> Any:
         """``obj``; a module of the model or of the tapped module: the selector of its calls
@@ -316,15 +135,16 @@ class TappedModule(nn.Module, Viewable):
             return [self._selector(o) for o in obj]
 
         def paths(module: nn.Module) -> list[str]:
-            ids = {id(c) for _, m, c in self._model_hooks.pairs if m is module} or {id(module)}
-            return [p for p, m in self._root.named_modules(remove_duplicate=False)
+            pairs = self._state.model_hooks.pairs
+            ids = {id(c) for _, m, c in pairs if m is module} or {id(module)}
+            return [p for p, m in self._state.root.named_modules(remove_duplicate=False)
                     if id(m) in ids]
 
         return as_selector(obj, paths) if isinstance(obj, nn.Module) else obj
 
     def train(self, mode: bool = True) -> TappedModule:
         super().train(mode)
-        self._root.training = mode
+        self._state.root.training = mode
         return self
 
     # -- reading ----------------------------------------------------------------------------
@@ -332,26 +152,26 @@ class TappedModule(nn.Module, Viewable):
     def taps(self) -> Taps:
         """The values the last forward captured, by site name."""
         life = self._lifecycle()
-        return Taps(self._rec, life.order, aliases=life.aliases)
+        return Taps(self._state.pipeline.rec, life.order, aliases=life.aliases)
 
     @property
     def options(self) -> TapOptions:
         """The validated options this module was tapped with."""
-        return self._options
+        return self._state.options
 
     @property
     def history(self) -> list[Taps]:
         """The kept forwards (``keep=``), oldest first; the last one is ``taps``."""
-        life = self._lifecycle()
-        return [Taps(self._rec, life.order, frame, life.aliases) for frame in self._rec.history()]
+        life, rec = self._lifecycle(), self._state.pipeline.rec
+        return [Taps(rec, life.order, frame, life.aliases) for frame in rec.history()]
 
     @property
     def grads(self) -> Grads:
         """With ``grad=True``: the gradient of the last backward with respect to each value."""
-        if not self._options.grad:
+        if not self._state.options.grad:
             raise ConfigError("tapped.grads needs fxprobe.tap(..., grad=True)")
         life = self._lifecycle()
-        return Grads(self._rec, life.order, aliases=life.aliases)
+        return Grads(self._state.pipeline.rec, life.order, aliases=life.aliases)
 
     @property
     def sites(self) -> tuple[Site, ...]:
@@ -365,7 +185,7 @@ class TappedModule(nn.Module, Viewable):
     @property
     def devices(self) -> dict[str, str]:
         """Where each selected site is computed, for a model accelerate dispatched; else {}."""
-        return site_devices(self.sites, self._root)
+        return site_devices(self.sites, self._state.root)
 
     @property
     def captures(self) -> tuple[CaptureInfo, ...]:
@@ -433,12 +253,12 @@ class TappedModule(nn.Module, Viewable):
         life = self._lifecycle()
         p = life.current_plan()
         mode = "train" if self.training else "eval"
-        return View(f"{self._model_name} ({mode} mode)", tuple(p.sites), life.selected,
+        return View(f"{self._state.model_name} ({mode} mode)", tuple(p.sites), life.selected,
                     tuple(p.fallbacks), tapped=True,
-                    taps=self.taps if self._rec.frame.parts else None,
-                    capture=self._options.capture, plan=p, root=self._root,
+                    taps=self.taps if self._state.pipeline.rec.frame.parts else None,
+                    capture=self._state.options.capture, plan=p, root=self._state.root,
                     captures=life.captures(), graphs=life.graphs(),
-                    shapes=partial(propagate, p, self._root))
+                    shapes=partial(propagate, p, self._state.root))
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         """Draw the tapped graph to ``path`` (.svg, .png, .pdf or .dot); return its ``Path``.
@@ -464,11 +284,11 @@ class TappedModule(nn.Module, Viewable):
 
     def remove(self) -> None:
         """Remove every hook and override fxprobe installed; the last values stay readable."""
-        self._hookset.remove()
-        drop_overrides(self._root)
-        self.__dict__["_removed"] = True
-        if self._sink is not None:
-            self._sink.close()  # flushes what is queued; raises if the writer failed
+        self._state.hookset.remove()
+        drop_overrides(self._state.root)
+        self._state.removed = True
+        if self._state.sink is not None:
+            self._state.sink.close()  # flushes what is queued; raises if the writer failed
 
     def __enter__(self) -> TappedModule:
         return self
@@ -478,21 +298,21 @@ class TappedModule(nn.Module, Viewable):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TappedModule:
         """A tapped copy of a deep copy of the model, with its own taps and no shared state."""
-        root = copy.deepcopy(self._root, memo)
+        root = copy.deepcopy(self._state.root, memo)
         drop_overrides(root)
-        ours = {h.id for handles in self._hookset.handles.values() for h in handles}
+        ours = {h.id for handles in self._state.hookset.handles.values() for h in handles}
         for m in root.modules():
             for key, table in vars(m).items():
                 if "hooks" in key and isinstance(table, dict):
                     for hook_id in ours:
                         table.pop(hook_id, None)
         root.train(self.training)
-        return TappedModule(root, self._selectors, self._options)
+        return TappedModule(root, self._state.selectors, self._state.options)
 
     def extra_repr(self) -> str:
-        life = self._lives.get(self.training)
-        if life is None or self._removed:
-            return "removed" if self._removed else ""
+        life = self._state.lives.get(self.training)
+        if life is None or self._state.removed:
+            return "removed" if self._state.removed else ""
         selected = life.selected
         hooks = sum(1 for s in selected if s.how == "hook")
         dyn = sum(1 for s in selected if s.how == "dynamo")

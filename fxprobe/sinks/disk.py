@@ -221,7 +221,8 @@ class Disk(Sink):
                     self._released = False
         module = self._module() if self._module is not None else None
         protected, input_sites = protected_storages(inputs, module)
-        options = getattr(module, "_options", None)
+        # a TappedModule's options are public; a TappedArtifact's its own
+        options = getattr(module, "options", None) or getattr(module, "_options", None)
         captures_inputs = getattr(options, "capture", "output") == "input"
         job = Encoder(protected, input_sites, self.copy, captures_inputs).job(-1, values)
         self._dir.check_same_model(job.signature)

@@ -63,7 +63,7 @@ COMMANDS: dict[str, tuple[list[str], int, str]] = {
     "missing file": ([*FXPROBE, "graph", "nowhere/models.py:good"], 2,
                      "no such file: nowhere/models.py"),
     "missing factory": ([*FXPROBE, "sites", "models.py:godo"], 2,
-                        "models.py has no 'godo' (MODEL 'models.py:godo'); did you mean good?"),
+                        "models.py has no 'godo' (MODEL 'models.py:godo'). Did you mean 'good'?"),
     "not a module": ([*FXPROBE, "graph", "models.py:not_module"], 2,
                      "returned list, not a torch.nn.Module"),
     "bad input": ([*FXPROBE, "graph", "models.py:good", "--input", "3xq"], 2,

@@ -94,8 +94,8 @@ def test_every_fallback_of_a_transformer_points_at_a_source_line() -> None:
 def test_leaf_module_paths_must_name_modules(leaf: object, close: str) -> None:
     model, _, _ = zoo.make("resnet")
     bad = leaf if isinstance(leaf, str) else leaf[0]  # type: ignore[index]
-    pattern = (f"leaf_modules entry '{re.escape(bad)}' is no module path"
-               f".*close: [^)]*{re.escape(close)}")
+    pattern = (f"leaf_modules entry '{re.escape(bad)}' is no module path.*" + (
+        r"module types\.$" if close == "none" else f"Did you mean [^?]*'{re.escape(close)}'"))
     for call in (lambda: fxprobe.tap(model, leaf_modules=leaf),
                  lambda: fxprobe.sites(model, leaf_modules=leaf),
                  lambda: fxprobe.extractor(model, return_nodes=["layer1"], leaf_modules=leaf)):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -11,6 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import SiteNotRunError, UnknownSiteError
+from .names import did_you_mean
 
 
 class InOut(NamedTuple):
@@ -255,9 +255,7 @@ class Taps(Mapping[str, Any]):
                 f"({self._why}); the sites that have one are: "
                 f"{', '.join(list(self._ordered())[:20]) or 'none'}"
             )
-        close = difflib.get_close_matches(name, [*self._order, *self._aliases], n=5,
-                                          cutoff=0.5)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        hint = did_you_mean(name, [*self._order, *self._aliases])
         raise UnknownSiteError(
             f"{name!r} is not a tapped site.{hint} tapped.sites lists the selected sites; "
             "fxprobe.sites(model) lists every site."

@@ -8,7 +8,6 @@ Selectors compose with ``|``, ``&`` and ``~``.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import inspect
 import re
@@ -18,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from .errors import SelectorError, SelectorTypeError
+from .names import closest
 from .ops import describe_function, op_key
 from .site import Site
 
@@ -246,7 +246,7 @@ def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
     sites = list(sites)
     names = [n for s in sites for n in names_of(s)]
     probe = sel.description.strip("'\"")
-    close = difflib.get_close_matches(probe, names, n=5, cutoff=0.4)
+    close = closest(probe, names)
     if not close:
         tail = probe.split(".")[-1].strip("*")
         close = [n for n in names if tail and tail in n][:5]

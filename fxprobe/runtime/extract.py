@@ -10,7 +10,6 @@ it whole. It is built from the same tracing, site names, selectors and in-place 
 
 from __future__ import annotations
 
-import difflib
 import operator
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +28,7 @@ from ..core.errors import (
     TraceError,
     UnsupportedModelError,
 )
+from ..core.names import closest
 from ..core.ops import (
     PASS_THROUGH,
     TENSOR_FUNCTIONS,
@@ -441,7 +441,7 @@ def _check_names(renames: Mapping[str, str], sites: Sequence[Site], context: str
     for name in renames:
         if name in names:
             continue
-        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        close = closest(name, known)
         hint = f" Closest site names: {', '.join(close)}." if close else ""
         raise SelectorError(
             f"return_nodes names {name!r}, which is no site of {context}.{hint} Site names are "

@@ -20,7 +20,7 @@ from torch import fx
 
 from ..capture.pipeline import Pipeline
 from ..core.errors import ConfigError, RemovedError, UnsupportedModelError
-from ..core.options import TapOptions, make_options
+from ..core.options import TapKwargs, TapOptions, arguments, make_options
 from ..core.record import Recording, Taps
 from ..core.select import as_selectors, select
 from ..core.site import Site
@@ -58,6 +58,7 @@ def artifact_kind(model: Any) -> str | None:
 
 def artifact_options(kind: str, **kwargs: Any) -> TapOptions:
     """Validate ``fxprobe.tap``'s arguments, then refuse what a deployed graph cannot do."""
+    kwargs = arguments(TapKwargs, kwargs, "fxprobe.tap")
     options = make_options(**kwargs)
     for key, default in _DEFAULTS.items():
         value = kwargs[key]
@@ -90,8 +91,7 @@ class TappedArtifact(Viewable):
         """Names of the sites kept safe by running, out of place, the one in-place op that
         would overwrite them (``aten::relu_`` as ``aten::relu``): no copy needed."""
         self._order = {n: i for i, n in enumerate(self._names)}
-        self._rec = Recording(detach=options.detach, both=False, keep=options.keep,
-                              to=options.to)
+        self._rec = Recording(options)  # capture="output": a deployed graph refuses others
         # The fx frontend's pipeline, after the graph: what the artifact hands back is kept
         # (reduced, offloaded, detached) exactly as a traced region's tuple is.
         self._pipeline = Pipeline(options, self._rec, by_name.get)

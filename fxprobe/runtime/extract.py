@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import fx, nn
@@ -38,6 +38,7 @@ from ..core.ops import (
     inplace_name,
     is_torch_callable,
 )
+from ..core.options import TraceOptions, arguments, keywords
 from ..core.select import as_selectors, paths_in, select
 from ..core.site import Site, sites_of
 from ..core.view import Plan
@@ -48,11 +49,10 @@ from .layout import declared_format
 from .program import check_model
 
 
-def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
-              leaf_modules: Sequence[Any] = (),
-              autowrap_functions: Sequence[Callable[..., Any]] = (),
-              train: bool = False,
-              return_nodes: Sequence[str] | Mapping[str, str] | None = None) -> ExtractorModule:
+@keywords(TraceOptions, tracer="fx")
+def extractor(model: nn.Module, ops: Any = None, *, train: bool = False,
+              return_nodes: Sequence[str] | Mapping[str, str] | None = None,
+              **options: Unpack[TraceOptions]) -> ExtractorModule:
     """A module whose forward returns ``(model output, {site name: value})``, side-effect free.
 
     With ``return_nodes`` (torchvision's ``create_feature_extractor`` argument) it returns only
@@ -102,8 +102,9 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
         >>> body = fxprobe.extractor(model, return_nodes={"layer2": "feat"})
         >>> body(x)["feat"].shape  # layer3, layer4 and the head do not run
     """
-    return build_extractor(model, ops, tracer, leaf_modules, autowrap_functions, train,
-                           return_nodes)
+    o = arguments(TraceOptions, options, "fxprobe.extractor", tracer="fx")
+    return build_extractor(model, ops, o["tracer"], o["leaf_modules"], o["autowrap_functions"],
+                           train, return_nodes)
 
 
 def build_extractor(model: nn.Module, ops: Any, tracer: str, leaf_modules: Sequence[Any],

@@ -86,8 +86,7 @@ class TappedModule(nn.Module, Viewable):
         d["_root_hooked"] = user_hooks(root)
         d["_changes"] = [0]  # counts changes of the copied tree's submodule dicts
         d["_structure"] = -1  # the count the programs were built at
-        rec = Recording(detach=options.detach, both=options.capture == "both",
-                        keep=options.keep, to=options.to)
+        rec = Recording(options)
         pipeline = Pipeline(options, rec, self._site)
         rec.finalize = pipeline.finalize
         d["_rec"] = rec

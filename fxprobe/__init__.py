@@ -16,9 +16,9 @@ from .capture.stats.math import Stats, stats_vector
 from .capture.stats.sampling import Sample, sample_vector
 from .capture.stats.table import stats_table
 from .core.errors import (
-    CaptureError,
     ConfigError,
     DiskError,
+    DynamoError,
     FxProbeError,
     InterventionError,
     RemovedError,
@@ -33,7 +33,7 @@ from .core.errors import (
 from .core.record import Grads, InOut, Taps
 from .core.select import Selector, where
 from .core.site import Site
-from .core.view import CaptureInfo, Fallback
+from .core.view import DynamoInfo, Fallback
 from .frontends.attention import attention_probs
 from .present.summary import Table
 from .runtime.artifact import TappedArtifact, TappedExport, TappedScript
@@ -49,8 +49,8 @@ from .sinks.statslog import StatsLogger
 
 __all__ = [
     "CallbackSink",
-    "CaptureError",
-    "CaptureInfo",
+    "DynamoError",
+    "DynamoInfo",
     "Captures",
     "ConfigError",
     "Disk",

@@ -168,7 +168,7 @@ def sites(model: Any, *, train: bool = False, example_input: Any = None,
         tracer=tracer, leaf_modules=leaf_modules, autowrap_functions=autowrap_functions))
     probe.train(train)
     try:
-        paths = [c.path for c in probe.captures]  # one per module torch dynamo runs
+        paths = [c.path for c in probe.dynamo_info]  # one per module torch dynamo runs
         if not paths:
             return listed
         if example_input is None and example_kwargs is None:

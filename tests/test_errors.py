@@ -116,7 +116,7 @@ def test_every_table_checks_fmt_the_same_way() -> None:
         "summary": lambda fmt: fxprobe.summary(fxprobe.sites(model), fmt=fmt),
         "Table.render": lambda fmt: tapped.summary().render(fmt),
         "StatsLogger": lambda fmt: fxprobe.StatsLogger(tapped, fmt=fmt),
-        "dist.StatsLogger": lambda fmt: fxprobe.dist.StatsLogger(tapped, fmt=fmt),
+        "dist.CrossRankStatsLogger": lambda fmt: fxprobe.dist.CrossRankStatsLogger(tapped, fmt=fmt),
     }
     for bad in ("bogus", "Github", 3):
         said = set()

@@ -67,7 +67,7 @@ class UsageError(FxProbeError, ValueError):
     """What was typed on the command line cannot be used; the message says how to fix it."""
 
 
-class CaptureError(FxProbeError, RuntimeError):
+class DynamoError(FxProbeError, RuntimeError):
     """torch dynamo ran a module without fxprobe's graphs, so nothing in it was tapped."""
 
 

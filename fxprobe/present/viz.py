@@ -184,7 +184,7 @@ def _scene(v: View, plan: Plan, root: Any) -> Scene:
     graphs = newest(v.graphs)
     scene = Scene(v.title, plan, root, _drawn(plan, v.selected, graphs.values()), {},
                   v.capture, graphs=graphs, artifact=v.artifact, selected=v.selected)
-    for info in v.captures:
+    for info in v.dynamo_info:
         scene.dynamo[info.path] = sum(
             1 for s in v.selected if s.how == "dynamo" and (
                 not info.path or s.module_path == info.path

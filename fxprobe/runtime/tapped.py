@@ -21,7 +21,7 @@ from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
 from ..core.select import Selector, as_selector
 from ..core.site import Site
-from ..core.view import CaptureInfo, Fallback, Viewable
+from ..core.view import DynamoInfo, Fallback, Viewable
 from ..frontends.hooks import HookSet
 from ..frontends.mirror import (
     HookMirror,
@@ -367,14 +367,14 @@ class TappedModule(nn.Module, Viewable):
         return site_devices(self.sites, self._root)
 
     @property
-    def captures(self) -> tuple[CaptureInfo, ...]:
+    def dynamo_info(self) -> tuple[DynamoInfo, ...]:
         """For each module run under torch dynamo: graphs captured, graph breaks, sites found.
 
         Example:
-            >>> out = tapped(input_ids=ids); print(*tapped.captures)
+            >>> out = tapped(input_ids=ids); print(*tapped.dynamo_info)
             <model>: 1 graph(s) captured by dynamo, 0 graph break(s) in the last forward, ...
         """
-        return self._lifecycle().captures()
+        return self._lifecycle().dynamo_info()
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
@@ -436,7 +436,7 @@ class TappedModule(nn.Module, Viewable):
                     tuple(p.fallbacks), tapped=True,
                     taps=self.taps if self._rec.frame.parts else None,
                     capture=self._options.capture, plan=p, root=self._root,
-                    captures=life.captures(), graphs=life.graphs(),
+                    dynamo_info=life.dynamo_info(), graphs=life.graphs(),
                     shapes=partial(propagate, p, self._root))
 
     def render(self, path: str | Path, **kw: Any) -> Path:

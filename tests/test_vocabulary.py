@@ -50,3 +50,43 @@ def test_every_lookup_of_a_misspelt_name_gives_the_same_hint(tmp_path: pathlib.P
         fxprobe.tap(model, leaf_modules=["0_"])
     with pytest.raises(fxprobe.ConfigError, match=r"Did you mean '0'"):
         fxprobe.to_dot(model, focus="0_")
+
+
+@pytest.mark.parametrize("old, new", [("CaptureError", "DynamoError"),
+                                      ("CaptureInfo", "DynamoInfo")])
+def test_an_old_public_name_warns_and_is_the_new_object(old: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"fxprobe\.{old} is renamed fxprobe\.{new}"):
+        value = getattr(fxprobe, old)
+    assert value is getattr(fxprobe, new)
+    assert old not in fxprobe.__all__ and old not in dir(fxprobe)
+    with pytest.warns(DeprecationWarning):
+        exec(f"from fxprobe import {old}", {})  # the import statement warns too
+    with pytest.raises(AttributeError, match="no attribute 'CaptureErorr'"):
+        fxprobe.CaptureErorr  # noqa: B018  # a misspelling is no old name
+
+
+def test_cross_rank_stats_logger_is_named_apart_from_the_single_rank_one() -> None:
+    assert fxprobe.dist.CrossRankStatsLogger is not fxprobe.StatsLogger
+    assert "StatsLogger" not in fxprobe.dist.__all__
+    with pytest.warns(DeprecationWarning, match="fxprobe.dist.CrossRankStatsLogger"):
+        assert fxprobe.dist.StatsLogger is fxprobe.dist.CrossRankStatsLogger
+    from fxprobe.core import errors
+
+    with pytest.warns(DeprecationWarning, match="DynamoError"):
+        assert errors.CaptureError is fxprobe.DynamoError  # code written against the old name
+
+
+def test_dynamo_info_is_read_under_its_new_name_and_the_old_one_warns() -> None:
+    class Gate(nn.Module):  # data-dependent control flow: fx cannot trace it, dynamo can
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) if x.sum() > 0 else -x
+
+    model = nn.Sequential(nn.Linear(4, 4), Gate())
+    tapped = fxprobe.tap(model)
+    x = torch.ones(2, 4)
+    tapped(x)
+    info = tapped.dynamo_info
+    assert [i.path for i in info] == ["1"] and isinstance(info[0], fxprobe.DynamoInfo)
+    with pytest.warns(DeprecationWarning, match="tapped.captures is renamed tapped.dynamo_info"):
+        assert tapped.captures == info
+    tapped.remove()

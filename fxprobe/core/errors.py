@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .names import moved
+
 
 class FxProbeError(Exception):
     """Base class of every error fxprobe raises on purpose."""
@@ -73,3 +75,6 @@ class DynamoError(FxProbeError, RuntimeError):
 
 class DiskError(FxProbeError, OSError):
     """Captures could not be written to, or read from, a directory (``fxprobe.Disk``)."""
+
+
+__getattr__ = moved(__name__, {"CaptureError": ("DynamoError", DynamoError)})

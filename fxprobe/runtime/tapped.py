@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
 from ..core.errors import ConfigError, RemovedError, SelectorError
-from ..core.names import some
+from ..core.names import renamed_property, some
 from ..core.options import TapOptions
 from ..core.record import Grads, Recording, Taps
 from ..core.select import Selector, as_selector
@@ -368,13 +368,11 @@ class TappedModule(nn.Module, Viewable):
 
     @property
     def dynamo_info(self) -> tuple[DynamoInfo, ...]:
-        """For each module run under torch dynamo: graphs captured, graph breaks, sites found.
-
-        Example:
-            >>> out = tapped(input_ids=ids); print(*tapped.dynamo_info)
-            <model>: 1 graph(s) captured by dynamo, 0 graph break(s) in the last forward, ...
-        """
+        """For each module run under torch dynamo: graphs captured, graph breaks, sites found
+        (``print(*tapped.dynamo_info)``: ``<model>: 1 graph(s) captured by dynamo, ...``)."""
         return self._lifecycle().dynamo_info()
+
+    captures = renamed_property("tapped.captures", "dynamo_info")
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:

@@ -90,3 +90,21 @@ def test_dynamo_info_is_read_under_its_new_name_and_the_old_one_warns() -> None:
     with pytest.warns(DeprecationWarning, match="tapped.captures is renamed tapped.dynamo_info"):
         assert tapped.captures == info
     tapped.remove()
+
+
+def test_the_graph_walk_is_written_once() -> None:
+    walks = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fxprobe").rglob("*.py")
+             if re.search(r"\n\s+(\w+) = \w+\.pop\(\)\n\s+if \1 in (\w+)\b.*\n\s+continue\n"
+                          r"\s+\2\.add\(\1\)", p.read_text())}
+    assert walks == {"fxprobe/core/site.py"}
+    from torch import fx
+
+    from fxprobe.core.site import reach
+
+    g = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))).graph
+    x, a, b, c, out = list(g.nodes)
+    assert reach([b], lambda n: n.all_input_nodes) == {x, a, b}
+    assert reach([a], lambda n: n.users) == {a, b, c, out}
+    assert reach([a], lambda n: n.users, where=lambda n: n is not c) == {a, b}
+    seen = {b}
+    assert reach([c], lambda n: n.all_input_nodes, into=seen) is seen and seen == {b, c}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,3 +131,24 @@ def node_site(node: fx.Node) -> Site | None:
         if not site.inlined:
             return site
     return None
+
+
+def reach(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], *,
+          into: set[fx.Node] | None = None, where: Callable[[fx.Node], bool] | None = None
+          ) -> set[fx.Node]:
+    """The nodes reached from ``starts`` by ``step`` (``node.all_input_nodes``: what it is
+    computed from; ``node.users``: what reads it), ``starts`` included: the one graph walk.
+
+    Args:
+        into: the set to add them to (and return); a node already in it is not walked again.
+        where: only nodes it accepts are reached, or walked through.
+    """
+    out: set[fx.Node] = set() if into is None else into
+    todo = list(starts)
+    while todo:
+        x = todo.pop()
+        if x in out or (where is not None and not where(x)):
+            continue
+        out.add(x)
+        todo.extend(step(x))
+    return out

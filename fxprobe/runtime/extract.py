@@ -40,7 +40,7 @@ from ..core.ops import (
 )
 from ..core.options import TraceOptions, arguments, keywords
 from ..core.select import as_selectors, paths_in, select
-from ..core.site import Site, sites_of
+from ..core.site import Site, reach, sites_of
 from ..core.view import Plan
 from ..frontends.fx import Fallback, Region, plan
 from ..frontends.mirror import mirror
@@ -310,13 +310,7 @@ def prune(graph: fx.Graph, modules: Callable[[str], nn.Module]) -> bool:
     live: set[fx.Node] = set()
 
     def keep(n: fx.Node) -> None:
-        stack = [n]
-        while stack:
-            m = stack.pop()
-            if m in live:
-                continue
-            live.add(m)
-            stack.extend(m.all_input_nodes)
+        reach([n], lambda m: m.all_input_nodes, into=live)
 
     for n in nodes:
         if n.op in ("output", "placeholder"):

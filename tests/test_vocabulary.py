@@ -108,3 +108,44 @@ def test_the_graph_walk_is_written_once() -> None:
     assert reach([a], lambda n: n.users, where=lambda n: n is not c) == {a, b}
     seen = {b}
     assert reach([c], lambda n: n.all_input_nodes, into=seen) is seen and seen == {b, c}
+
+
+def test_sites_lists_the_one_site_record_that_still_reads_as_its_name() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    listed = fxprobe.sites(model)
+    tapped = fxprobe.tap(model, ops=nn.ReLU)
+    x = torch.randn(3, 4)
+    tapped(x)
+    known = tapped.known_sites()
+    for seq in (listed, tapped.sites, known):
+        assert all(type(s) is fxprobe.Site for s in seq)
+    assert listed.names == ("input", "0", "1", "2") and repr(listed) == repr(listed.names)
+    assert listed == ("input", "0", "1", "2") and listed[1:3] == ("0", "1")
+    assert list(listed) == ["input", "0", "1", "2"] and "1" in listed and "9" not in listed
+    assert {"1": "relu"}[listed[2]] == "relu" and str(listed[2]) == f"{listed[2]}" == "1"
+    assert listed[2] == tapped.sites[0] and listed[2] != listed[1]
+    assert torch.equal(tapped.taps[listed[2]], torch.relu(model[0](x)))  # a Site as the key
+    for second in (2 * x, torch.randn(5, 4)):  # a second call and a new shape
+        tapped(second)
+        assert torch.equal(tapped.taps[tapped.sites[0]], torch.relu(model[0](second)))
+    tapped.remove()
+    by_record = fxprobe.tap(model, ops=[listed[1], listed[3]])  # a listed Site selects itself
+    assert by_record.sites == ("0", "2")
+    by_record(x)
+    assert torch.equal(by_record.taps["2"], model(x))
+    by_record.remove()
+    with pytest.warns(DeprecationWarning, match="site.name.startswith"):
+        assert listed[1].startswith("0")
+    with pytest.warns(DeprecationWarning):
+        assert "0" in listed[1]
+    with pytest.raises(AttributeError):
+        listed[1].no_such_attribute  # noqa: B018
+
+
+def test_two_listings_are_equal_when_they_name_the_same_sites() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    by_fx, by_hooks = fxprobe.sites(model), fxprobe.sites(model, tracer="hooks")
+    script = fxprobe.sites(torch.jit.script(model))
+    assert by_fx == script and by_fx[1] != script[1]  # one name, two frontends' records
+    assert (by_fx == by_hooks) == (by_fx.names == by_hooks.names)
+    assert hash(by_fx) == hash(script)

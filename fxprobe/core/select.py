@@ -147,6 +147,8 @@ def as_selector(obj: Any, find: Callable[[nn.Module], list[str]] | None = None) 
     ``find`` (its paths in the model, :func:`paths_in`), where the model is known."""
     if isinstance(obj, Selector):
         return obj
+    if isinstance(obj, Site):  # a record fxprobe.sites() or tapped.sites listed: that site
+        return Selector(lambda s: s.name == obj.name, repr(obj.name), strict=True)
     if isinstance(obj, str):
         return glob(obj)
     if isinstance(obj, re.Pattern):

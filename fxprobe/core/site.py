@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,7 +29,13 @@ CALL_ARGS = "fxprobe_call_args"
 ``(positional argument nodes, first node of the call)``, so that its inputs can be captured."""
 
 
-@dataclass(frozen=True)
+def _as_str(what: str) -> None:
+    warnings.warn(f"a Site is a record, not a str: use site.name (site.name.{what}); "
+                  "fxprobe.sites() lists Sites since this release, and a Site answers str "
+                  "methods for one release only", DeprecationWarning, stacklevel=3)
+
+
+@dataclass(frozen=True, eq=False)
 class Site:
     """One tappable place: an fx node, or a module call reached by a hook."""
 
@@ -61,6 +68,36 @@ class Site:
     """The names it also answers to in fxprobe's one vocabulary of transformers
     (``blocks.3.resid_post``, ``blocks.4.resid_pre``: one value, two roles), derived from the
     graph by ``frontends.canonical``; empty elsewhere. Name and glob selectors match them."""
+
+    # -- where code expects a site name (``fxprobe.sites()`` listed names before it listed
+    # Sites): a Site is equal to its name, hashes as its name (a dict or set keyed by names
+    # finds it), prints as its name; str methods still answer, with a DeprecationWarning.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return self.name == other
+        if not isinstance(other, Site):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.name, self.how, self.kind, self.module_path, self.op_key, self.inlined,
+                self.listed, self.type_name)
+
+    def __contains__(self, text: str) -> bool:
+        _as_str("__contains__")
+        return text in self.name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_") or attr == "name" or not hasattr(str, attr):
+            raise AttributeError(f"'Site' object has no attribute {attr!r}")
+        _as_str(attr)
+        return getattr(self.name, attr)
 
     @property
     def op(self) -> str:

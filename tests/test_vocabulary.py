@@ -149,3 +149,36 @@ def test_two_listings_are_equal_when_they_name_the_same_sites() -> None:
     assert by_fx == script and by_fx[1] != script[1]  # one name, two frontends' records
     assert (by_fx == by_hooks) == (by_fx.names == by_hooks.names)
     assert hash(by_fx) == hash(script)
+
+
+def test_the_stats_sinks_are_sinks_that_to_accepts() -> None:
+    from fxprobe.core.options import Sink
+
+    class Writer:
+        def __init__(self) -> None:
+            self.scalars: list[tuple[str, float, int]] = []
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            self.scalars.append((tag, value, step))
+
+    got: list[tuple[dict[str, float], int]] = []
+    writer = Writer()
+    sinks = (fxprobe.CallbackSink(lambda s, step: got.append((s, step)), fields=["mean", "max"]),
+             fxprobe.TensorBoardSink(writer, fields=["mean"]))
+    assert all(isinstance(s, Sink) for s in sinks)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    xs = [torch.randn(3, 4), torch.randn(5, 4)]  # two forwards, a new shape
+    for sink, keep in zip(sinks, ("last", 2), strict=True):
+        tapped = fxprobe.tap(model, ops=nn.ReLU, to=sink, keep=keep)
+        for x in xs:
+            tapped(x)
+        tapped.remove()
+    ref = [torch.relu(model[0](x)) for x in xs]
+    assert [step for _, step in got] == [0, 1]
+    for (scalars, _), r in zip(got, ref, strict=True):
+        assert scalars.keys() == {"1/mean", "1/max"}
+        assert scalars["1/mean"] == pytest.approx(r.mean().item(), rel=1e-5)
+        assert scalars["1/max"] == pytest.approx(r.max().item(), rel=1e-6)
+    assert [(t, s) for t, _, s in writer.scalars] == [("1/mean", 0), ("1/mean", 1)]
+    assert [v for _, v, _ in writer.scalars] == pytest.approx([r.mean().item() for r in ref],
+                                                              rel=1e-5)

@@ -302,8 +302,9 @@ def make_options(**given: Any) -> TapOptions:
         what = getattr(to, "__name__", None) or f"{type(to).__name__}(...)"
         raise ConfigError(
             f"to={what} is not accepted: to= takes a device ('cpu', 'cuda', "
-            "'cuda:N') or fxprobe.Disk(path). A stats sink called as sink(step, stats), such as "
-            "fxprobe.CallbackSink or fxprobe.TensorBoardSink, goes to a stats logger: "
+            "'cuda:N') or a sink: fxprobe.Disk(path), fxprobe.CallbackSink(fn) or "
+            "fxprobe.TensorBoardSink(writer) (every forward's statistics). A function called "
+            "as sink(step, stats) every N steps goes to a stats logger: "
             "fxprobe.StatsLogger(tapped, every=N, sink=...), stepped after each forward; a "
             "function called at each site with its value is fn="
         )

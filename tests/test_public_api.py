@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import pathlib
 import re
@@ -68,3 +69,42 @@ def test_the_device_values_go_to_is_stored_once() -> None:
     options = make_options(to="cpu")
     rec = Recording(options)
     assert rec.options is options and "to" not in vars(rec) and not hasattr(rec, "to")
+
+
+def _documented() -> list[list[str]]:
+    """The groups of one-line entries of docs/api.md's "Public names" section."""
+    text = (ROOT / "docs/api.md").read_text()
+    section = text.split("## Public names", 1)[1].split("\n## ", 1)[0]
+    groups: list[list[str]] = []
+    for block in section.split("\n\n"):
+        names = re.findall(r"^- `(\w+)`: \S", block, flags=re.M)
+        if names:
+            groups.append(names)
+    return groups
+
+
+def test_every_public_name_has_its_one_line_in_the_api_reference_and_only_those() -> None:
+    documented = [n for g in _documented() for n in g]
+    assert sorted(documented) == sorted(fxprobe.__all__), (
+        set(documented) ^ set(fxprobe.__all__))
+    assert len(documented) == len(set(documented))
+
+
+def test_all_is_grouped_by_role_each_group_sorted_as_the_reference_groups_it() -> None:
+    source = (ROOT / "fxprobe/__init__.py").read_text()
+    listing = source.split("__all__ = [", 1)[1].split("]", 1)[0]
+    groups = [re.findall(r'"(\w+)"', g) for g in re.split(r"\n\s*#[^\n]*", listing) if
+              re.search(r'"\w+"', g)]
+    assert [n for g in groups for n in g] == list(fxprobe.__all__)
+    assert all(g == sorted(g) for g in groups) and len(groups) >= 8
+    assert groups == _documented()
+
+
+def test_the_layer_packages_are_not_in_the_public_namespace() -> None:
+    layers = ["api", "capture", "cli", "core", "frontends", "present", "runtime", "sinks"]
+    assert not [n for n in layers if n in vars(fxprobe) or n in dir(fxprobe)]
+    assert dir(fxprobe) == sorted(fxprobe.__all__)
+    site = importlib.import_module("fxprobe.core.site")  # importable by path, as Python says
+    assert site.Site is fxprobe.Site
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        fxprobe.nope  # noqa: B018

@@ -182,3 +182,13 @@ def test_the_stats_sinks_are_sinks_that_to_accepts() -> None:
     assert [(t, s) for t, _, s in writer.scalars] == [("1/mean", 0), ("1/mean", 1)]
     assert [v for _, v, _ in writer.scalars] == pytest.approx([r.mean().item() for r in ref],
                                                               rel=1e-5)
+
+
+def test_the_selection_line_is_written_once() -> None:
+    users = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "fxprobe").rglob("*.py")
+                   if re.search(r"select\([^()]*as_selectors\(", p.read_text()))
+    assert users == ["fxprobe/core/select.py"]
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    dot = fxprobe.to_dot(model, ops=model[1]).source  # a module of the model, by identity
+    tapped = fxprobe.tap(torch.jit.script(model), ops="1")
+    assert tapped.sites == ("1",) and "1" in dot

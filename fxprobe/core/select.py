@@ -223,6 +223,15 @@ def select(sites: Sequence[Site], selectors: list[Selector] | None, *, context: 
     return [s for s in sites if any(sel(s) for sel in matched)]
 
 
+def select_ops(sites: Sequence[Site], ops: Any, *, context: str, model: nn.Module | None = None,
+               fallbacks: Sequence[Any] = ()) -> list[Site]:
+    """The sites among ``sites`` that ``ops`` (anything ``ops=`` takes, ``None``: every site)
+    selects, in site order; a module instance by its paths in ``model``: the one selection
+    line of every entry point that has the sites at hand (see :func:`select`)."""
+    find = paths_in(model) if model is not None else None
+    return select(sites, as_selectors(ops, find), context=context, fallbacks=fallbacks)
+
+
 def _may_hide(probe: str, fallback: Any) -> bool:
     """Whether a module that runs as written may hold what ``probe`` (a pattern or an op name)
     names: the pattern is under its path, or its forward's source mentions the op's name."""

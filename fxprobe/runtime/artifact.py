@@ -22,7 +22,7 @@ from ..capture.pipeline import Pipeline
 from ..core.errors import ConfigError, RemovedError, UnsupportedModelError
 from ..core.options import TapKwargs, TapOptions, arguments, make_options
 from ..core.record import Recording, Taps
-from ..core.select import as_selectors, select
+from ..core.select import select_ops
 from ..core.site import Site
 from ..core.view import View, Viewable
 from ..frontends.export import export_graph, export_sites, saved_taps
@@ -240,7 +240,7 @@ def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> 
     _check_script(model)
     with quiet_jit():
         sg = ScriptGraph(model)
-    chosen = select(sg.sites, as_selectors(ops), context=f"{model.original_name} (TorchScript)")
+    chosen = select_ops(sg.sites, ops, context=f"{model.original_name} (TorchScript)")
     rewritten = rewrite(sg, chosen, copy=options.copy)
     module = build_module(model, rewritten, sg.sites, "stats" if options.reduce else "")
     tapped = TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied,
@@ -318,7 +318,7 @@ def tap_export(ep: Any, ops: Any, options: TapOptions) -> TappedExport:
         raise ConfigError(f"copy={options.copy!r} is not accepted")
     eg = export_graph(ep)
     sites = eg.sites
-    chosen = select(sites, as_selectors(ops), context="the exported program")
+    chosen = select_ops(sites, ops, context="the exported program")
     program, names, copied, outplaced = rewrite_export(eg, chosen, options.copy)
     by_name = {s.name: s for s in sites}
     tapped = TappedExport(program, [by_name[n] for n in names], options, copied, outplaced)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..core.errors import UnsupportedModelError
 from ..core.options import TracerKind, check_choice
-from ..core.select import as_selectors, paths_in, select
+from ..core.select import select_ops
 from ..core.site import Site
 from ..core.view import View
 from ..frontends.fx import plan
@@ -160,8 +160,7 @@ def view_of(obj: Any, *, ops: Any = None, tracer: TracerKind = "auto",
     title = f"{type(obj).__name__} ({'train' if training else 'eval'} mode)"
     chosen: Sequence[Site] = ()
     if ops is not None:
-        chosen = select(p.sites, as_selectors(ops, paths_in(obj)), context=title,
-                        fallbacks=p.fallbacks)
+        chosen = select_ops(p.sites, ops, context=title, model=obj, fallbacks=p.fallbacks)
     return View(title, tuple(p.sites), tuple(chosen), tuple(p.fallbacks), plan=p, root=root,
                 shapes=partial(propagate, p, root))
 

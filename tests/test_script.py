@@ -230,7 +230,7 @@ def test_selectors_by_type_function_glob_regex_and_where() -> None:
         return [s.name for s in fxprobe.tap(scripted, ops=ops).sites]
 
     assert names(torch.flatten) == ["flatten"]
-    assert names(nn.ReLU) == [n for n in fxprobe.sites(model) if "relu" in n]
+    assert names(nn.ReLU) == [n for n in fxprobe.sites(model).names if "relu" in n]
     assert names(torch.add) == names("layer*.add") == [f"layer{i}.{j}.add" for i in (1, 2)
                                                          for j in (0, 1)]
     assert names(re.compile(r"^layer2\.0\.downsample\.\d$")) == [
@@ -364,7 +364,7 @@ def test_to_dot_and_cli_read_the_artifact(tmp_path: Path, capsys: pytest.Capture
     for name in ("conv1", "layer2.0.downsample.0", "flatten"):
         assert f"\t{name} [label=" in dot or f'"{name}" [label=' in dot, name
     assert '"layer1.0.conv1" -> "layer1.0.bn1"' in dot and "float32 [2, 8, 16, 16]" in dot
-    assert dot.count("#E69F00") == sum(1 for n in fxprobe.sites(model) if "conv" in n) + 1
+    assert dot.count("#E69F00") == sum(1 for n in fxprobe.sites(model).names if "conv" in n) + 1
     tapped = fxprobe.tap(scripted, ops="layer1.0.*")
     tapped(x)
     assert "layer1.0.add" in fxprobe.to_dot(tapped).source

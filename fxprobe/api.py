@@ -4,26 +4,24 @@ are given and hand it to the runtime (``_tap.TappedModule``) or to the artifact 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Unpack, overload
 
 import torch
 from torch import nn
 
 from .core.errors import ConfigError
 from .core.options import (
-    Capture,
-    CopyPolicy,
-    Reduce,
+    TapKwargs,
+    TraceOptions,
     TracerKind,
+    arguments,
     check_choice,
     check_flag,
     check_sequence,
-    default_options,
+    keywords,
     make_options,
 )
 from .core.select import as_selectors, paths_in
-from .core.site import Site
 from .frontends.sharding import check_tracer
 from .runtime.artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from .runtime.program import SiteNames, check_model, list_sites
@@ -33,55 +31,26 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
     from .runtime.artifact import TappedExport, TappedScript
-    from .sinks.disk import Disk
 
 
 @overload
 def tap(  # type: ignore[overload-overlap]  # a ScriptModule is an nn.Module too
-        model: torch.jit.ScriptModule, ops: Any = None, *,
-        capture: Capture = "output", detach: bool = True,
-        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
-        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
-        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
-        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
-        gather: bool = False) -> TappedScript: ...
+        model: torch.jit.ScriptModule, ops: Any = None, **options: Unpack[TapKwargs]
+        ) -> TappedScript: ...
 
 
 @overload
-def tap(model: ExportedProgram, ops: Any = None, *,
-        capture: Capture = "output", detach: bool = True,
-        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
-        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
-        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
-        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
-        gather: bool = False) -> TappedExport: ...
+def tap(model: ExportedProgram, ops: Any = None, **options: Unpack[TapKwargs]
+        ) -> TappedExport: ...
 
 
 @overload
-def tap(model: nn.Module, ops: Any = None, *,
-        capture: Capture = "output", detach: bool = True,
-        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
-        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
-        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
-        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
-        gather: bool = False) -> TappedModule: ...
+def tap(model: nn.Module, ops: Any = None, **options: Unpack[TapKwargs]) -> TappedModule: ...
 
 
-def tap(model: Any, ops: Any = None, *,
-        capture: Capture = "output", detach: bool = True,
-        copy: CopyPolicy = "auto", tracer: TracerKind = "auto",
-        leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
-        reduce: Reduce | Callable[[torch.Tensor], Any] | None = None, sample_size: int = 1024,
-        seed: int = 0, keep: int | str = "last", to: str | torch.device | Disk | None = None,
-        fn: Callable[[Site, Any], Any] | None = None, grad: bool = False,
-        grad_fn: Callable[[Site, torch.Tensor], Any] | None = None,
-        gather: bool = False) -> TappedModule | TappedArtifact:
+@keywords(TapKwargs)
+def tap(model: Any, ops: Any = None, **options: Unpack[TapKwargs]
+        ) -> TappedModule | TappedArtifact:
     """Tap ``model`` at the sites ``ops`` selects; run the result like the model.
 
     Args:
@@ -110,6 +79,8 @@ def tap(model: Any, ops: Any = None, *,
             tensor, computed on its device without a host sync), ``"sample"`` (``sample_size``
             elements drawn with ``seed``, the same positions every forward), or a function of
             a tensor returning tensors.
+        sample_size: elements kept per tensor by ``reduce="sample"``.
+        seed: seed of ``reduce="sample"``'s positions (the same every forward).
         keep: ``"last"`` forward (default), a number N of forwards (``tapped.history``), or
             ``"all"`` (memory grows with every forward).
         to: copy captured values to this device without blocking (``"cpu"``: pinned memory);
@@ -141,21 +112,17 @@ def tap(model: Any, ops: Any = None, *,
         >>> tapped = fxprobe.tap(model, ops=[nn.Conv2d, torch.flatten])
         >>> out = tapped(x); tapped.taps["flatten"].shape
     """
-    kwargs: dict[str, Any] = dict(
-        capture=capture, detach=detach, copy=copy, tracer=tracer, leaf_modules=leaf_modules,
-        autowrap_functions=autowrap_functions, reduce=reduce, sample_size=sample_size, seed=seed,
-        keep=keep, to=to, fn=fn, grad=grad, grad_fn=grad_fn, gather=gather)
     if artifact_kind(model) is not None:  # a ScriptModule or an ExportedProgram
-        return tap_artifact(model, ops, **kwargs)
+        return tap_artifact(model, ops, **options)
     model = check_model(model)
-    options = make_options(**kwargs)
-    check_tracer(model, options.tracer)  # tensor parallelism is followed under dynamo
-    return TappedModule(model, as_selectors(ops, paths_in(model)), options)
+    made = make_options(**options)
+    check_tracer(model, made.tracer)  # tensor parallelism is followed under dynamo
+    return TappedModule(model, as_selectors(ops, paths_in(model)), made)
 
 
-def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
-          leaf_modules: Sequence[Any] = (), autowrap_functions: Sequence[Callable[..., Any]] = (),
-          example_input: Any = None, example_kwargs: dict[str, Any] | None = None
+@keywords(TraceOptions)
+def sites(model: Any, *, train: bool = False, example_input: Any = None,
+          example_kwargs: dict[str, Any] | None = None, **options: Unpack[TraceOptions]
           ) -> SiteNames:
     """Every tappable site name of ``model``, in execution order (eval mode unless ``train``).
 
@@ -185,6 +152,9 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
         >>> fxprobe.sites(gpt2, tracer="dynamo", example_kwargs={"input_ids": ids})[:2]
         ('transformer.view', 'transformer.wte')
     """
+    trace = arguments(TraceOptions, options, "fxprobe.sites")
+    tracer, leaf_modules = trace["tracer"], trace["leaf_modules"]
+    autowrap_functions = trace["autowrap_functions"]
     if artifact_kind(model) is not None:
         given = {k: v for k, v in (("train", train), ("tracer", tracer),
                                    ("leaf_modules", list(leaf_modules)),
@@ -200,13 +170,12 @@ def sites(model: Any, *, train: bool = False, tracer: TracerKind = "auto",
     if tracer in ("fx", "hooks") or (tracer == "auto" and example_input is None
                                       and example_kwargs is None):
         return listed
-    options = default_options(tracer=tracer, leaf_modules=leaf_modules,
-                              autowrap_functions=autowrap_functions)
     # No selector at all: the probe taps nothing and checks nothing, it only finds sites.
-    probe = TappedModule(model, [], options)
+    probe = TappedModule(model, [], make_options(
+        tracer=tracer, leaf_modules=leaf_modules, autowrap_functions=autowrap_functions))
     probe.train(train)
     try:
-        paths = [c.path for c in probe.captures]  # one per module torch dynamo runs
+        paths = [c.path for c in probe.dynamo_info]  # one per module torch dynamo runs
         if not paths:
             return listed
         if example_input is None and example_kwargs is None:

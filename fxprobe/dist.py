@@ -3,6 +3,9 @@
 The public face of :mod:`fxprobe.sinks.dist`, which documents each call.
 """
 
-from .sinks.dist import StatsLogger, gather, reduce_stats
+from .core.names import moved
+from .sinks.dist import CrossRankStatsLogger, gather, reduce_stats
 
-__all__ = ["StatsLogger", "gather", "reduce_stats"]
+__all__ = ["CrossRankStatsLogger", "gather", "reduce_stats"]
+
+__getattr__ = moved(__name__, {"StatsLogger": ("CrossRankStatsLogger", CrossRankStatsLogger)})

@@ -195,7 +195,7 @@ def stats_logger(rank: int, tmp: Path) -> None:
     log.setLevel(logging.INFO)
     log.addHandler(Keep())
     sunk: list[tuple[int, dict[str, Any]]] = []
-    slog = fxprobe.dist.StatsLogger(tapped, every=2, logger=log,
+    slog = fxprobe.dist.CrossRankStatsLogger(tapped, every=2, logger=log,
                                     sink=lambda i, stats: sunk.append((i, dict(stats))))
     per_step = []
     with counting_collectives() as calls:

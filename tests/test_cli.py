@@ -63,7 +63,7 @@ COMMANDS: dict[str, tuple[list[str], int, str]] = {
     "missing file": ([*FXPROBE, "graph", "nowhere/models.py:good"], 2,
                      "no such file: nowhere/models.py"),
     "missing factory": ([*FXPROBE, "sites", "models.py:godo"], 2,
-                        "models.py has no 'godo' (MODEL 'models.py:godo'); did you mean good?"),
+                        "models.py has no 'godo' (MODEL 'models.py:godo'). Did you mean 'good'?"),
     "not a module": ([*FXPROBE, "graph", "models.py:not_module"], 2,
                      "returned list, not a torch.nn.Module"),
     "bad input": ([*FXPROBE, "graph", "models.py:good", "--input", "3xq"], 2,
@@ -241,7 +241,7 @@ def test_selectors_match_what_they_say() -> None:
     blocks = [n for n, m in model.named_modules() if type(m).__name__ == "BasicBlock"]
     assert blocks and chosen("module:BasicBlock") == []  # traced through: no call site
     assert chosen("function:torch.flatten") == ["flatten"] == chosen("fn:torch.flatten")
-    adds = [n for n in fxprobe.sites(model) if n.endswith(".add")]
+    adds = [n for n in fxprobe.sites(model).names if n.endswith(".add")]
     assert chosen("op:add") == adds == chosen("function:operator.add")
     assert chosen("layer2.0.*conv?") == ["layer2.0.conv1", "layer2.0.conv2"]
     assert chosen(r"re:downsample\.0$") == ["layer2.0.downsample.0"]

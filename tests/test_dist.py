@@ -75,9 +75,9 @@ def test_needs_an_initialized_process_group() -> None:
     with pytest.raises(fxprobe.ConfigError, match="init_process_group"):
         fxprobe.dist.reduce_stats({})
     with pytest.raises(fxprobe.ConfigError, match="every must be"):
-        fxprobe.dist.StatsLogger(nn.Linear(1, 1), every=0)
+        fxprobe.dist.CrossRankStatsLogger(nn.Linear(1, 1), every=0)
     with pytest.raises(fxprobe.ConfigError, match="sink must be callable"):
-        fxprobe.dist.StatsLogger(nn.Linear(1, 1), sink="tensorboard")  # type: ignore[arg-type]
+        fxprobe.dist.CrossRankStatsLogger(nn.Linear(1, 1), sink="tensorboard")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":  # python tests/test_dist.py: the scenarios, verbosely

@@ -52,7 +52,7 @@ def test_vit_names_match_the_fx_frontend_and_values_match_hooks(vit_all: Any) ->
     assert torch.equal(out, expected)
     for name, value in ref.items():
         assert torch.equal(tapped.taps[name], value), name
-    assert tapped.captures[0].breaks == 0
+    assert tapped.dynamo_info[0].breaks == 0
 
 
 def test_sdpa_attention_probabilities_equal_the_softmax_by_hand(vit_all: Any) -> None:
@@ -101,7 +101,7 @@ def test_graph_breaks_keep_names_and_values() -> None:
     for name, value in ref.items():
         assert torch.equal(tapped.taps[name], value), name
     explained = torch._dynamo.explain(make_vit(brk=True))(x)
-    info = tapped.captures[0]
+    info = tapped.dynamo_info[0]
     assert (info.graphs, info.breaks) == (explained.graph_count, explained.graph_break_count)
     assert info.breaks > 0
     assert f"{info.breaks} graph break(s)" in str(tapped.summary())

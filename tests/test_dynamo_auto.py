@@ -56,7 +56,7 @@ def test_auto_never_uses_dynamo_when_fx_traces_everything(monkeypatch: pytest.Mo
         out = tapped(x)
         expected, ref = hook_values(model, ["blocks.0.attn.qkv", "head"], x)
     assert torch.equal(out, expected) and torch.equal(tapped.taps["head"], ref["head"])
-    assert {s.how for s in tapped.sites} == {"fx"} and tapped.captures == ()
+    assert {s.how for s in tapped.sites} == {"fx"} and tapped.dynamo_info == ()
     assert [s.name for s in tapped.sites] == [
         s.name for s in fxprobe.tap(model, ops=OPS, tracer="fx").sites]
 
@@ -92,7 +92,7 @@ def test_auto_runs_what_fx_cannot_trace_under_dynamo_after_listing_hooks() -> No
     assert how == {"stem": "fx", "head": "fx", "gate.pos": "dynamo", "gate.neg.0": "dynamo",
                    "gate.sum": "dynamo"}
     assert tapped.fallbacks == ()
-    assert [c.path for c in tapped.captures] == ["gate"]  # stem and head: fx only
+    assert [c.path for c in tapped.dynamo_info] == ["gate"]  # stem and head: fx only
     assert "gate: " in "\n".join(tapped.summary().notes)
     assert "1 dynamo" in tapped.summary().notes[0] or "dynamo)" in tapped.summary().notes[0]
     tapped.remove()
@@ -128,7 +128,7 @@ def test_auto_falls_back_to_hooks_when_dynamo_fails(dynamo_fails: None) -> None:
     (fb,) = tapped.fallbacks
     assert fb.path == "gate" and "control flow" in fb.error
     assert "torch dynamo failed too" in fb.error and "dynamo fails here" in fb.error
-    assert tapped.captures[0].graphs == 0
+    assert tapped.dynamo_info[0].graphs == 0
 
 
 class _CountsThenBreaks(nn.Module):
@@ -158,7 +158,7 @@ def test_auto_refuses_to_run_twice_what_wrote_model_state(monkeypatch: pytest.Mo
     torch.manual_seed(0)
     model = nn.Sequential(_CountsThenBreaks())
     tapped = fxprobe.tap(model, ops=nn.Linear)
-    with pytest.raises(fxprobe.CaptureError, match="in place") as err, torch.no_grad():
+    with pytest.raises(fxprobe.DynamoError, match="in place") as err, torch.no_grad():
         tapped(torch.randn(2, 4))
     assert "the second graph fails" in str(err.value)
     assert model[0].calls.item() == 1  # written once, as the forward did before failing

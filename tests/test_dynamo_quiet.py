@@ -67,7 +67,7 @@ def test_first_compile_is_one_fxprobe_warning() -> None:
     lines = run.stdout.splitlines()
     ours = [line for line in lines if "fxprobe: torch dynamo captured" in line]
     assert len(ours) == 1, run.stdout
-    assert "graph break(s)" in ours[0] and "tapped.captures" in ours[0]
+    assert "graph break(s)" in ours[0] and "tapped.dynamo_info" in ours[0]
     # The model's own warning is not swallowed: once per forward, as without fxprobe.
     assert sum("the model's own warning" in line for line in lines) == 2, run.stdout
     assert "taps ['a', 'b']" in run.stdout

@@ -150,7 +150,7 @@ def test_feature_info_chooses_blocks_and_channels_are_measured() -> None:
     with pytest.raises(ConfigError, match="index 2 is out of range: feature_info lists 2"):
         fxprobe.features(model, [2])
     model.feature_info = [*info, {"module": "layer9"}]
-    with pytest.raises(ConfigError, match="names module 'layer9'.*close: layer"):
+    with pytest.raises(ConfigError, match="names module 'layer9'.*Did you mean .*'layer1'"):
         fxprobe.features(model)
     model.feature_info = "layer1"
     with pytest.raises(ConfigError, match="blocks="):

@@ -71,7 +71,7 @@ def test_intervene_equals_a_hook_inside_the_block_only_and_captures_nothing_agai
         gpt2: Any) -> None:
     model, tapped, ids = gpt2
     plain = model(input_ids=ids).logits
-    graphs, frames = tapped.captures[0].graphs, _captures()
+    graphs, frames = tapped.dynamo_info[0].graphs, _captures()
     for layer, pos in [(1, 3), (2, 0), (0, 8)]:
         ref = _hooked(model, {f"transformer.h.{layer}": _zero_pos(pos)}, ids)
         assert not torch.equal(ref, plain)
@@ -82,7 +82,7 @@ def test_intervene_equals_a_hook_inside_the_block_only_and_captures_nothing_agai
     ref = _hooked(model, {f"transformer.h.{i}.mlp": _zero_pos(2) for i in range(3)}, ids)
     with tapped.intervene({"transformer.h.*.mlp": _zero_pos(2)}):
         assert torch.equal(tapped(input_ids=ids).logits, ref)
-    assert tapped.captures[0].graphs == graphs
+    assert tapped.dynamo_info[0].graphs == graphs
     assert _captures() == frames
 
 

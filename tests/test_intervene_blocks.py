@@ -117,7 +117,7 @@ def test_an_edit_is_never_dropped_when_dynamo_fails_during_the_block():
         first(x)
         first.remove()
         tapped = fxprobe.tap(model, ops=nn.Linear, tracer="auto")
-        with pytest.raises(fxprobe.CaptureError, match="per-call run"):
+        with pytest.raises(fxprobe.DynamoError, match="per-call run"):
             with tapped.intervene({"inner.fc_1": lambda s, v: v * 0}):
                 tapped(x)
         out = tapped(x)  # outside a block: the module runs as written, its calls hooked

@@ -166,7 +166,7 @@ class Life(RuleBasedStateMachine):
 
         args, kwargs = self._inputs(self.spec.shapes[shape], 0)
         self._sign(("forward", tuple(self.spec.shapes[shape])))
-        with pytest.raises((ValueError, fxprobe.CaptureError)):
+        with pytest.raises((ValueError, fxprobe.DynamoError)):
             with self.tapped.intervene({selector: fails}):
                 self.tapped(*args, **kwargs)
 
@@ -225,7 +225,7 @@ class Life(RuleBasedStateMachine):
             self.signatures.add((*signature, k))
 
     def _guard(self, call: Any) -> Any:
-        """``call()``; ``None`` where dynamo stopped capturing as documented: a CaptureError
+        """``call()``; ``None`` where dynamo stopped capturing as documented: a DynamoError
         once this tapped module ran more input signatures than the recompile limit, or one
         that says the limit was hit (dynamo counts a frame's entries per input property, a
         call's requires_grad too, so a frame called twice may need two per signature)."""
@@ -233,7 +233,7 @@ class Life(RuleBasedStateMachine):
             warnings.simplefilter("always")
             try:
                 return call()
-            except fxprobe.CaptureError as e:
+            except fxprobe.DynamoError as e:
                 if len(self.signatures) <= self.limit and "recompile_limit" not in str(e):
                     raise
                 self.degraded = True  # the module runs as written from now on

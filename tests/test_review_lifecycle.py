@@ -158,7 +158,7 @@ def test_a_resume_frame_past_the_recompile_limit_is_never_silent(
             warnings.simplefilter("always")
             try:
                 out = tapped(x)
-            except fxprobe.CaptureError as e:  # tracer="dynamo": dynamo's failure is an error
+            except fxprobe.DynamoError as e:  # tracer="dynamo": dynamo's failure is an error
                 assert tracer == "dynamo" and "recompile_limit" in str(e)
                 said.append(str(e))
                 break

@@ -156,8 +156,8 @@ def test_no_recompilation_across_sequence_lengths(gpt2_sdpa: Any) -> None:
         assert torch.equal(out.logits, expected.logits)
         assert torch.equal(tapped.taps["transformer.h.1.ln_1"], seen[-1])  # no stale guards
         if i == 1:
-            after_two = tapped.captures[0].graphs
-    assert tapped.captures[0].graphs == after_two
+            after_two = tapped.dynamo_info[0].graphs
+    assert tapped.dynamo_info[0].graphs == after_two
 
 
 def test_generate_captures_every_step_without_recompiling(gpt2_sdpa: Any) -> None:
@@ -173,11 +173,11 @@ def test_generate_captures_every_step_without_recompiling(gpt2_sdpa: Any) -> Non
             handle.remove()
         for n in (4, 5):  # warm up: two prompt lengths, as dynamo specializes the first
             tapped.generate(prompt[:, :n], max_new_tokens=3, do_sample=False)
-        graphs = tapped.captures[0].graphs
+        graphs = tapped.dynamo_info[0].graphs
         before = len(tapped.history)  # keep="all": every forward so far
         tokens = tapped.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(tokens, expected)
-    assert tapped.captures[0].graphs == graphs  # new lengths and steps reuse the graphs
+    assert tapped.dynamo_info[0].graphs == graphs  # new lengths and steps reuse the graphs
     frames = tapped.history[before:]
     assert len(frames) == len(steps) == 6  # one frame per forward
     for frame, ref in zip(frames, steps, strict=True):
@@ -302,7 +302,7 @@ def test_the_default_tracer_reaches_gpt2s_attention_softmax() -> None:
     for i, probs in enumerate(reference.attentions):
         assert torch.equal(tapped.taps[f"transformer.h.{i}.attn.softmax"], probs)
     assert {s.how for s in tapped.sites} == {"dynamo"}
-    assert tapped.fallbacks == () and tapped.captures[0].graphs >= 1
+    assert tapped.fallbacks == () and tapped.dynamo_info[0].graphs >= 1
 
 
 MODULES = ["transformer.h.0.mlp", "transformer.h.1", "transformer.h.0.ln_1",

@@ -223,7 +223,7 @@ def test_dynamo_graphs_are_drawn_op_by_op(tmp_path: Path) -> None:
     ids = torch.randint(2, 100, (2, 7))
     with torch.no_grad():
         tapped(input_ids=ids, use_cache=False)
-    assert tapped.captures and not tapped.fallbacks
+    assert tapped.dynamo_info and not tapped.fallbacks
     names = {s.name for s in tapped.sites}
     attn = [f"transformer.h.{i}.attn" for i in range(2)]
     # GPT2Attention's eager path: softmax(q @ k^T ...), then dropout, then @ v.
@@ -269,7 +269,7 @@ def test_dynamo_graph_breaks_are_drawn_one_after_another() -> None:
     model, args, _ = zoo.make("data_dependent")  # gate: a data-dependent branch
     tapped = fxprobe.tap(model, ops=nn.Linear)
     tapped(*args)
-    assert [c.path for c in tapped.captures] == ["gate"]
+    assert [c.path for c in tapped.dynamo_info] == ["gate"]
     keys = [k for k in tapped.graphs if k.startswith("dynamo:gate:")]
     assert len(keys) == 2  # the condition, then the branch taken
     source = fxprobe.to_dot(tapped).source

@@ -5,7 +5,6 @@ a model (or a deployed artifact), example tensors and selectors; every mistake a
 from __future__ import annotations
 
 import contextlib
-import difflib
 import importlib
 import importlib.util
 import logging
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from ..core.errors import UsageError
-from ..core.names import one_line
+from ..core.names import did_you_mean, one_line
 from ..core.select import Selector, as_selector, where
 from ..core.site import Site
 
@@ -99,9 +98,8 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> tuple[Any, st
         if not hasattr(obj, part):
             where_ = target if i == 0 else f"{target}:{'.'.join(attr.split('.')[:i])}"
             names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise UsageError(f"{where_} has no {part!r} (MODEL {spec!r}){hint}")
+            raise UsageError(
+                f"{where_} has no {part!r} (MODEL {spec!r}).{did_you_mean(part, names)}")
         obj = getattr(obj, part)
     if isinstance(obj, nn.Module):
         if kwargs:

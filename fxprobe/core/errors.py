@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .names import moved
+
 
 class FxProbeError(Exception):
     """Base class of every error fxprobe raises on purpose."""
@@ -67,9 +69,12 @@ class UsageError(FxProbeError, ValueError):
     """What was typed on the command line cannot be used; the message says how to fix it."""
 
 
-class CaptureError(FxProbeError, RuntimeError):
+class DynamoError(FxProbeError, RuntimeError):
     """torch dynamo ran a module without fxprobe's graphs, so nothing in it was tapped."""
 
 
 class DiskError(FxProbeError, OSError):
     """Captures could not be written to, or read from, a directory (``fxprobe.Disk``)."""
+
+
+__getattr__ = moved(__name__, {"CaptureError": ("DynamoError", DynamoError)})

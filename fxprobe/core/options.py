@@ -1,14 +1,32 @@
-"""``TapOptions``: every argument of ``fxprobe.tap`` besides the model and selectors, checked."""
+"""The options of ``fxprobe.tap``, declared once (:class:`TapKwargs`: one line a field, with its
+type and default), and :class:`TapOptions`, the same once validated.
+
+``fxprobe.tap``, ``fxprobe.sites`` and ``fxprobe.extractor`` take them as
+``**options: Unpack[...]``; :func:`keywords` gives each its introspectable signature from the
+declaration, and :func:`arguments` checks the keywords given and fills in the defaults.
+"""
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import (
+    Annotated,
+    Any,
+    Literal,
+    TypedDict,
+    TypeVar,
+    get_args,
+    get_type_hints,
+)
 
 import torch
 
 from .errors import ConfigError
+from .names import did_you_mean
+from .site import Site
 
 Capture = Literal["output", "input", "both"]
 CopyPolicy = Literal["auto", "always", "never"]
@@ -44,6 +62,98 @@ class Sink:
 
     def close(self) -> None:
         """Flush and release what the sink holds."""
+
+
+class Default:
+    """The default of an option, as the declaration's ``Annotated`` metadata carries it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class TraceOptions(TypedDict, total=False):
+    """How fxprobe reaches a model's code (``fxprobe.tap``, ``fxprobe.sites``,
+    ``fxprobe.extractor``); see ``fxprobe.tap``'s docstring for each."""
+
+    tracer: Annotated[TracerKind, Default("auto")]
+    leaf_modules: Annotated[Sequence[Any], Default(())]
+    autowrap_functions: Annotated[Sequence[Callable[..., Any]], Default(())]
+
+
+class TapKwargs(TraceOptions, total=False):
+    """Every keyword option of ``fxprobe.tap``, one line each (:class:`TapOptions` once checked).
+
+    A new option is one line here, one field of :class:`TapOptions`, and its check in
+    :func:`make_options`; ``tap``'s signature and defaults follow from this declaration.
+    """
+
+    capture: Annotated[Capture, Default("output")]
+    detach: Annotated[bool, Default(True)]
+    copy: Annotated[CopyPolicy, Default("auto")]
+    reduce: Annotated[Reduce | Callable[[torch.Tensor], Any] | None, Default(None)]
+    sample_size: Annotated[int, Default(1024)]
+    seed: Annotated[int, Default(0)]
+    keep: Annotated[int | str, Default("last")]
+    to: Annotated[str | torch.device | Sink | None, Default(None)]
+    fn: Annotated[Callable[[Site, Any], Any] | None, Default(None)]
+    grad: Annotated[bool, Default(False)]
+    grad_fn: Annotated[Callable[[Site, torch.Tensor], Any] | None, Default(None)]
+    gather: Annotated[bool, Default(False)]
+
+
+_DECLARED = re.compile(r"^Annotated\[(.*), Default\((.*)\)\]$", re.S)
+
+
+def declared(options: type) -> dict[str, tuple[str, Any]]:
+    """``{name: (annotation as written, default)}`` of a declaration, in order."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name, hint in get_type_hints(options, include_extras=True).items():
+        raw = options.__annotations__[name]
+        text = getattr(raw, "__forward_arg__", raw)
+        m = _DECLARED.match(text) if isinstance(text, str) else None
+        default = next(x.value for x in hint.__metadata__ if isinstance(x, Default))
+        out[name] = (m.group(1) if m else str(text), default)
+    return out
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def keywords(options: type, **defaults: Any) -> Callable[[F], F]:
+    """Give a function taking ``**options: Unpack[options]`` the signature it has: its own
+    parameters, then each declared option as a keyword-only parameter with its type and
+    default (``defaults`` overrides some, as ``extractor``'s ``tracer="fx"``), so that
+    ``help()``, ``inspect.signature`` and IDEs show every option."""
+
+    def decorate(func: F) -> F:
+        sig = inspect.signature(func)
+        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        declared_ = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                       default=defaults.get(name, default), annotation=text)
+                     for name, (text, default) in declared(options).items()]
+        func.__signature__ = sig.replace(parameters=[*own, *declared_])  # type: ignore[attr-defined]
+        return func
+
+    return decorate
+
+
+def arguments(options: type, given: Mapping[str, Any], where: str, **defaults: Any
+              ) -> dict[str, Any]:
+    """Every option of ``options`` (a declaration), ``given`` or its default (``defaults``
+    overriding the declared ones).
+
+    Raises:
+        TypeError: a keyword that is no option (as Python says it, with the closest names).
+    """
+    known = declared(options)
+    for name in given:
+        if name not in known:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}."
+                            f"{did_you_mean(name, known)}")
+    return {name: given[name] if name in given else defaults.get(name, default)
+            for name, (_, default) in known.items()}
 
 
 def check_choice(name: str, value: Any, allowed: Any) -> None:
@@ -139,11 +249,15 @@ class TapOptions:
         return self.grad or self.grad_fn is not None
 
 
-def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
-                 leaf_modules: Sequence[Any], autowrap_functions: Sequence[Any], reduce: Any,
-                 sample_size: Any, seed: Any, keep: Any, to: Any, fn: Any, grad: Any,
-                 grad_fn: Any, gather: Any = False) -> TapOptions:
-    """Validate ``fxprobe.tap``'s arguments; every refusal says what to pass instead."""
+def make_options(**given: Any) -> TapOptions:
+    """Validate ``fxprobe.tap``'s options (:class:`TapKwargs`; those not ``given`` at their
+    defaults); every refusal says what to pass instead."""
+    o = arguments(TapKwargs, given, "fxprobe.tap")
+    capture, detach, copy, tracer = o["capture"], o["detach"], o["copy"], o["tracer"]
+    leaf_modules, autowrap_functions = o["leaf_modules"], o["autowrap_functions"]
+    reduce, sample_size, seed, keep, to = (o["reduce"], o["sample_size"], o["seed"], o["keep"],
+                                           o["to"])
+    fn, grad, grad_fn, gather = o["fn"], o["grad"], o["grad_fn"], o["gather"]
     check_choice("capture", capture, Capture)
     check_choice("copy", copy, CopyPolicy)
     check_choice("tracer", tracer, TracerKind)
@@ -192,8 +306,9 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
         what = getattr(to, "__name__", None) or f"{type(to).__name__}(...)"
         raise ConfigError(
             f"to={what} is not accepted: to= takes a device ('cpu', 'cuda', "
-            "'cuda:N') or fxprobe.Disk(path). A stats sink called as sink(step, stats), such as "
-            "fxprobe.CallbackSink or fxprobe.TensorBoardSink, goes to a stats logger: "
+            "'cuda:N') or a sink: fxprobe.Disk(path), fxprobe.CallbackSink(fn) or "
+            "fxprobe.TensorBoardSink(writer) (every forward's statistics). A function called "
+            "as sink(step, stats) every N steps goes to a stats logger: "
             "fxprobe.StatsLogger(tapped, every=N, sink=...), stepped after each forward; a "
             "function called at each site with its value is fn="
         )
@@ -225,15 +340,5 @@ def make_options(*, capture: Any, detach: Any, copy: Any, tracer: Any,
                       bool(grad), grad_fn, sink, bool(gather))
 
 
-TAP_DEFAULTS: dict[str, Any] = {
-    "capture": "output", "detach": True, "copy": "auto", "tracer": "auto", "leaf_modules": (),
-    "autowrap_functions": (), "reduce": None, "sample_size": 1024, "seed": 0, "keep": "last",
-    "to": None, "fn": None, "grad": False, "grad_fn": None, "gather": False,
-}
-"""``fxprobe.tap``'s defaults for every argument of :func:`make_options`."""
-
-
-def default_options(**given: Any) -> TapOptions:
-    """:func:`make_options` with ``fxprobe.tap``'s defaults for every argument not ``given``
-    (what a probe that only looks needs: ``fxprobe.sites``, the pictures of artifacts)."""
-    return make_options(**{**TAP_DEFAULTS, **given})
+TAP_DEFAULTS: dict[str, Any] = {name: d for name, (_, d) in declared(TapKwargs).items()}
+"""``fxprobe.tap``'s defaults, from :class:`TapKwargs`."""

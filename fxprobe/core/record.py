@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -11,6 +10,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import SiteNotRunError, UnknownSiteError
+from .names import did_you_mean
+from .options import TapOptions
 
 
 class InOut(NamedTuple):
@@ -116,13 +117,11 @@ class Recording:
     module served from several threads never mixes their values.
     """
 
-    def __init__(self, *, detach: bool, both: bool, keep: int | None = 1,
-                 to: torch.device | None = None,
+    def __init__(self, options: TapOptions,
                  finalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
-        self.detach = detach
-        self.both = both
-        self.keep = keep
-        self.to = to
+        self.options = options
+        """The tapped module's options, read where they are used (``keep``, ``to``, ...)."""
+        self.both = options.capture == "both"
         self.finalize = finalize
         self._local = _PerThread()
 
@@ -140,7 +139,7 @@ class Recording:
         after a compiled graph without guarding on the history's length (a container's
         contents it would guard on, and recompile while the history grows)."""
         state = self.state
-        keep = self.keep
+        keep = self.options.keep
         state.frame = frame = Frame(state.frame if keep != 1 and state.ran else None)
         if keep is not None and keep > 1:
             last = frame
@@ -152,7 +151,7 @@ class Recording:
                 last.prev = None
         state.ran = True
         state.hook_paths = hook_paths
-        state.detach_now = self.detach and _grad_enabled()
+        state.detach_now = self.options.detach and _grad_enabled()
         state.active = True
         return state
 
@@ -179,8 +178,9 @@ class Recording:
                 ) -> tuple[Any, ...]:
         """Move one region's (or hook's) values with :func:`offload_batch`; reading any of
         them waits for that batch's copy only (one CUDA event, no host sync here)."""
-        assert self.to is not None
-        moved = offload_batch(values, self.to)
+        to = self.options.to
+        assert to is not None
+        moved = offload_batch(values, to)
         if moved is not values and torch.cuda.is_available():
             event = torch.cuda.Event()
             event.record()
@@ -255,9 +255,7 @@ class Taps(Mapping[str, Any]):
                 f"({self._why}); the sites that have one are: "
                 f"{', '.join(list(self._ordered())[:20]) or 'none'}"
             )
-        close = difflib.get_close_matches(name, [*self._order, *self._aliases], n=5,
-                                          cutoff=0.5)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        hint = did_you_mean(name, [*self._order, *self._aliases])
         raise UnknownSiteError(
             f"{name!r} is not a tapped site.{hint} tapped.sites lists the selected sites; "
             "fxprobe.sites(model) lists every site."

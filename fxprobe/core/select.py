@@ -8,7 +8,6 @@ Selectors compose with ``|``, ``&`` and ``~``.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import inspect
 import re
@@ -18,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from .errors import SelectorError, SelectorTypeError
+from .names import closest
 from .ops import describe_function, op_key
 from .site import Site
 
@@ -150,6 +150,8 @@ def as_selector(obj: Any, find: Callable[[nn.Module], list[str]] | None = None) 
     ``find`` (its paths in the model, :func:`paths_in`), where the model is known."""
     if isinstance(obj, Selector):
         return obj
+    if isinstance(obj, Site):  # a record fxprobe.sites() or tapped.sites listed: that site
+        return Selector(lambda s: s.name == obj.name, repr(obj.name), strict=True)
     if isinstance(obj, str):
         return glob(obj)
     if isinstance(obj, re.Pattern):
@@ -224,6 +226,15 @@ def select(sites: Sequence[Site], selectors: list[Selector] | None, *, context: 
     return [s for s in sites if any(sel(s) for sel in matched)]
 
 
+def select_ops(sites: Sequence[Site], ops: Any, *, context: str, model: nn.Module | None = None,
+               fallbacks: Sequence[Any] = ()) -> list[Site]:
+    """The sites among ``sites`` that ``ops`` (anything ``ops=`` takes, ``None``: every site)
+    selects, in site order; a module instance by its paths in ``model``: the one selection
+    line of every entry point that has the sites at hand (see :func:`select`)."""
+    find = paths_in(model) if model is not None else None
+    return select(sites, as_selectors(ops, find), context=context, fallbacks=fallbacks)
+
+
 def _may_hide(probe: str, fallback: Any) -> bool:
     """Whether a module that runs as written may hold what ``probe`` (a pattern or an op name)
     names: the pattern is under its path, or its forward's source mentions the op's name."""
@@ -249,7 +260,7 @@ def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
     sites = list(sites)
     names = [n for s in sites for n in names_of(s)]
     probe = sel.description.strip("'\"")
-    close = difflib.get_close_matches(probe, names, n=5, cutoff=0.4)
+    close = closest(probe, names)
     if not close:
         tail = probe.split(".")[-1].strip("*")
         close = [n for n in names if tail and tail in n][:5]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,7 +30,13 @@ CALL_ARGS = "fxprobe_call_args"
 ``(positional argument nodes, first node of the call)``, so that its inputs can be captured."""
 
 
-@dataclass(frozen=True)
+def _as_str(what: str) -> None:
+    warnings.warn(f"a Site is a record, not a str: use site.name (site.name.{what}); "
+                  "fxprobe.sites() lists Sites since this release, and a Site answers str "
+                  "methods for one release only", DeprecationWarning, stacklevel=3)
+
+
+@dataclass(frozen=True, eq=False)
 class Site:
     """One tappable place: an fx node, or a module call reached by a hook."""
 
@@ -66,6 +73,36 @@ class Site:
     """Under tensor parallelism, which part of the full value this rank's value is (the
     dimension split over which ranks, or a partial sum: :class:`~fxprobe.core.shard.Sharding`,
     found by ``frontends.sharding``); None where every rank holds the full value."""
+
+    # -- where code expects a site name (``fxprobe.sites()`` listed names before it listed
+    # Sites): a Site is equal to its name, hashes as its name (a dict or set keyed by names
+    # finds it), prints as its name; str methods still answer, with a DeprecationWarning.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return self.name == other
+        if not isinstance(other, Site):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.name, self.how, self.kind, self.module_path, self.op_key, self.inlined,
+                self.listed, self.type_name)
+
+    def __contains__(self, text: str) -> bool:
+        _as_str("__contains__")
+        return text in self.name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_") or attr == "name" or not hasattr(str, attr):
+            raise AttributeError(f"'Site' object has no attribute {attr!r}")
+        _as_str(attr)
+        return getattr(self.name, attr)
 
     @property
     def op(self) -> str:
@@ -136,3 +173,24 @@ def node_site(node: fx.Node) -> Site | None:
         if not site.inlined:
             return site
     return None
+
+
+def reach(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], *,
+          into: set[fx.Node] | None = None, where: Callable[[fx.Node], bool] | None = None
+          ) -> set[fx.Node]:
+    """The nodes reached from ``starts`` by ``step`` (``node.all_input_nodes``: what it is
+    computed from; ``node.users``: what reads it), ``starts`` included: the one graph walk.
+
+    Args:
+        into: the set to add them to (and return); a node already in it is not walked again.
+        where: only nodes it accepts are reached, or walked through.
+    """
+    out: set[fx.Node] = set() if into is None else into
+    todo = list(starts)
+    while todo:
+        x = todo.pop()
+        if x in out or (where is not None and not where(x)):
+            continue
+        out.add(x)
+        todo.extend(step(x))
+    return out

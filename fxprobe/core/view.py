@@ -1,7 +1,7 @@
 """The records the readers read: what the tables and pictures may see of a model.
 
 The frontends write these records (a :class:`Plan` of regions and fallbacks, the graphs torch
-dynamo captured as :class:`CapturedGraph`, :class:`CaptureInfo`), the runtime gathers them into
+dynamo captured as :class:`CapturedGraph`, :class:`DynamoInfo`), the runtime gathers them into
 one :class:`View` per object (a tapped module, a tapped artifact, a listing of sites, a plain
 model planned for a picture), and ``fxprobe.present`` reads only that, the way torch.fx's
 ``graph_drawer`` reads only the ``TensorMetadata`` that ``shape_prop`` wrote.
@@ -88,8 +88,8 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class CaptureInfo:
-    """What the dynamo frontend captured for one module (``tapped.captures``)."""
+class DynamoInfo:
+    """What the dynamo frontend captured for one module (``tapped.dynamo_info``)."""
 
     path: str
     """Path of the module dynamo runs ('' for the whole model)."""
@@ -184,7 +184,7 @@ class View:
     """What a picture draws; None where there is nothing to draw (a list of sites)."""
     root: nn.Module | None = None
     """The module tree of the plan (for a deployed artifact, a stand-in with its type names)."""
-    captures: tuple[CaptureInfo, ...] = ()
+    dynamo_info: tuple[DynamoInfo, ...] = ()
     """What torch dynamo captured (graphs, breaks), for modules it runs."""
     graphs: tuple[CapturedGraph, ...] = ()
     """The graphs torch dynamo captured in the modules it runs, with their sites, in the order

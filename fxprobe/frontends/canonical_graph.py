@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from ..capture.inplace import settled
 from ..core.ops import VIEW_OPS
-from ..core.site import CALL_ARGS, SITES, Site, node_site, source_name
+from ..core.site import CALL_ARGS, SITES, Site, node_site, reach, source_name
 from .dynamo_names import NamedGraph, dynamo_op_key, is_state
 
 # Ops that only change a value's shape, layout or dtype (the same numbers): walked through.
@@ -156,15 +156,8 @@ class GraphIndex:
 
     def ancestors(self, n: fx.Node, inside: set[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
         """The nodes of ``inside`` that ``n`` is computed from (``n`` too), not past ``stop``."""
-        out: set[fx.Node] = set()
-        todo = [n]
-        while todo:
-            x = todo.pop()
-            if x in out or x not in inside or x in stop:
-                continue
-            out.add(x)
-            todo.extend(x.all_input_nodes)
-        return out
+        return reach([n], lambda x: x.all_input_nodes,
+                     where=lambda x: x in inside and x not in stop)
 
 
 def indexed_by_tensor(n: fx.Node) -> bool:
@@ -269,15 +262,7 @@ def flat_nodes(args: Any) -> Iterable[fx.Node]:
 
 
 def descendants(n: fx.Node) -> set[fx.Node]:
-    out: set[fx.Node] = set()
-    todo = [n]
-    while todo:
-        x = todo.pop()
-        if x in out:
-            continue
-        out.add(x)
-        todo.extend(x.users)
-    return out
+    return reach([n], lambda x: x.users)
 
 
 def norms_after(g: GraphIndex, x: fx.Node) -> list[fx.Node]:
@@ -309,18 +294,8 @@ def norms_after(g: GraphIndex, x: fx.Node) -> list[fx.Node]:
 
 def closure(g: GraphIndex, x: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
     """The stream ``x`` as the block reads it: ``x``, its views, and its norms."""
-    out = {x}
-    todo = [x]
-    while todo:
-        n = todo.pop()
-        nxt = [u for u in n.users if g.key(u) in VIEWS and not (
-            g.key(u) == "getitem" and indexed_by_tensor(u))]
-        nxt += norms_after(g, n)
-        for u in nxt:
-            if u not in out:
-                out.add(u)
-                todo.append(u)
-    return out
+    return reach([x], lambda n: [*(u for u in n.users if g.key(u) in VIEWS and not (
+        g.key(u) == "getitem" and indexed_by_tensor(u))), *norms_after(g, n)])
 
 
 def full_of(g: GraphIndex, x: fx.Node, shape: tuple[Any, ...] | None) -> fx.Node:
@@ -365,16 +340,9 @@ def mlp_points(g: GraphIndex, out: fx.Node, inside: set[fx.Node], stops: set[fx.
         return None, None  # tokens routed to experts
     outputs: set[fx.Node] = set()
     for p in projs:
-        if p is proj:
-            continue
-        todo = [p]
-        while todo:
-            x = todo.pop()
-            if x in outputs:
-                continue
-            outputs.add(x)
-            todo.extend(u for u in x.users if u in region and (
-                g.key(u) in VIEWS | {"split", "chunk", "unbind"}))
+        if p is not proj:
+            reach([p], lambda x: (u for u in x.users if u in region and (
+                g.key(u) in VIEWS | {"split", "chunk", "unbind"})), into=outputs)
     act = g.back(post, PASS)[-1]
     if g.key(act) == "mul":
         a = [g.back(x, PASS)[-1] for x in g.tensors(act)]

@@ -31,11 +31,11 @@ from torch import fx, nn
 from ..capture.pipeline import Pipeline
 from ..capture.points import insert_points
 from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
-from ..core.errors import CaptureError
+from ..core.errors import DynamoError
 from ..core.names import join
 from ..core.options import Capture, CopyPolicy
 from ..core.site import SOURCE, STATE, Site, attach, source_name
-from ..core.view import CapturedGraph, CaptureInfo
+from ..core.view import CapturedGraph, DynamoInfo
 from . import sharding
 from .attention import attention_probs, drive_output
 from .canonical import annotate
@@ -75,7 +75,7 @@ def _positional(forward: Callable[..., Any]) -> tuple[str, ...]:
 
 def dynamo_failed(e: BaseException) -> bool:
     """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
-    return isinstance(e, (torch._dynamo.exc.TorchDynamoException, CaptureError))
+    return isinstance(e, (torch._dynamo.exc.TorchDynamoException, DynamoError))
 
 
 class _Instrumented:
@@ -316,8 +316,8 @@ class DynamoRegion:
                 for key, number, captured, version in self._versions() if not version.repeat]
 
     @property
-    def info(self) -> CaptureInfo:
-        return CaptureInfo(self.path, self.graphs, max(self.last_runs - 1, 0), len(self.sites))
+    def info(self) -> DynamoInfo:
+        return DynamoInfo(self.path, self.graphs, max(self.last_runs - 1, 0), len(self.sites))
 
     def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """The torch.compile backend: each captured graph is tapped and runs eagerly."""
@@ -432,7 +432,7 @@ class DynamoRegion:
                     else:
                         result = compiled(self.module, *args, **kwargs)
             except torch._dynamo.exc.FailOnRecompileLimitHit as e:
-                raise CaptureError(self._limit_hit(
+                raise DynamoError(self._limit_hit(
                     "a frame of it (the code after a graph break, or the forward) past "
                     "torch._dynamo.config.recompile_limit would run as written, its sites not "
                     "captured")) from e
@@ -440,7 +440,7 @@ class DynamoRegion:
                 config.fail_on_recompile_limit_hit = hard
         self.last_runs = ran = self.runs - before
         if ran == 0:
-            raise CaptureError(self._limit_hit(
+            raise DynamoError(self._limit_hit(
                 "it ran without any of fxprobe's graphs, so nothing could be tapped: it hit "
                 "torch._dynamo.config.recompile_limit or skipped the frame (as it does inside "
                 "an outer torch.compile, which traces through it)"))

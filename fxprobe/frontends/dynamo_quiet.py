@@ -63,6 +63,6 @@ def quiet_compile(what: str, graphs: Callable[[], int]) -> Iterator[None]:
         f"with {breaks} graph break(s) logged; {len(collect.records)} log record(s) and "
         f"{torch_warnings} warning(s) of torch were collected here (first: {first!r}). The "
         "code at a graph break runs as written, its module calls reached by hooks: "
-        "tapped.captures lists graphs and breaks per module, tapped.fallbacks what fell back; "
+        "tapped.dynamo_info lists graphs and breaks per module, tapped.fallbacks what fell back; "
         "set TORCH_LOGS=graph_breaks to see dynamo's own messages.",
         UserWarning, stacklevel=2)

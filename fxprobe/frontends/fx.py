@@ -11,7 +11,6 @@ dynamo gets a try at it at run time: ``runtime.lifecycle``); under ``"dynamo"`` 
 
 from __future__ import annotations
 
-import difflib
 import functools
 import linecache
 import os
@@ -25,8 +24,8 @@ from torch import nn
 
 from ..core.errors import ConfigError, TracedStateError, TraceError
 from ..core.irtypes import library_blocks
+from ..core.names import did_you_mean, one_line
 from ..core.names import join as _join
-from ..core.names import one_line
 from ..core.ops import module_key
 from ..core.options import TracerKind
 from ..core.site import Site, sites_of
@@ -264,11 +263,10 @@ def plan(root: nn.Module, *, tracer: TracerKind, leaf_modules: Sequence[Any] = (
     leaf_paths = frozenset(p for p in leaf_modules if isinstance(p, str))
     paths = [name for name, _ in root.named_modules() if name]
     for p in sorted(leaf_paths - set(paths)):
-        close = difflib.get_close_matches(p, paths, n=3, cutoff=0.5)
         raise ConfigError(
-            f"leaf_modules entry {p!r} is no module path of {type(root).__name__} (close: "
-            f"{', '.join(close) or 'none'}); pass paths as model.named_modules() gives them "
-            "(e.g. 'encoder.layer.0') or module types")
+            f"leaf_modules entry {p!r} is no module path of {type(root).__name__}: pass paths "
+            "as model.named_modules() gives them (e.g. 'encoder.layer.0') or module types."
+            f"{did_you_mean(p, paths)}")
     planner = _Planner(tracer, leaf_types, leaf_paths, tuple(autowrap_functions),
                        library_blocks())
     root_region = planner.visit(root, "")

@@ -312,5 +312,5 @@ def summary(view: View, fmt: str = "text") -> Table:
     if not view.tapped:
         return sites_table(view.sites, view.fallbacks, fmt)
     table = tapped_table(view.selected, view.taps or {}, view.fallbacks, fmt)
-    captured = tuple(str(info) for info in view.captures)  # graphs and breaks (dynamo)
+    captured = tuple(str(info) for info in view.dynamo_info)  # graphs and breaks (dynamo)
     return dataclasses.replace(table, notes=table.notes + captured) if captured else table

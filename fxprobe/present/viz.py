@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError, RenderError
+from ..core.names import did_you_mean
 from ..core.site import Site, node_site, sites_of
 from ..core.view import CapturedGraph, Plan, View
 from .summary import describe_value
@@ -79,15 +80,12 @@ def check_focus(focus: Any, root: Any) -> None:
     Raises:
         ConfigError: it does not, with the closest module paths.
     """
-    import difflib
-
     paths = [n for n, _ in root.named_modules() if n]
     if isinstance(focus, str) and focus in paths:
         return
-    close = difflib.get_close_matches(str(focus), paths, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else (
-        "; pass the path of a submodule, as fxprobe.sites(model) prints it (blocks.3)")
-    raise ConfigError(f"focus={focus!r} is not a module of {type(root).__name__}{hint}")
+    hint = did_you_mean(str(focus), paths) or (
+        " Pass the path of a submodule, as fxprobe.sites(model) prints it (blocks.3).")
+    raise ConfigError(f"focus={focus!r} is not a module of {type(root).__name__}.{hint}")
 
 
 def check_drawing(depth: int | None, rankdir: str, fold: bool = True) -> Any:
@@ -190,7 +188,7 @@ def _scene(v: View, plan: Plan, root: Any) -> Scene:
     graphs = newest(v.graphs)
     scene = Scene(v.title, plan, root, _drawn(plan, v.selected, graphs.values()), {},
                   v.capture, graphs=graphs, artifact=v.artifact, selected=v.selected)
-    for info in v.captures:
+    for info in v.dynamo_info:
         scene.dynamo[info.path] = sum(
             1 for s in v.selected if s.how == "dynamo" and (
                 not info.path or s.module_path == info.path

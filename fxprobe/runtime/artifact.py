@@ -20,9 +20,9 @@ from torch import fx
 
 from ..capture.pipeline import Pipeline
 from ..core.errors import ConfigError, RemovedError, UnsupportedModelError
-from ..core.options import TapOptions, make_options
+from ..core.options import TapKwargs, TapOptions, arguments, make_options
 from ..core.record import Recording, Taps
-from ..core.select import as_selectors, select
+from ..core.select import select_ops
 from ..core.site import Site
 from ..core.view import View, Viewable
 from ..frontends.export import export_graph, export_sites, saved_taps
@@ -60,6 +60,7 @@ def artifact_kind(model: Any) -> str | None:
 
 def artifact_options(kind: str, **kwargs: Any) -> TapOptions:
     """Validate ``fxprobe.tap``'s arguments, then refuse what a deployed graph cannot do."""
+    kwargs = arguments(TapKwargs, kwargs, "fxprobe.tap")
     options = make_options(**kwargs)
     for key, default in _DEFAULTS.items():
         value = kwargs[key]
@@ -92,8 +93,7 @@ class TappedArtifact(Viewable):
         """Names of the sites kept safe by running, out of place, the one in-place op that
         would overwrite them (``aten::relu_`` as ``aten::relu``): no copy needed."""
         self._order = {n: i for i, n in enumerate(self._names)}
-        self._rec = Recording(detach=options.detach, both=False, keep=options.keep,
-                              to=options.to)
+        self._rec = Recording(options)  # capture="output": a deployed graph refuses others
         # The fx frontend's pipeline, after the graph: what the artifact hands back is kept
         # (reduced, offloaded, detached) exactly as a traced region's tuple is.
         self._pipeline = Pipeline(options, self._rec, by_name.get)
@@ -261,7 +261,7 @@ def tap_script(model: torch.jit.ScriptModule, ops: Any, options: TapOptions) -> 
     _check_script(model)
     with quiet_jit():
         sg = ScriptGraph(model)
-    chosen = select(sg.sites, as_selectors(ops), context=f"{model.original_name} (TorchScript)")
+    chosen = select_ops(sg.sites, ops, context=f"{model.original_name} (TorchScript)")
     rewritten = rewrite(sg, chosen, copy=options.copy)
     module = build_module(model, rewritten, sg.sites, "stats" if options.reduce else "")
     tapped = TappedScript(module, sg.sites, options, rewritten.graph, rewritten.copied,
@@ -341,7 +341,7 @@ def tap_export(ep: Any, ops: Any, options: TapOptions) -> TappedExport:
         raise ConfigError(f"copy={options.copy!r} is not accepted")
     eg = export_graph(ep)
     sites = eg.sites
-    chosen = select(sites, as_selectors(ops), context="the exported program")
+    chosen = select_ops(sites, ops, context="the exported program")
     program, names, copied, outplaced = rewrite_export(eg, chosen, options.copy)
     by_name = {s.name: s for s in sites}
     tapped = TappedExport(program, [by_name[n] for n in names], options, copied, outplaced)

@@ -32,8 +32,7 @@ def make_state(model: nn.Module, selectors: list[Selector] | None,
     """The record of a new tapped module of ``model`` (a copy of its module tree; nothing built
     yet: see :func:`lifecycle`)."""
     root = mirror(model)
-    rec = Recording(detach=options.detach, both=options.capture == "both",
-                    keep=options.keep, to=options.to)
+    rec = Recording(options)
     lives: dict[bool, Lifecycle] = {}
 
     def site(name: str) -> Site | None:

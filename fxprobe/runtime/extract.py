@@ -10,11 +10,10 @@ it whole. It is built from the same tracing, site names, selectors and in-place 
 
 from __future__ import annotations
 
-import difflib
 import operator
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import fx, nn
@@ -29,6 +28,7 @@ from ..core.errors import (
     TraceError,
     UnsupportedModelError,
 )
+from ..core.names import closest
 from ..core.ops import (
     PASS_THROUGH,
     TENSOR_FUNCTIONS,
@@ -38,8 +38,9 @@ from ..core.ops import (
     inplace_name,
     is_torch_callable,
 )
+from ..core.options import TraceOptions, arguments, keywords
 from ..core.select import as_selectors, paths_in, select
-from ..core.site import Site, sites_of
+from ..core.site import Site, reach, sites_of
 from ..core.view import Plan
 from ..frontends.fx import Fallback, Region, plan
 from ..frontends.mirror import mirror
@@ -48,11 +49,10 @@ from .layout import declared_format
 from .program import check_model
 
 
-def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
-              leaf_modules: Sequence[Any] = (),
-              autowrap_functions: Sequence[Callable[..., Any]] = (),
-              train: bool = False,
-              return_nodes: Sequence[str] | Mapping[str, str] | None = None) -> ExtractorModule:
+@keywords(TraceOptions, tracer="fx")
+def extractor(model: nn.Module, ops: Any = None, *, train: bool = False,
+              return_nodes: Sequence[str] | Mapping[str, str] | None = None,
+              **options: Unpack[TraceOptions]) -> ExtractorModule:
     """A module whose forward returns ``(model output, {site name: value})``, side-effect free.
 
     With ``return_nodes`` (torchvision's ``create_feature_extractor`` argument) it returns only
@@ -102,8 +102,9 @@ def extractor(model: nn.Module, ops: Any = None, *, tracer: str = "fx",
         >>> body = fxprobe.extractor(model, return_nodes={"layer2": "feat"})
         >>> body(x)["feat"].shape  # layer3, layer4 and the head do not run
     """
-    return build_extractor(model, ops, tracer, leaf_modules, autowrap_functions, train,
-                           return_nodes)
+    o = arguments(TraceOptions, options, "fxprobe.extractor", tracer="fx")
+    return build_extractor(model, ops, o["tracer"], o["leaf_modules"], o["autowrap_functions"],
+                           train, return_nodes)
 
 
 def build_extractor(model: nn.Module, ops: Any, tracer: str, leaf_modules: Sequence[Any],
@@ -309,13 +310,7 @@ def prune(graph: fx.Graph, modules: Callable[[str], nn.Module]) -> bool:
     live: set[fx.Node] = set()
 
     def keep(n: fx.Node) -> None:
-        stack = [n]
-        while stack:
-            m = stack.pop()
-            if m in live:
-                continue
-            live.add(m)
-            stack.extend(m.all_input_nodes)
+        reach([n], lambda m: m.all_input_nodes, into=live)
 
     for n in nodes:
         if n.op in ("output", "placeholder"):
@@ -441,7 +436,7 @@ def _check_names(renames: Mapping[str, str], sites: Sequence[Site], context: str
     for name in renames:
         if name in names:
             continue
-        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        close = closest(name, known)
         hint = f" Closest site names: {', '.join(close)}." if close else ""
         raise SelectorError(
             f"return_nodes names {name!r}, which is no site of {context}.{hint} Site names are "

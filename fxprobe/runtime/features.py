@@ -11,7 +11,6 @@ that a map in the other layout is refused rather than scrambled.
 
 from __future__ import annotations
 
-import difflib
 import math
 import reprlib
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from ..core.errors import ConfigError, UnsupportedModelError
+from ..core.names import did_you_mean
 from .extract import build_extractor
 from .layout import BlockFormat, contradiction, declared_format, reading, stride, token_grid
 from .program import check_model
@@ -264,12 +264,11 @@ def _feature_info(model: nn.Module) -> list[dict[str, Any]] | None:
                 "the default feature_location, or pass site names as indices")
         site = where(model, d["module"]) if where is not None else d["module"]
         if site not in modules:
-            close = difflib.get_close_matches(d["module"], [p for p in modules if p], n=3)
             raise ConfigError(
                 f"{type(model).__name__}.feature_info names module {d['module']!r}, which is "
-                f"no module of the model (close: {', '.join(close) or 'none'}); a timm "
-                "features_only model returns its features itself; else pass blocks= or site "
-                "names as indices")
+                "no module of the model: a timm features_only model returns its features "
+                "itself; else pass blocks= or site names as indices."
+                f"{did_you_mean(d['module'], [p for p in modules if p])}")
         out.append({"site": site, **{k: d[k] for k in ("module", "num_chs", "reduction")
                                      if k in d}})
     return out

@@ -15,7 +15,6 @@ check per graph (or hooked call) is all that a block costs outside.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from ..core.errors import ConfigError, InterventionError, SelectorError, UnknownSiteError
+from ..core.names import did_you_mean
 from ..core.select import Selector, as_selector, as_selectors, no_match_message
 from ..core.site import Site
 from ..frontends.attention import attention_probs
@@ -304,9 +304,7 @@ class Cache(Mapping[str, Any]):
                     f"site {key!r} ran, but its value is a {self._others[key]}, not a tensor: "
                     "a cache keeps tensors (and tuples, lists and dicts of them) only"
                     ) from None
-            close = difflib.get_close_matches(name, [*self._values, *self._aliases], n=5,
-                                              cutoff=0.5)
-            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            hint = did_you_mean(name, [*self._values, *self._aliases])
             raise UnknownSiteError(
                 f"{name!r} is not in this cache ({len(self._values)} site(s) that ran and "
                 f"were selected by names=).{hint}") from None

@@ -33,17 +33,17 @@ from typing import Any, Literal
 
 import torch
 
-from ..core.errors import CaptureError
+from ..core.errors import DynamoError
 from ..core.names import one_line, some
 from ..core.record import Frame, Recording
 from ..core.select import Selector, select
 from ..core.site import Site
-from ..core.view import CapturedGraph, CaptureInfo, Fallback, Plan
+from ..core.view import CapturedGraph, DynamoInfo, Fallback, Plan
 from ..frontends.dynamo import DynamoRegion, dynamo_failed
 from .program import Program, SiteNames
 
 _TRACED_THROUGH = (
-    "CaptureError: an outer torch.compile traces through this module (torch dynamo does not "
+    "DynamoError: an outer torch.compile traces through this module (torch dynamo does not "
     "run a compiled region of its own inside another one); it runs as written, with hooks")
 
 
@@ -138,7 +138,7 @@ class Lifecycle:
                     self._move(path, State.PENDING)
                 raise
             if region.versions() != versions:
-                raise CaptureError(
+                raise DynamoError(
                     f"torch dynamo failed on {region.what} "
                     f"({one_line(getattr(e, 'inner_exception', None) or e)}) after the "
                     "forward had written the module's parameters or buffers in place, so it "
@@ -159,7 +159,7 @@ class Lifecycle:
         if region.pipeline.per_call.table is not None:
             # The block's edits and caches reach dynamo's sites only: run as written, the
             # module would silently go unedited (or uncached).
-            raise CaptureError(
+            raise DynamoError(
                 f"torch dynamo failed on {region.what} during a per-call run ({reason}): "
                 "its edits and cache reach the sites dynamo captures, so this forward is not "
                 "run as written without them. The module runs as written from now on; "
@@ -351,8 +351,8 @@ class Lifecycle:
             i = self.order.get(base) if sep and n.isdigit() else None
         return self.selected[i] if i is not None else None
 
-    def captures(self) -> tuple[CaptureInfo, ...]:
-        """What each dynamo region captured so far (``tapped.captures``)."""
+    def dynamo_info(self) -> tuple[DynamoInfo, ...]:
+        """What each dynamo region captured so far (``tapped.dynamo_info``)."""
         return tuple(region.info for region in self.program.dynamo.values())
 
     def dynamo_graphs(self) -> dict[str, Any]:

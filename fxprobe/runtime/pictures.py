@@ -17,7 +17,7 @@ import torch
 
 from ..core.errors import ConfigError
 from ..core.options import TAP_DEFAULTS
-from ..core.select import as_selectors, select
+from ..core.select import select_ops
 from ..core.view import ValueInfo, View
 from ..frontends.export import ExportGraph
 from ..frontends.script import ScriptGraph, quiet_jit
@@ -77,8 +77,7 @@ def artifact_view(source: Any, tap: TapArtifact, *, ops: Any = None,
     if tapped is not None:
         selected, taps = tapped.selected, tapped.taps
     else:
-        selected = tuple(select(plan.sites, as_selectors(ops), context=title)) \
-            if ops is not None else ()
+        selected = tuple(select_ops(plan.sites, ops, context=title)) if ops is not None else ()
         taps = None
     return View(title, tuple(plan.sites), selected, tapped=tapped is not None, taps=taps,
                 plan=plan, root=root, artifact=True, shapes=shapes)

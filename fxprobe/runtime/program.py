@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex, overload
 
 import torch
 from torch import nn
@@ -228,9 +228,10 @@ def _dynamo_region(root: nn.Module, path: str, selectors: list[Selector] | None,
         is_leaf=lambda m, p: is_leaf(m, p, leaf_types, leaf_paths), choose=choose)
 
 
-class SiteNames(tuple[str, ...], Viewable):
-    """Site names in execution order, as torchvision's ``get_graph_node_names`` lists them;
-    ``.records`` holds the :class:`Site` of each.
+class SiteNames(tuple[Site, ...], Viewable):
+    """The sites in execution order, as torchvision's ``get_graph_node_names`` lists them: each
+    a :class:`Site` (equal to its name, hashed and printed as it: ``"conv1" in sites``,
+    ``sites[:2] == ("x", "conv1")``); ``.names`` are the names as strings.
 
     ``.modules`` lists the calls of modules that fx traced through (``layer1``), and ``.inner``
     the sites inside blocks torchvision keeps whole (the convolution inside a
@@ -245,12 +246,41 @@ class SiteNames(tuple[str, ...], Viewable):
 
     def __new__(cls, records: Sequence[Site], fallbacks: Sequence[Fallback]) -> SiteNames:
         listed = [s for s in records if s.listed]
-        self = super().__new__(cls, (s.name for s in listed))
+        self = super().__new__(cls, listed)
         self.records = tuple(listed)
         self.modules = tuple(s for s in records if s.inlined and not s.listed)
         self.inner = tuple(s for s in records if not s.inlined and not s.listed)
         self.fallbacks = tuple(fallbacks)
         return self
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> Site: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> SiteNames: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> Site | SiteNames:
+        if isinstance(i, slice):
+            return SiteNames(tuple.__getitem__(self, i), self.fallbacks)
+        return tuple.__getitem__(self, i)
+
+    def __repr__(self) -> str:
+        return repr(self.names)  # what it printed when it held names
+
+    def __eq__(self, other: object) -> bool:
+        """Two listings are equal when they name the same sites in the same order (of one
+        model by two frontends, say); a listing equals a tuple of the names it lists."""
+        if isinstance(other, SiteNames):
+            return self.names == other.names
+        return tuple.__eq__(self, other)  # type: ignore[operator]
+
+    def __hash__(self) -> int:
+        return hash(self.names)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The site names, as strings (torchvision's ``get_graph_node_names``)."""
+        return tuple(s.name for s in self)
 
     def view(self) -> View:
         """What the tables read: the listed sites and the modules that run as written."""

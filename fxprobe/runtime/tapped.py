@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 from torch import fx, nn
 
 from ..core.errors import ConfigError
+from ..core.names import renamed_property
 from ..core.options import TapOptions
 from ..core.record import Grads, Taps
 from ..core.select import Selector, as_selector
 from ..core.site import Site
-from ..core.view import CaptureInfo, Fallback, Viewable
+from ..core.view import DynamoInfo, Fallback, Viewable
 from ..frontends.mirror import drop_overrides, own_forward
 from ..frontends.wrappers import site_devices
 from .build import make_state
@@ -188,14 +189,12 @@ class TappedModule(nn.Module, Viewable):
         return site_devices(self.sites, self._state.root)
 
     @property
-    def captures(self) -> tuple[CaptureInfo, ...]:
-        """For each module run under torch dynamo: graphs captured, graph breaks, sites found.
+    def dynamo_info(self) -> tuple[DynamoInfo, ...]:
+        """For each module run under torch dynamo: graphs captured, graph breaks, sites found
+        (``print(*tapped.dynamo_info)``: ``<model>: 1 graph(s) captured by dynamo, ...``)."""
+        return self._lifecycle().dynamo_info()
 
-        Example:
-            >>> out = tapped(input_ids=ids); print(*tapped.captures)
-            <model>: 1 graph(s) captured by dynamo, 0 graph break(s) in the last forward, ...
-        """
-        return self._lifecycle().captures()
+    captures = renamed_property("tapped.captures", "dynamo_info")
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
@@ -257,7 +256,7 @@ class TappedModule(nn.Module, Viewable):
                     tuple(p.fallbacks), tapped=True,
                     taps=self.taps if self._state.pipeline.rec.frame.parts else None,
                     capture=self._state.options.capture, plan=p, root=self._state.root,
-                    captures=life.captures(), graphs=life.graphs(),
+                    dynamo_info=life.dynamo_info(), graphs=life.graphs(),
                     shapes=partial(propagate, p, self._state.root))
 
     def render(self, path: str | Path, **kw: Any) -> Path:

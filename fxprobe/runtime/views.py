@@ -19,7 +19,7 @@ from torch import nn
 
 from ..core.errors import FxProbeError, UnsupportedModelError
 from ..core.options import TracerKind, check_choice
-from ..core.select import as_selectors, paths_in, select
+from ..core.select import select_ops
 from ..core.site import Site
 from ..core.view import View
 from ..frontends.fx import plan
@@ -166,8 +166,7 @@ def view_of(obj: Any, *, ops: Any = None, tracer: TracerKind = "auto",
     title = f"{type(obj).__name__} ({'train' if training else 'eval'} mode)"
     chosen: Sequence[Site] = ()
     if ops is not None:
-        chosen = select(p.sites, as_selectors(ops, paths_in(obj)), context=title,
-                        fallbacks=p.fallbacks)
+        chosen = select_ops(p.sites, ops, context=title, model=obj, fallbacks=p.fallbacks)
     return View(title, tuple(p.sites), tuple(chosen), tuple(p.fallbacks), plan=p, root=root,
                 shapes=partial(propagate, p, root))
 
@@ -186,8 +185,8 @@ def view_for_input(obj: nn.Module, example_input: Any, *, ops: Any = None,
                            training=view.root is not None and view.root.training)
     if ops is None or p is None:
         return view
-    return replace(view, selected=tuple(select(p.sites, as_selectors(ops, paths_in(obj)),
-                                               context=view.title, fallbacks=p.fallbacks)))
+    return replace(view, selected=tuple(select_ops(p.sites, ops, context=view.title, model=obj,
+                                                   fallbacks=p.fallbacks)))
 
 
 def probed_view(model: nn.Module, example_input: Any, example_kwargs: Mapping[str, Any] | None,
@@ -197,9 +196,9 @@ def probed_view(model: nn.Module, example_input: Any, example_kwargs: Mapping[st
     once, its sites and values as that forward found them, ``ops`` marked."""
     import torch
 
-    from ..core.options import default_options
+    from ..core.options import make_options
 
-    probe = TappedModule(model, None, default_options(tracer=tracer))
+    probe = TappedModule(model, None, make_options(tracer=tracer))
     probe.train(training)
     # The probe shares the model's buffers: a train-mode forward would update its BatchNorm
     # statistics, which are put back as they were.
@@ -218,9 +217,8 @@ def probed_view(model: nn.Module, example_input: Any, example_kwargs: Mapping[st
         chosen: Sequence[Site] = ()
         if ops is not None:
             known = probe.known_sites()
-            chosen = select([*known.records, *known.modules, *known.inner],
-                            as_selectors(ops, paths_in(model)), context=view.title,
-                            fallbacks=known.fallbacks)
+            chosen = select_ops([*known.records, *known.modules, *known.inner], ops,
+                                context=view.title, model=model, fallbacks=known.fallbacks)
         return replace(view, selected=tuple(chosen), tapped=False)
     finally:
         probe.remove()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import difflib
 import json
 import math
 import mmap
@@ -33,6 +32,7 @@ import torch
 
 from ..capture.stats.math import Stats
 from ..core.errors import DiskError, UnknownSiteError
+from ..core.names import did_you_mean
 from ..core.record import InOut
 from .dataset import CaptureDataset, RowOptions, Rows, resolve_names
 
@@ -247,9 +247,7 @@ class CapturedForward(Mapping[str, Any]):
         name = self._canonical.get(name, name)
         if name in self._names:
             raise UnknownSiteError(f"site {name!r} did not run in forward {self.index}")
-        close = difflib.get_close_matches(name, [*self._names, *self._canonical], n=5,
-                                          cutoff=0.5)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        hint = did_you_mean(name, [*self._names, *self._canonical])
         more = " and caps.canonical" if self._canonical else \
             " (these captures store no canonical names: read them by the model's own names)"
         raise UnknownSiteError(f"{name!r} is not a captured site.{hint} caps.names{more} "

@@ -6,8 +6,8 @@ every collective, each must be called on every rank of the group, in the same or
 - :func:`reduce_stats`: ``{site: Stats}`` over all ranks, exactly (counts, sums, Chan's
   parallel variance), with one ``all_gather`` of a small float64 table for all sites.
 - :func:`gather`: every rank's values on one rank, on the CPU.
-- :class:`StatsLogger`: the cross-rank table logged by one rank every N steps; no collective
-  on the steps in between.
+- :class:`CrossRankStatsLogger`: the cross-rank table logged by one rank every N steps; no
+  collective on the steps in between.
 
 Example:
     >>> tapped = fxprobe.tap(model, ops=nn.ReLU, reduce="stats")
@@ -34,7 +34,7 @@ from ..capture.stats.table import stats_table
 from ..core.errors import ConfigError
 from .statslog import EveryN
 
-__all__ = ["StatsLogger", "gather", "reduce_stats"]
+__all__ = ["CrossRankStatsLogger", "gather", "reduce_stats"]
 
 _COLS = 12  # n_finite, mean, M2, min, max, absmax, zeros, nan, inf, numel, dim0, ran
 _CHUNK = 1 << 22  # elements per float64 pass of _tensor_row (32 MiB of float64 temporaries)
@@ -360,7 +360,7 @@ def gather(tapped: Any, names: Sequence[str] | str | None = None, dst: int = 0,
     return out
 
 
-class StatsLogger(EveryN):
+class CrossRankStatsLogger(EveryN):
     """Log the cross-rank statistics table on one rank every ``every`` steps.
 
     Call :meth:`step` on every rank after each forward (all ranks must call it equally
@@ -382,7 +382,7 @@ class StatsLogger(EveryN):
             ``fxprobe.CallbackSink``), whether or not ``logger`` is enabled.
 
     Example:
-        >>> slog = fxprobe.dist.StatsLogger(tapped, every=100)
+        >>> slog = fxprobe.dist.CrossRankStatsLogger(tapped, every=100)
         >>> for x, y in loader:
         ...     loss = loss_fn(ddp(x), y); loss.backward(); opt.step()
         ...     slog.step()
@@ -418,5 +418,5 @@ class StatsLogger(EveryN):
             self.sink(index, flat)
         return stats
 
-    def __enter__(self) -> StatsLogger:
+    def __enter__(self) -> CrossRankStatsLogger:
         return self

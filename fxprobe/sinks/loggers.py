@@ -14,8 +14,10 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..capture.stats.batch import collect
 from ..capture.stats.math import FIELDS, Stats
 from ..core.errors import ConfigError
+from ..core.options import Sink
 from ..core.view import Viewable
 from .statslog import StatsLogger
 
@@ -51,8 +53,25 @@ def stats_scalars(stats: Mapping[str, Stats], fields: Iterable[str] = FIELDS, pr
             for f in chosen}
 
 
-class TensorBoardSink:
-    """A :class:`~fxprobe.StatsLogger` sink writing ``site/stat`` scalars to TensorBoard.
+class StatsSink(Sink):
+    """A stats sink (``sink(step, stats)``, what :class:`~fxprobe.StatsLogger` hands its
+    statistics to every N steps) that is a :class:`Sink` too: ``fxprobe.tap(model,
+    to=sink)`` hands it every forward's values, whose statistics it writes at step = the
+    forwards written before (one transfer to the host per forward)."""
+
+    _forwards = 0
+
+    def __call__(self, step: int, stats: Mapping[str, Stats]) -> None:
+        raise NotImplementedError
+
+    def write(self, values: Mapping[str, Any], inputs: Any = ()) -> None:
+        step, self._forwards = self._forwards, self._forwards + 1
+        self(step, collect(values))
+
+
+class TensorBoardSink(StatsSink):
+    """A :class:`~fxprobe.StatsLogger` sink writing ``site/stat`` scalars to TensorBoard
+    (or ``fxprobe.tap(model, to=...)``'s: every forward's statistics, see :class:`StatsSink`).
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter``, or a log directory to open one in
@@ -87,16 +106,17 @@ class TensorBoardSink:
             self.writer.add_scalar(tag, value, step)
 
     def flush(self) -> None:
-        """Write pending events to disk."""
-        self.writer.flush()
+        """Write pending events to disk (a writer with no ``flush`` has none)."""
+        getattr(self.writer, "flush", lambda: None)()
 
     def close(self) -> None:
-        """Flush and close the writer."""
-        self.writer.close()
+        """Flush and close the writer (as ``tapped.remove()`` does, where it is ``to=``)."""
+        getattr(self.writer, "close", lambda: None)()
 
 
-class CallbackSink:
-    """A :class:`~fxprobe.StatsLogger` sink calling ``fn(scalars, step=step)``.
+class CallbackSink(StatsSink):
+    """A :class:`~fxprobe.StatsLogger` sink calling ``fn(scalars, step=step)`` (or
+    ``fxprobe.tap(model, to=...)``'s: every forward's statistics, see :class:`StatsSink`).
 
     That is the signature of ``wandb.log`` and ``mlflow.log_metrics``, so either can be passed
     as is; ``scalars`` is ``{"site/stat": float}``. For a CSV, write the dict's items.

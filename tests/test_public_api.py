@@ -25,7 +25,7 @@ def _keywords(f: object) -> dict[str, object]:
 
 def test_taps_options_are_declared_once_and_every_entry_point_shows_them() -> None:
     options = {name: default for name, (_, default) in declared(TapKwargs).items()}
-    assert len(options) == 14 and options["keep"] == "last" and options["capture"] == "output"
+    assert len(options) == 15 and options["keep"] == "last" and options["capture"] == "output"
     assert _keywords(fxprobe.tap) == options
     trace = {name: default for name, (_, default) in declared(TraceOptions).items()}
     assert set(trace) == {"tracer", "leaf_modules", "autowrap_functions"}

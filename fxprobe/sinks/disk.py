@@ -40,7 +40,7 @@ from ..core.errors import ConfigError, DiskError
 from ..core.options import Sink
 from .captures import INDEX, rank_dirs
 from .index import CaptureDir, Mode
-from .shards import Encoder, Job, Shard, protected_storages
+from .shards import Encoder, Job, Shard, crc_room, protected_storages
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -363,7 +363,8 @@ class Disk(Sink):
             self._commit()
 
     def _new_shard(self, job: Job, layout_json: str) -> Shard:
-        per_job = sum(len(k) + 128 + 12 * t.dim() for k, t in job.tensors) + 32
+        per_job = sum(len(k) + 128 + 12 * t.dim() + crc_room(k, t.numel() * t.element_size())
+                      for k, t in job.tensors) + 32
         jobs = max(1, math.ceil(self.shard_size / max(job.nbytes, 1)))
         header = per_job * jobs * 5 // 4 + len(layout_json) * 2 + 8192
         header = min(max(header, 64 * 1024), 64 * 2**20)
@@ -389,4 +390,6 @@ class Disk(Sink):
             self._lost += shard.forwards
             with contextlib.suppress(OSError):
                 shard.final.unlink()
+            shard.done()
             raise
+        shard.done()

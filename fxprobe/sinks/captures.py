@@ -92,7 +92,7 @@ def has_captures(path: Path) -> bool:
 def _snapshot(path: Path, rank: int | None = None) -> dict[str, Any]:
     """The index of ``path`` and, after its shards, the forwards that the journal of the
     shard being written lists (``"journal"`` in its entry; read through the ``.partial``)."""
-    index = read_index(path / INDEX) if (path / INDEX).exists() else {
+    index: dict[str, Any] = read_index(path / INDEX) if (path / INDEX).exists() else {
         "format": FORMAT, "version": VERSION, "sites": [], "forwards": 0, "shards": []}
     if rank is not None:
         index["rank"] = rank

@@ -122,8 +122,6 @@ class CaptureDir:
         for f in sorted(os.listdir(p)):
             m = JOURNAL_RE.match(f)
             if m is None:
-                if f.endswith(".partial") and not (p / (f[:-8] + JOURNAL)).exists():
-                    (p / f).unlink()
                 continue
             number = int(m.group(1))
             shard = None
@@ -142,6 +140,9 @@ class CaptureDir:
             self.add_sites(shard.signature)
             self.record(entry)
             shard.done()
+        for f in os.listdir(p):  # without a journal: nothing in it was complete
+            if f.endswith(".partial"):
+                (p / f).unlink(missing_ok=True)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

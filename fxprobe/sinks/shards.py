@@ -243,10 +243,10 @@ class Shard:
         self.signature: dict[str, str] = {}
         """The sites of the forwards :meth:`resume` found, with their signatures."""
         self._log = -1
+        # "r+b" to resume (keep the bytes), "wb" to start; closed by commit/abort.
+        self.file: Any = open(self.partial, "r+b" if resume else "wb")  # noqa: SIM115
         if resume:
-            self.file = open(self.partial, "r+b")  # noqa: SIM115 (closed by commit/abort)
             return
-        self.file = open(self.partial, "wb")  # noqa: SIM115 (closed by commit/abort)
         try:
             # Real bytes, not a hole: writing the header over them at commit needs no new
             # space, so the complete forwards of a shard survive a full disk.

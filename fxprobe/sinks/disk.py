@@ -38,7 +38,7 @@ from typing import Any
 
 from ..core.errors import ConfigError, DiskError
 from ..core.options import Sink
-from .captures import INDEX, rank_dirs
+from .catalog import INDEX, rank_dirs
 from .index import CaptureDir, Mode
 from .shards import Encoder, Job, Shard, crc_room, protected_storages
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.errors import DiskError
-from .captures import FORMAT, INDEX, SHARD_RE, VERSION, read_index
+from .catalog import FORMAT, INDEX, SHARD_RE, VERSION, read_index
 from .shardfile import JOURNAL, read_journal
 from .shards import Shard
 

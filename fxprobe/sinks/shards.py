@@ -35,7 +35,7 @@ import torch
 from ..capture.stats.math import FIELDS, Stats
 from ..core.errors import ConfigError, DiskError
 from ..core.record import InOut
-from .captures import FORMAT, STATS_KEY, VERSION
+from .catalog import FORMAT, STATS_KEY, VERSION
 from .shardfile import BLOCK, DTYPES, JOURNAL, block_crcs, journal_line, read_journal
 
 _ALIGN = 64  # every tensor starts on a 64-byte boundary of the file (mmap-friendly)

@@ -117,6 +117,7 @@ def test_a_reader_opened_during_a_run_sees_new_forwards_after_refresh(tmp_path: 
         caps = fxprobe.open_captures(tmp_path)
         assert len(caps) == 2
         early = caps.forward(1)["linear"]
+        ds = caps.dataset("linear", rows="samples")
         for x in xs[2:6]:
             tapped(x)
             ref(x)
@@ -131,6 +132,9 @@ def test_a_reader_opened_during_a_run_sees_new_forwards_after_refresh(tmp_path: 
         disk.flush()
     assert caps.refresh() == 9
     assert torch.equal(early, ref.history[1]["linear"])  # earlier views are unchanged
+    # A dataset made before keeps its rows (forwards only append in one directory).
+    assert len(ds) == 4 and torch.equal(ds[[3, 0]], torch.cat(
+        [ref.history[1]["linear"][1:], ref.history[0]["linear"][:1]]))
     assert torch.equal(caps.rows("linear", list(range(18)), lead=1),
                        torch.cat([f["linear"] for f in ref.history]))
 

@@ -1,6 +1,6 @@
 """``fxprobe.open_captures``: captures written by :class:`fxprobe.Disk`, read lazily.
 
-The format (see ``_disk.py`` for how it is written): a directory with ``index.json``, the
+The format (see ``disk.py`` for how it is written): a directory with ``index.json``, the
 commit point, listing safetensors shards of whole forwards; tensors named
 ``"{forward}/{site}/{leaf}"``, the structure of each forward in the header's ``__metadata__``.
 Tensors are returned as views of a memory map of their shard, so nothing is read until used.
@@ -11,7 +11,9 @@ made from it) return; ``.clone()`` a value before editing it.
 What the index says of a shard is checked before its values are returned: its size, its
 forward range and rank, a header that parses with tensors inside the file whose byte sizes
 match their dtypes and shapes, and (``verify=True``, indexes written since the checksums were
-added) the CRC-32 of its header, and of its data the first time a forward of it is read.
+added) the CRC-32 of its header, and of each block of its data the first time a value or row in
+it is read (:mod:`.shardfile`). Rows of a site are gathered by :meth:`Captures.rows`
+(:mod:`.rows`).
 """
 
 from __future__ import annotations
@@ -211,6 +213,13 @@ class Captures:
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def appends_only(self) -> bool:
+        """:meth:`refresh` only adds forwards after those seen (one directory, not several
+        ranks read as one, whose later ranks' forwards move as earlier ranks add; nor with
+        ``on_error="skip"``, which may leave out a shard it read before)."""
+        return self._ranks is None and self.on_error == "raise"
 
     def _reader(self, shard: dict[str, Any], k: int) -> ShardReader:
         listed = dict(shard, first=shard.get("local_first", shard["first"]), rank=shard.get(

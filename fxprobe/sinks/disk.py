@@ -8,13 +8,15 @@ than one rank)::
       index.json                          the commit point: the shards it lists are complete
       shard-000000.safetensors            whole forwards; tensors named "{forward}/{site}/{leaf}"
       shard-000001.safetensors
-      shard-000002.safetensors.partial    being written; never listed, never read
+      shard-000002.safetensors.partial    being written
+      shard-000002.safetensors.journal    its complete forwards, one line each (:mod:`.shards`)
       .lock                               held (flock) while a Disk writes here
 
 Every shard is a standard safetensors file (``safetensors.torch.load_file`` opens it), written
 as one stream and renamed when complete (:mod:`.shards`); a new ``index.json`` follows each
-rename (:mod:`.index`). A crash therefore loses at most the shard being written; a reader never
-sees a half-written shard.
+rename (:mod:`.index`). Each forward is also listed in the journal of the shard being written
+once its bytes are in the file, so a killed writer loses only the forwards not yet written
+(readers read the journaled ones; ``mode="append"`` commits them).
 
 This module is the writer: :class:`Disk`, its bounded queue and its thread. It depends only on
 three calls, ``write(values, inputs)``, ``flush()`` and ``close()``; the tapped module makes

@@ -1,8 +1,9 @@
 """The directory a :class:`~fxprobe.Disk` writes: its lock, its ``index.json`` (the commit point:
 the shards it lists are complete) and what a crashed writer left behind.
 
-A new ``index.json`` is written after each shard's rename (temporary file + ``os.replace``), so
-a crash loses at most the shard being written, and a reader never sees a half-written one.
+A new ``index.json`` is written after each shard's rename (temporary file + ``os.replace``); the
+forwards of the shard being written are listed in its journal (:mod:`.shards`), which the next
+writer (``mode="append"``) commits: a crash loses only the forwards not yet written.
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ class RowTable:
                 whole, shape=(whole.size - self.row_bytes + 1, self.row_bytes),
                 strides=(1, 1), writeable=False)
             got = self._windows[k] = (r, win)
+            if len(self._windows) > 64:  # as Captures: each map holds a file descriptor
+                del self._windows[next(iter(self._windows))]
         return got[1]
 
     def _check(self, piece: np.ndarray, local: np.ndarray,

@@ -15,6 +15,17 @@ Run ``python -m benchmarks.harvest`` (``--quick`` for a smoke run); it writes
   ``safetensors`` directly (``load_file``, concatenate, ``randperm``, index), (g) the baseline:
   ``torch.load`` every file, concatenate, shuffle in memory.
 - peak memory: each read treatment in a fresh process, peak RSS growth.
+- the reader table (``--readers``): one site of ``--read-forwards`` forwards of [8, 128, width]
+  fp32 written with ``Disk.write`` (GPT-2-small width: 75 forwards = 76,800 rows, 236 MB), one
+  shuffled epoch in batches of 4096 by every reader: ``DataLoader(ds, batch_size, shuffle=True)``
+  (and ``num_workers=2``), ``ds.loader(batch_size)`` (and ``num_workers=2``), the
+  ``BatchSampler`` path, ``safetensors.load_file`` of the shards + a permutation, and the floor,
+  a NumPy memmap of the same rows in one file + a permutation. Each reader in a fresh process,
+  cold (its files dropped from the page cache with ``posix_fadvise(DONTNEED)`` first) and warm
+  (read once before); rows/s of its first epoch and of a second one, and its peak RSS growth.
+  The disk's sequential read rate: ``dd`` of the shard, cold. Writer throughput before/after:
+  ``--baseline-tree DIR`` (an fxprobe tree, e.g. ``git archive f3d4cd4``) and this one write the
+  same forwards with ``Disk.write`` in interleaved rounds, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -119,6 +130,158 @@ def harvest_once(model: nn.Module, ids: torch.Tensor, base: Path, forwards: int)
         torch.save({n: f[n].clone() for n in src.names}, base / "pt" / f"batch-{i:05d}.pt")
 
 
+READERS = {
+    "dataloader": "`DataLoader(ds, batch_size=B, shuffle=True)`",
+    "dataloader_w2": "the same, `num_workers=2`",
+    "loader": "`ds.loader(B)` (the batch path)",
+    "loader_w2": "`ds.loader(B, num_workers=2)`",
+    "batch_sampler": "`DataLoader(ds, batch_size=None, sampler=BatchSampler(RandomSampler(ds), "
+                     "B, False))`",
+    "safetensors": "`safetensors.torch.load_file` every shard + a permutation",
+    "memmap": "NumPy memmap of the same rows + a permutation (the floor)",
+}
+
+
+def reader_data(base: Path, forwards: int, width: int) -> None:
+    """One site, [8, 128, width] fp32 a forward, by ``Disk.write``; the same rows in one raw
+    file for the memmap floor."""
+    g = torch.Generator().manual_seed(0)
+    with fxprobe.Disk(base / "racts") as d, open(base / "rows.raw", "wb") as raw:
+        for _ in range(forwards):
+            v = torch.randn(8, 128, width, generator=g)
+            d.write({"h": v})
+            raw.write(v.numpy().tobytes())
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Drop these files' pages from the page cache (dirty pages written first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def reader_files(base: Path) -> list[Path]:
+    return [*sorted((base / "racts").glob("*.safetensors")), base / "rows.raw"]
+
+
+def reader_child(kind: str, base: str, batch: int, width: int) -> None:
+    """Two shuffled epochs by reader ``kind``; prints rows/s of each and peak RSS growth."""
+    import numpy as np
+    from safetensors.torch import load_file
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    torch.manual_seed(0)
+    start_rss = peak_rss_mib()
+    rates = []
+    ds = None
+    for _ in range(2):
+        start = time.perf_counter()
+        rows = 0
+        if kind in ("memmap", "safetensors"):
+            if kind == "memmap":
+                allrows: Any = np.memmap(Path(base, "rows.raw"), dtype=np.float32, mode="r")
+                allrows = allrows.reshape(-1, width)
+            else:
+                parts = []
+                for f in sorted(Path(base, "racts").glob("*.safetensors")):
+                    t = load_file(f)
+                    parts += [t[k] for k in sorted(t, key=_order) if k.split("/")[1:2] == ["h"]]
+                allrows = torch.cat([p.reshape(-1, width) for p in parts]).numpy()
+            perm = torch.randperm(allrows.shape[0]).numpy()
+            for i in range(0, len(perm), batch):
+                b = torch.from_numpy(allrows[perm[i:i + batch]])
+                rows += b.shape[0]
+        else:
+            if ds is None:
+                ds = fxprobe.open_captures(Path(base, "racts")).dataset("h")
+            if kind.startswith("dataloader"):
+                loader: Any = DataLoader(ds, batch_size=batch, shuffle=True,
+                                         num_workers=2 if kind.endswith("w2") else 0)
+            elif kind.startswith("loader"):
+                loader = ds.loader(batch, num_workers=2 if kind.endswith("w2") else 0)
+            else:
+                loader = DataLoader(ds, batch_size=None,
+                                    sampler=BatchSampler(RandomSampler(ds), batch, False))
+            for b in loader:
+                rows += b.shape[0]
+        rates.append(rows / (time.perf_counter() - start))
+    print(json.dumps({"first": rates[0], "second": rates[1],
+                      "peak_growth_mib": peak_rss_mib() - start_rss}))
+
+
+def dd_rate(path: Path) -> float:
+    """MB/s of ``dd`` reading ``path`` sequentially from the disk (cache dropped first)."""
+    drop_cache([path])
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True,
+                   capture_output=True)
+    return path.stat().st_size / (time.perf_counter() - start) / 1e6
+
+
+def write_child(forwards: int, width: int, out: str) -> None:
+    """Seconds for ``Disk.write`` of ``forwards`` forwards (fsync on) and close."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(8, 128, width, generator=g) for _ in range(4)]
+    start = time.perf_counter()
+    with fxprobe.Disk(out) as d:
+        for i in range(forwards):
+            d.write({"h": values[i % 4]})
+    print(json.dumps({"seconds": time.perf_counter() - start,
+                      "bytes": forwards * values[0].nbytes}))
+
+
+def child(args: list[str], tree: str | None = None) -> dict[str, Any]:
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = tree
+    out = subprocess.run([sys.executable, "-m", "benchmarks.harvest", *args],
+                         capture_output=True, text=True, timeout=1800, check=True,
+                         cwd=Path(__file__).resolve().parent.parent, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def readers(base: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The reader table: every reader cold and warm, rounds interleaved; dd; write rates."""
+    reader_data(base, args.read_forwards, args.width)
+    shard_bytes = sum(f.stat().st_size for f in (base / "racts").glob("*.safetensors"))
+    results: dict[str, dict[str, list[dict[str, float]]]] = {
+        k: {"cold": [], "warm": []} for k in READERS}
+    dd: list[float] = []
+    kinds = list(READERS)
+    for r in range(args.read_rounds):
+        dd.append(dd_rate(reader_files(base)[0]))
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            for state in ("cold", "warm"):
+                if state == "cold":
+                    drop_cache(reader_files(base))
+                else:
+                    for f in reader_files(base):
+                        with open(f, "rb") as fh:
+                            while fh.read(1 << 24):
+                                pass
+                results[kind][state].append(child(
+                    ["--reader-child", kind, str(base), str(args.read_batch), str(args.width)]))
+    writes: dict[str, list[float]] = {"before": [], "after": []}
+    trees = {"after": str(Path(__file__).resolve().parent.parent)}
+    if args.baseline_tree:
+        trees["before"] = args.baseline_tree
+    for r in range(args.write_rounds):
+        for label, tree in (list(trees.items()) if r % 2 else list(trees.items())[::-1]):
+            out = base / f"w-{label}-{r}"
+            got = child(["--write-child", str(args.write_forwards), str(args.width), str(out)],
+                        tree)
+            writes[label].append(got["bytes"] / got["seconds"] / 1e6)
+            shutil.rmtree(out, ignore_errors=True)
+    return {"rows": args.read_forwards * 8 * 128, "width": args.width,
+            "site_bytes": args.read_forwards * 8 * 128 * args.width * 4,
+            "shard_bytes": shard_bytes, "batch": args.read_batch, "dd_mb_s": dd,
+            "readers": results, "write_mb_s": writes}
+
+
 def read_child(kind: str, base: str, name: str, batch: int) -> None:
     """One epoch of shuffled token rows of site ``name``; prints seconds, rows, peak RSS."""
     from safetensors.torch import load_file
@@ -198,17 +361,56 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--read-child", nargs=4, metavar=("KIND", "DIR", "NAME", "BATCH"))
+    ap.add_argument("--readers-only", action="store_true",
+                    help="only the reader table and the writer before/after")
+    ap.add_argument("--read-forwards", type=int, default=75,
+                    help="forwards of [8, 128, width] in the reader table (75: 76,800 rows)")
+    ap.add_argument("--write-rounds", type=int, default=5)
+    ap.add_argument("--write-forwards", type=int, default=24)
+    ap.add_argument("--baseline-tree", default=None,
+                    help="an fxprobe source tree to compare the writer with")
+    ap.add_argument("--reader-child", nargs=4, metavar=("KIND", "DIR", "BATCH", "WIDTH"))
+    ap.add_argument("--write-child", nargs=3, metavar=("FORWARDS", "WIDTH", "DIR"))
     args = ap.parse_args(argv)
     if args.read_child:
         kind, d, name, b = args.read_child
         read_child(kind, d, name, int(b))
         return
+    if args.reader_child:
+        kind, d, b, w = args.reader_child
+        reader_child(kind, d, int(b), int(w))
+        return
+    if args.write_child:
+        n, w, d = args.write_child
+        write_child(int(n), int(w), d)
+        return
     if args.quick:
         args.layers, args.width, args.heads, args.seq = 2, 128, 4, 32
         args.rounds, args.per, args.forwards, args.read_rounds = 3, 2, 6, 2
         args.read_batch = 256
+        args.read_forwards, args.write_rounds, args.write_forwards = 4, 2, 4
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fxprobe-harvest-"))
     base.mkdir(parents=True, exist_ok=True)
+    if args.readers_only:
+        try:
+            load = [os.getloadavg()[0]]
+            table = readers(base, args)
+            load.append(os.getloadavg()[0])
+        finally:
+            if not args.dir:
+                shutil.rmtree(base, ignore_errors=True)
+        table["loadavg_before_after"] = load
+        table["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                         capture_output=True, text=True).stdout.strip()
+        table["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "cpus": os.cpu_count(), "platform": platform.platform()}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = "harvest-readers-quick" if args.quick else "harvest-readers"
+        (RESULTS / f"{out}.json").write_text(json.dumps(table, indent=1))
+        md = readers_markdown(table)
+        (RESULTS / f"{out}.md").write_text(md)
+        print(md)
+        return
     try:
         model = gpt2(args.layers, args.width, args.heads)
         ids = torch.randint(0, 50257, (args.batch, args.seq),
@@ -290,6 +492,52 @@ def markdown(r: dict[str, Any]) -> str:
               f"rounds; reads: medians of {len(r['reads']['dataloader'])} rounds, each in a fresh "
               f"process; load average before/after {r['loadavg_before_after'][0]:.1f}/"
               f"{r['loadavg_before_after'][1]:.1f}; shards {r['shard_bytes'] / 2**20:.0f} MiB."]
+    return "\n".join(lines) + "\n"
+
+
+def readers_markdown(t: dict[str, Any]) -> str:
+    med = statistics.median
+    floor = {s: med(x["second"] for x in t["readers"]["memmap"][s]) for s in ("cold", "warm")}
+    dd = med(t["dd_mb_s"])
+    lines = [
+        f"### Readers: one shuffled epoch of {t['rows']:,} rows x {t['width']} fp32 "
+        f"({t['site_bytes'] / 1e6:.0f} MB, one site), batches of {t['batch']} "
+        f"(commit {t['commit']}; torch {t['machine']['torch']}, {t['machine']['cpus']} CPUs)",
+        "",
+        "| reader | warm: 1st epoch rows/s | warm: 2nd epoch | x memmap (2nd) | cold: 1st epoch "
+        "rows/s (MB/s) | peak RSS growth, warm |",
+        "|---|---|---|---|---|---|",
+    ]
+    mm2 = med(x["second"] for x in t["readers"]["memmap"]["warm"])
+    for kind, label in READERS.items():
+        warm, cold = t["readers"][kind]["warm"], t["readers"][kind]["cold"]
+        w1, w2 = med(x["first"] for x in warm), med(x["second"] for x in warm)
+        c1 = med(x["first"] for x in cold)
+        rss = med(x["peak_growth_mib"] for x in warm)
+        lines.append(f"| {label} | {w1 / 1e3:.0f}k | {w2 / 1e3:.0f}k | {w2 / mm2:.2f} | "
+                     f"{c1 / 1e3:.0f}k ({c1 * t['width'] * 4 / 1e6:.0f}) | {rss:.0f} MiB |")
+    w = t["write_mb_s"]
+    lines += [
+        "",
+        f"Disk sequential read (`dd bs=4M` of the shard, cache dropped): {dd:.0f} MB/s "
+        f"(per round: {', '.join(f'{x:.0f}' for x in t['dd_mb_s'])}). Memmap floor, 2nd epoch: "
+        f"warm {floor['warm'] / 1e3:.0f}k rows/s. Medians of {len(t['dd_mb_s'])} interleaved "
+        "rounds, each reader in a fresh process; cold = its files dropped from the page cache "
+        "(`posix_fadvise(DONTNEED)`) before its first epoch; the 2nd epoch is warm in both. "
+        f"Load average before/after {t['loadavg_before_after'][0]:.1f}/"
+        f"{t['loadavg_before_after'][1]:.1f} (a shared machine).",
+    ]
+    if w["after"]:
+        after = med(w["after"])
+        line = f"Writer (`Disk.write`, fsync on, {t['site_bytes'] // t['rows']} B rows): " \
+               f"{after:.0f} MB/s"
+        if w["before"]:
+            before = med(w["before"])
+            line += (f" vs {before:.0f} MB/s before (the baseline tree): {after / before:.2f}x "
+                     f"(per round after {', '.join(f'{x:.0f}' for x in w['after'])}; before "
+                     f"{', '.join(f'{x:.0f}' for x in w['before'])})")
+        lines.append("")
+        lines.append(line + ".")
     return "\n".join(lines) + "\n"
 
 

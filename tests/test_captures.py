@@ -94,7 +94,8 @@ def test_a_writer_killed_mid_harvest_loses_at_most_the_shard_in_flight(tmp_path:
     caps = fxprobe.open_captures(path)
     n = len(caps)
     listed = json.loads(index.read_text())
-    assert n == listed["forwards"] == sum(s["count"] for s in listed["shards"]) > 0
+    # The index's shards, and the forwards the journal of the unfinished one lists.
+    assert n >= listed["forwards"] == sum(s["count"] for s in listed["shards"]) > 0
     ref = expected_values(n + 50)
     for i in range(n):  # every committed forward reads back exactly
         assert torch.equal(caps.forward(i)["1"], ref[i]), i
@@ -183,7 +184,11 @@ def test_checksums_in_the_index_are_those_of_the_shards_bytes(tmp_path: Path) ->
             data = (d / entry["file"]).read_bytes()
             n = int.from_bytes(data[:8], "little")
             assert entry["header_crc32"] == zlib.crc32(data[:8 + n])
-            assert entry["crc32"] == zlib.crc32(data[8 + n:])
+            header = json.loads(data[8:8 + n])
+            crcs = json.loads(header["__metadata__"]["fxprobe"])["crcs"]
+            for key, crc in crcs.items():  # one CRC-32 per block (here one) of each tensor
+                begin, end = header[key]["data_offsets"]
+                assert crc == [zlib.crc32(data[8 + n + begin:8 + n + end])]
             # Still a standard safetensors file: its own reader gives the written values.
             loaded = load_file(d / entry["file"])
             for f in range(entry["first"], entry["first"] + entry["count"]):
@@ -213,7 +218,7 @@ def test_changed_bytes_or_headers_are_reported_by_name(tmp_path: Path, damage: s
     shard = tmp_path / "rank00000" / "shard-000000.safetensors"
     if damage == "data byte":
         data = bytearray(shard.read_bytes())
-        data[-40] ^= 0x40  # inside 1/mul/0 (the last tensor but its pad)
+        data[-20] ^= 0x40  # inside 1/mul/0 (the last tensor)
         shard.write_bytes(bytes(data))
     elif damage.startswith("dtype"):
         code = damage.split("->")[1]
@@ -238,7 +243,8 @@ def test_indexes_without_checksums_still_read(tmp_path: Path) -> None:
         p = tmp_path / f"rank{rank:05d}" / "index.json"
         index = json.loads(p.read_text())
         for entry in index["shards"]:
-            del entry["crc32"], entry["header_crc32"]
+            entry.pop("crc32", None)  # shards since per-block checksums have none
+            del entry["header_crc32"]
         del index["rank"]
         p.write_text(json.dumps(index))
     assert first_values(tmp_path) == [0, 1, 2, 3, 100, 101, 102, 103]

@@ -1,6 +1,6 @@
 """``fxprobe.open_captures``: captures written by :class:`fxprobe.Disk`, read lazily.
 
-The format (see ``_disk.py`` for how it is written): a directory with ``index.json``, the
+The format (see ``disk.py`` for how it is written): a directory with ``index.json``, the
 commit point, listing safetensors shards of whole forwards; tensors named
 ``"{forward}/{site}/{leaf}"``, the structure of each forward in the header's ``__metadata__``.
 Tensors are returned as views of a memory map of their shard, so nothing is read until used.
@@ -11,184 +11,51 @@ made from it) return; ``.clone()`` a value before editing it.
 What the index says of a shard is checked before its values are returned: its size, its
 forward range and rank, a header that parses with tensors inside the file whose byte sizes
 match their dtypes and shapes, and (``verify=True``, indexes written since the checksums were
-added) the CRC-32 of its header, and of its data the first time a forward of it is read.
+added) the CRC-32 of its header, and of each block of its data the first time a value or row in
+it is read (:mod:`.shardfile`). Rows of a site are gathered by :meth:`Captures.rows`
+(:mod:`.rows`).
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-import json
 import math
-import mmap
 import os
-import re
-import zlib
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
+import numpy as np
 import torch
 
 from ..capture.stats.math import Stats
-from ..core.errors import DiskError, UnknownSiteError
+from ..core.errors import ConfigError, DiskError, UnknownSiteError
 from ..core.names import did_you_mean
 from ..core.record import InOut
+from . import rowtable as _rows
+from .catalog import (
+    INDEX,
+    STATS_KEY,
+    _all_ranks,
+    _snapshot,
+    has_captures,
+    rank_dirs,
+)
 from .dataset import CaptureDataset, RowOptions, Rows, resolve_names
-
-INDEX = "index.json"
-FORMAT = "fxprobe-captures"
-VERSION = 1
-SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
-STATS_KEY = "__stats__"
-
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-                     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
-    if hasattr(torch, _name):
-        DTYPES[getattr(torch, _name)] = _code
-_FROM_CODE = {code: dtype for dtype, code in DTYPES.items()}
+from .shardfile import ShardReader
 
 
-def read_index(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            index = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DiskError(f"cannot read {str(path)!r}: {e}") from e
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise DiskError(f"{str(path)!r} is not an fxprobe capture index")
-    if index.get("version", 0) > VERSION:
-        raise DiskError(f"{str(path)!r} was written by a newer fxprobe (format version "
-                        f"{index['version']}); upgrade fxprobe to read it")
-    try:
-        total = 0
-        for shard in index["shards"]:
-            if int(shard["first"]) != total or int(shard["count"]) < 1:
-                raise ValueError(f"shard {shard['file']!r} lists forwards from {shard['first']}"
-                                 f" where {total} was expected")
-            total += int(shard["count"])
-        if int(index["forwards"]) != total:
-            raise ValueError(f"it counts {index['forwards']} forwards where its shards hold "
-                             f"{total}")
-    except (KeyError, TypeError, ValueError) as e:
-        raise DiskError(f"{str(path)!r} is corrupted: {e}; it was edited or overwritten "
-                        "after it was written") from e
-    return index
+def _decode(r: ShardReader, i: int, check: bool) -> dict[str, Any]:
+    """Forward ``i`` (as written) of shard ``r``: its values by site, tensors as views."""
+    layout = r.layouts[r.layout_of[i - r.first]]
+    skey = f"{i}/{STATS_KEY}"
+    stats = r.tensor(skey, check).tolist() if skey in r.entries else []
 
-
-def rank_dirs(path: Path) -> list[int]:
-    """The ranks with committed captures under ``path`` (``path/rank00001/index.json``)."""
-    if not path.is_dir():
-        return []
-    return sorted(int(d.name[4:]) for d in path.glob("rank[0-9][0-9][0-9][0-9][0-9]")
-                  if (d / INDEX).exists())
-
-
-class _ShardReader:
-    """A committed shard, memory-mapped; tensors are views of the map (read on access).
-
-    What the index says of the shard is checked before anything is read as data: its size,
-    a header that parses, a forward range that matches, every tensor inside the file. A shard
-    that fails is reported by name (``DiskError``), never read.
-    """
-
-    def __init__(self, path: Path, listed: Mapping[str, Any] | None = None,
-                 verify: bool = True) -> None:
-        listed = listed or {}
-        self.path = path
-        try:
-            f = open(path, "rb")
-        except OSError as e:
-            raise DiskError(f"shard {str(path)!r}, listed in the index, cannot be opened: {e}. "
-                            "It was moved or deleted after it was committed") from e
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            expected = listed.get("bytes")
-            if expected is not None and size != expected:
-                raise DiskError(f"shard {str(path)!r} is corrupted: {size} bytes where the "
-                                f"index says {expected} (truncated or overwritten); its "
-                                "forwards cannot be read")
-            head = f.read(8)
-            n = int.from_bytes(head, "little")
-            try:
-                if not 2 <= n <= size - 8:
-                    raise ValueError(f"a header of {n} bytes in a file of {size}")
-                raw = f.read(n)
-                crc = listed.get("header_crc32")
-                header_ok = not verify or crc is None or zlib.crc32(head + raw) == crc
-                header = json.loads(raw)
-                meta = json.loads(header.pop("__metadata__")["fxprobe"])
-                first, count = int(meta["first"]), len(meta["layout_of"])
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise DiskError(f"shard {str(path)!r} is corrupted: its header does not "
-                                f"parse ({e}); its forwards cannot be read") from e
-            if "first" in listed and (first, count) != (listed["first"], listed["count"]):
-                raise DiskError(
-                    f"shard {str(path)!r} holds forwards {first}..{first + count - 1} where the "
-                    f"index says {listed['first']}..{listed['first'] + listed['count'] - 1}: "
-                    "it is not the file the index committed")
-            if meta.get("rank") is not None and meta["rank"] != listed.get("rank"):
-                raise DiskError(
-                    f"shard {str(path)!r} was written by rank {meta['rank']} where the index "
-                    f"lists one of rank {listed.get('rank')}: it is not the file the index "
-                    "committed (moved between directories?)")
-            if not header_ok:
-                raise DiskError(f"shard {str(path)!r} is corrupted: its header's checksum "
-                                "differs from the index's (edited, or another file); its "
-                                "forwards cannot be read")
-            for key, entry in header.items():
-                _check_entry(path, key, entry, size - 8 - n)
-            # ACCESS_COPY: a private, writable map (torch wants writable buffers); the file
-            # itself is never changed.
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.start = 8 + n
-        self.crc: int | None = listed.get("crc32") if verify else None
-        """The data's CRC-32 still to check (:meth:`check_data`), or None."""
-        self.first: int = first
-        self.layouts = [json.loads(s) for s in meta["layouts"]]
-        self.layout_of: list[int] = meta["layout_of"]
-        self.entries: dict[str, Any] = header
-
-    def check_data(self) -> None:
-        """Check the data's CRC-32 against the index's (once; reads the whole shard)."""
-        if self.crc is None:
-            return
-        with memoryview(self.map) as whole, whole[self.start:] as data:
-            crc = zlib.crc32(data)
-        if crc != self.crc:
-            raise DiskError(f"shard {str(self.path)!r} is corrupted: its data's checksum "
-                            "differs from the index's (changed on disk after it was written); "
-                            "its forwards cannot be read")
-        self.crc = None
-
-    def tensor(self, key: str) -> torch.Tensor:
-        e = self.entries.get(key)
-        if e is None:
-            raise DiskError(f"shard {str(self.path)!r} is corrupted: it lacks tensor {key!r}, "
-                            "which its forward's layout lists")
-        dtype = _FROM_CODE[e["dtype"]]
-        begin, end = e["data_offsets"]
-        shape = e["shape"]
-        if end == begin:
-            return torch.empty(shape, dtype=dtype)
-        count = (end - begin) // dtype.itemsize
-        flat = torch.frombuffer(self.map, dtype=dtype, count=count, offset=self.start + begin)
-        return flat.view(shape)
-
-    def forward(self, i: int) -> dict[str, Any]:
-        layout = self.layouts[self.layout_of[i - self.first]]
-        stats = self.tensor(f"{i}/{STATS_KEY}").tolist() if f"{i}/{STATS_KEY}" in \
-            self.entries else []
-        return {name: self._decode(f"{i}/{name}/", s, stats) for name, s in layout.items()}
-
-    def _decode(self, prefix: str, s: dict[str, Any], stats: list[list[float]]) -> Any:
+    def dec(prefix: str, s: dict[str, Any]) -> Any:
         if "t" in s:
-            return self.tensor(f"{prefix}{s['t']}")
+            return r.tensor(f"{prefix}{s['t']}", check)
         if "s" in s:
             row = stats[s["s"]]
             shape = tuple(s["shape"])
@@ -197,36 +64,16 @@ class _ShardReader:
                          nan_count=int(row[6]), inf_count=int(row[7]))
         if "inout" in s:
             a, b = s["inout"]
-            return InOut(self._decode(prefix, a, stats), self._decode(prefix, b, stats))
+            return InOut(dec(prefix, a), dec(prefix, b))
         if "tuple" in s:
-            return tuple(self._decode(prefix, x, stats) for x in s["tuple"])
+            return tuple(dec(prefix, x) for x in s["tuple"])
         if "list" in s:
-            return [self._decode(prefix, x, stats) for x in s["list"]]
+            return [dec(prefix, x) for x in s["list"]]
         if "dict" in s:
-            return {k: self._decode(prefix, x, stats) for k, x in s["dict"]}
+            return {k: dec(prefix, x) for k, x in s["dict"]}
         return s["v"]
 
-
-def _check_entry(path: Path, key: str, entry: Any, data_size: int) -> None:
-    """A header's tensor entry: a known dtype, a shape whose byte size is the data's, inside
-    the file."""
-    try:
-        begin, end = entry["data_offsets"]
-        shape = [int(d) for d in entry["shape"]]
-        dtype = _FROM_CODE[entry["dtype"]]
-        ok = all(d >= 0 for d in shape)
-    except (KeyError, TypeError, ValueError):
-        raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} has an unknown "
-                        f"dtype or a malformed entry ({entry!r}); its forwards cannot be "
-                        "read") from None
-    if not 0 <= begin <= end <= data_size:
-        raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} lies outside the "
-                        "file; its forwards cannot be read")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not ok or end - begin != nbytes:
-        raise DiskError(f"shard {str(path)!r} is corrupted: tensor {key!r} of shape {shape} "
-                        f"and dtype {entry['dtype']} needs {nbytes} bytes where the file has "
-                        f"{end - begin}; its forwards cannot be read")
+    return {name: dec(f"{i}/{name}/", s) for name, s in layout.items()}
 
 
 class CapturedForward(Mapping[str, Any]):
@@ -263,43 +110,160 @@ class CapturedForward(Mapping[str, Any]):
         return f"CapturedForward({self.index}, {list(self._values)})"
 
 
+OnError = Literal["raise", "skip"]
+
+
+def _ident(shard: dict[str, Any]) -> tuple[Any, ...]:
+    """What tells a shard from another written under the same name (checks stay with it)."""
+    return (shard["file"], shard.get("bytes"), shard.get("header_crc32"), shard.get("rank"))
+
+
+class Skipped:
+    """A shard ``open_captures(..., on_error="skip")`` left out, and why."""
+
+    def __init__(self, file: str, forwards: int, reason: str) -> None:
+        self.file = file
+        """The shard, relative to the captures' directory."""
+        self.forwards = forwards
+        """How many forwards it held (left out with it)."""
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Skipped({self.file!r}, forwards={self.forwards}, {self.reason!r})"
+
+
 class Captures:
     """Captures written by :class:`Disk`, read lazily: see :func:`open_captures`."""
 
-    def __init__(self, path: Path, index: dict[str, Any], verify: bool = True) -> None:
+    def __init__(self, path: Path, rank: int | None, verify: bool = True,
+                 on_error: OnError = "raise", ranks: list[int] | None = None) -> None:
         self.path = path
-        self._index = index
         self.verify = verify
-        """Check each shard's checksums (its data's the first time a forward of it is read)."""
-        self._verified: set[int] = set()
+        """Check checksums (each block of a value the first time it is read)."""
+        self.on_error: OnError = on_error
+        self.skipped: list[Skipped] = []
+        """Shards left out by ``on_error="skip"`` (empty otherwise)."""
+        self._rank_arg = rank
+        self._ranks = ranks
+        self._verified: set[tuple[Any, ...]] = set()
+        self._checked: dict[tuple[Any, ...], set[tuple[str, int]]] = {}
+        self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
+        self._tables: dict[tuple[str, int], _rows.RowTable] = {}
+        self._shards: list[dict[str, Any]] = []
+        self.refresh()
+
+    def refresh(self) -> int:
+        """Read the index (and the journal of the shard being written) again: forwards
+        committed since are seen from now on. Forwards seen before keep their numbers and
+        values; datasets made earlier keep their rows (make a new one to read the new).
+
+        Returns:
+            How many forwards there are now.
+        """
+        if self._ranks is not None:
+            self._ranks = rank_dirs(self.path) or self._ranks
+        index = (_all_ranks(self.path, self._ranks) if self._ranks is not None
+                 else _snapshot(self.path, self._rank_arg))
+        self._index = index
+        old = {s["file"]: (k, s) for k, s in enumerate(self._shards)}
+        shards: list[dict[str, Any]] = []
+        for shard in index["shards"]:
+            was = old.get(shard["file"])
+            if was is not None and was[1].get("count") == shard["count"] and \
+                    "journal" not in was[1] and "journal" not in shard:
+                shard = was[1]  # unchanged: its readers and checks stay
+            shards.append(shard)
+        self._shards = shards
+        self._open.clear()
+        self._tables.clear()
+        if self.on_error == "skip":
+            self._skip_bad()
+        self._firsts: list[int] = []
+        total = 0
+        for shard in self._shards:
+            self._firsts.append(total)
+            total += int(shard["count"])
+        self._len = total
         self.names: tuple[str, ...] = tuple(index["sites"])
         """Site names, in the order they were first written."""
         self.canonical: dict[str, str] = {a: n for a, n in index.get("canonical", {}).items()
                                           if n in self.names and a not in self.names}
         """Canonical name (``blocks.6.resid_post``) -> site name (none in older captures)."""
-        self._shards: list[dict[str, Any]] = index["shards"]
-        self._firsts = [s["first"] for s in self._shards]
-        self._open: collections.OrderedDict[int, _ShardReader] = collections.OrderedDict()
+        return total
+
+    def _skip_bad(self) -> None:
+        """Check every shard whole (header, data checksums), leaving out those that fail."""
+        kept, skipped = [], []
+        for k, shard in enumerate(self._shards):
+            if shard.get("checked"):
+                kept.append(shard)
+                continue
+            try:
+                r = self._reader(shard, k)
+                r.check_data()
+                if r.crcs is not None:
+                    for key in r.crcs:
+                        r.check_tensor(key)
+                shard["checked"] = True
+                kept.append(shard)
+            except DiskError as e:
+                skipped.append(Skipped(shard["file"], int(shard["count"]), str(e)))
+        self._open.clear()
+        if skipped:
+            self.skipped += skipped
+            lost = sum(s.forwards for s in skipped)
+            warnings.warn(
+                f"open_captures({str(self.path)!r}, on_error='skip') left out "
+                f"{len(skipped)} shard(s) holding {lost} forward(s) (the forwards after them "
+                "are numbered on without a gap; caps.skipped lists what and why): "
+                + "; ".join(f"{x.file}: {x.reason}" for x in skipped[:3]), stacklevel=3)
+        self._shards = kept
 
     def __len__(self) -> int:
-        return int(self._index["forwards"])
+        return self._len
 
-    def _shard(self, i: int) -> _ShardReader:
-        k = bisect.bisect_right(self._firsts, i) - 1
+    @property
+    def appends_only(self) -> bool:
+        """:meth:`refresh` only adds forwards after those seen (one directory, not several
+        ranks read as one, whose later ranks' forwards move as earlier ranks add; nor with
+        ``on_error="skip"``, which may leave out a shard it read before)."""
+        return self._ranks is None and self.on_error == "raise"
+
+    def _reader(self, shard: dict[str, Any], k: int) -> ShardReader:
+        listed = dict(shard, first=shard.get("local_first", shard["first"]), rank=shard.get(
+            "rank", self._index.get("rank")))
+        journal = shard.get("journal")
+        if journal is None:
+            return ShardReader(self.path / shard["file"], listed, self.verify)
+        path = self.path / shard["file"]
+        if not path.exists():  # committed since the snapshot: the same bytes, renamed
+            path = path.with_name(path.name[:-len(".partial")])
+        listed.pop("bytes", None)
+        return ShardReader(path, listed, self.verify, (journal[0], journal[1]))
+
+    def _shard_at(self, k: int) -> ShardReader:
+        """Shard ``k`` (position in the list), opened once and kept among the last 64."""
         reader = self._open.get(k)
         if reader is None:
-            shard = self._shards[k]
-            reader = _ShardReader(self.path / shard["file"],
-                                  dict(shard, first=shard.get("local_first", shard["first"]),
-                                       rank=self._rank(k)), self.verify)
-            if k in self._verified:
+            reader = self._reader(self._shards[k], k)
+            if _ident(self._shards[k]) in self._verified:
                 reader.crc = None
+            reader.checked = self._checked.setdefault(_ident(self._shards[k]), set())
             self._open[k] = reader
             if len(self._open) > 64:  # bound open maps; views keep theirs alive
                 self._open.popitem(last=False)
         else:
             self._open.move_to_end(k)
         return reader
+
+    def _check(self, k: int, key: str, blocks: Any) -> None:
+        r = self._shard_at(k)
+        r.check_blocks(key, blocks)
+        if r.crcs is None:
+            self._verified.add(_ident(self._shards[k]))
+
+    def _shard(self, i: int) -> ShardReader:
+        return self._shard_at(bisect.bisect_right(self._firsts, i) - 1)
 
     def _rank(self, k: int) -> int | None:
         rank = self._shards[k].get("rank", self._index.get("rank"))
@@ -313,20 +277,71 @@ class Captures:
         return self._forward(i, check_data=True)
 
     def _forward(self, i: int, check_data: bool) -> CapturedForward:
-        """Forward ``i``; with ``check_data=False`` its shard's data is not read (nor its
-        checksum checked) to make the views: what a dataset needs to learn the shapes."""
+        """Forward ``i``; with ``check_data=False`` its data is not read (nor its checksums
+        checked) to make the views: what a dataset needs to learn the shapes."""
         n = len(self)
         if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
             raise IndexError(f"forward {i!r} out of range: {str(self.path)!r} holds {n} "
                              "forward(s)")
         i %= n
-        shard = self._shards[bisect.bisect_right(self._firsts, i) - 1]
-        local = i - shard["first"] + shard.get("local_first", shard["first"])
-        reader = self._shard(i)
+        k = bisect.bisect_right(self._firsts, i) - 1
+        reader = self._shard_at(k)
         if check_data and reader.crc is not None:
             reader.check_data()
-            self._verified.add(bisect.bisect_right(self._firsts, i) - 1)
-        return CapturedForward(i, reader.forward(local), self.names, self.canonical)
+            self._verified.add(_ident(self._shards[k]))
+        values = _decode(reader, i - self._firsts[k] + reader.first, check_data)
+        return CapturedForward(i, values, self.names, self.canonical)
+
+    def rows(self, site: str, indices: Any, lead: int = 2) -> torch.Tensor:
+        """Rows of ``site`` by number in its row space, gathered from the memory maps.
+
+        The row space of a site: every forward that holds it, in order, its value
+        ``[d0, d1, ...]`` flattened over its first ``lead`` dims (``lead=2``: one row per
+        ``[batch, pos]`` token; ``1``: one per batch element); :meth:`row_count` says how many.
+        One NumPy fancy index per shard the rows lie in; sorted indices read the page cache
+        in order. Each block of the values is checked against its checksum the first time a
+        row in it is read (``verify=True``).
+
+        Args:
+            site: a site name holding tensors.
+            indices: 1-d integers (NumPy array, tensor, list), any order, repeats allowed.
+            lead: the leading dims that make rows (1 or 2).
+
+        Returns:
+            A new tensor ``[len(indices), *row_shape]`` of the site's dtype, in the order of
+            ``indices`` (not a view: editing it changes nothing else).
+
+        Raises:
+            IndexError: an index outside ``[0, row_count(site, lead))``.
+            DiskError: a value that is not a tensor, rows of different shapes or dtypes, or
+                a corrupted block (the shard named).
+        """
+        table = self._table(site, lead)
+        idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices)
+        if idx.dtype.kind not in "iu" and not (idx.size == 0):
+            raise TypeError(f"rows({site!r}, ...) takes integer indices, not {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
+        n = len(table)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            bad = idx[(idx < 0) | (idx >= n)][0]
+            raise IndexError(f"row {int(bad)} out of range: site {site!r} has {n} rows")
+        return table.gather(idx, self._shard_at, self._check)
+
+    def row_count(self, site: str, lead: int = 2) -> int:
+        """How many rows :meth:`rows` reads from (see there)."""
+        return len(self._table(site, lead))
+
+    def _table(self, site: str, lead: int) -> _rows.RowTable:
+        if lead not in (1, 2):
+            raise ConfigError(f"rows(lead={lead!r}): 1 (batch elements) or 2 ([batch, pos])")
+        site = self.resolve(site)
+        if site not in self.names:
+            CapturedForward(-1, {}, self.names, self.canonical)[site]  # raises, close matches
+        table = self._tables.get((site, lead))
+        if table is None:
+            shards = [(k, self._firsts[k], self._shard_at(k)) for k in range(len(self._shards))]
+            table = self._tables[(site, lead)] = _rows.build(site, lead, shards, self.verify)
+        return table
 
     def rank_of(self, i: int) -> int | None:
         """The rank that wrote forward ``i`` (None where no rank was recorded)."""
@@ -420,23 +435,30 @@ class Captures:
 
 
 def open_captures(path: str | os.PathLike[str], rank: int | None = None,
-                  verify: bool = True) -> Captures:
+                  verify: bool = True, on_error: OnError = "raise") -> Captures:
     """Open captures written by ``fxprobe.Disk``; nothing is read until a value is used.
 
     Tensors are memory-mapped views of the shards, so a dataset larger than memory can be
-    iterated forward by forward. Only what ``index.json`` lists is seen: shards still being
-    written are not.
+    iterated forward by forward. What is seen: the shards ``index.json`` lists, and the
+    forwards that the journal of the shard being written lists (each complete once its line
+    is there), as of this call; ``caps.refresh()`` looks again.
 
     Args:
         path: the directory given to ``fxprobe.Disk``.
         rank: one rank's captures, when several ranks wrote under ``path``; by default all
             of them, one after the other (rank 0's forwards first; ``caps.rank_of(i)`` says
             which rank wrote forward ``i``).
-        verify: check each shard's CRC-32 checksums against the index (its header when it is
-            opened, its data the first time a forward of it is read, which reads the whole
-            shard once per process); ``False`` skips them (sizes, forward ranges, ranks and
-            the header's dtypes and shapes are checked always). Indexes written before the
-            checksums were added are read unchecked.
+        verify: check CRC-32 checksums: a shard's header when it is opened, each block of
+            a value the first time it is read (so reading one site reads and checks that
+            site's bytes only; shards written before per-block checksums: the whole shard the
+            first time a forward of it is read); ``False`` skips them (sizes, forward ranges,
+            ranks and the header's dtypes and shapes are checked always). Indexes written
+            before the checksums were added are read unchecked.
+        on_error: ``"raise"`` (the default): a shard that is missing or corrupted raises
+            ``DiskError`` naming it when a value of it is read. ``"skip"``: every shard is
+            checked whole now (its header, and every byte of its data against its checksums:
+            one read of the directory), and those that fail are left out with a warning;
+            ``caps.skipped`` lists them, the forwards after them are numbered on.
 
     Returns:
         A :class:`Captures`: ``caps.names``, ``len(caps)`` (forwards), ``caps.forward(i)[name]``
@@ -451,48 +473,25 @@ def open_captures(path: str | os.PathLike[str], rank: int | None = None,
         >>> caps = fxprobe.open_captures("acts/")
         >>> caps.forward(0)["layer1.0.relu"].shape, caps["fc"].shape
     """
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"open_captures(on_error={on_error!r}): 'raise' or 'skip'")
     p = Path(path)
     ranks = rank_dirs(p)
-    if ranks and (p / INDEX).exists():
+    if ranks and has_captures(p):
         raise DiskError(f"{str(p)!r} holds captures written without a rank ({INDEX}) and "
                         f"captures of ranks {ranks} (rank* directories); move one of them to "
                         "another directory")
     if rank is not None:
-        if (p / f"rank{rank:05d}" / INDEX).exists():
-            p = p / f"rank{rank:05d}"
-            return Captures(p, dict(read_index(p / INDEX), rank=rank), verify)
+        if has_captures(p / f"rank{rank:05d}"):
+            return Captures(p / f"rank{rank:05d}", rank, verify, on_error)
         raise DiskError(f"{str(p)!r} holds no captures of rank {rank}; ranks there: "
                         f"{ranks or 'none'}")
-    if not (p / INDEX).exists():
+    if not has_captures(p):
         if ranks:
-            return Captures(p, _all_ranks(p, ranks), verify)
+            return Captures(p, None, verify, on_error, ranks)
         raise DiskError(
             f"{str(p)!r} holds no captures ({INDEX} missing): nothing was committed there yet "
             "(a Disk commits on flush(), close() and each full shard)"
             if p.is_dir() else f"{str(p)!r} holds no captures: it does not exist",
         )
-    return Captures(p, read_index(p / INDEX), verify)
-
-
-def _all_ranks(path: Path, ranks: list[int]) -> dict[str, Any]:
-    """One index over every rank's committed shards under ``path``.
-
-    Each rank commits its own ``index.json`` (no lock is shared between processes, which a
-    network filesystem might not honour); this reads them all and lays their forwards end to
-    end, recording each shard's rank and the forward numbering within it.
-    """
-    merged: dict[str, Any] = {"format": FORMAT, "version": VERSION, "sites": [],
-                              "forwards": 0, "shards": []}
-    for rank in ranks:
-        index = read_index(path / f"rank{rank:05d}" / INDEX)
-        for site in index["sites"]:
-            if site not in merged["sites"]:
-                merged["sites"].append(site)
-        for alias, site in index.get("canonical", {}).items():
-            merged.setdefault("canonical", {}).setdefault(alias, site)
-        for shard in index["shards"]:
-            merged["shards"].append(dict(
-                shard, file=f"rank{rank:05d}/{shard['file']}", rank=rank,
-                first=merged["forwards"] + shard["first"], local_first=shard["first"]))
-        merged["forwards"] += index["forwards"]
-    return merged
+    return Captures(p, None, verify, on_error)

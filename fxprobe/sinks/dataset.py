@@ -7,19 +7,20 @@ only where a recorded mask is non-zero (the padding of a batch left out).
 
 The dataset holds the index of the committed shards it was made from (no open file), so it
 pickles into ``DataLoader`` workers, where each opens its own maps at the first row it reads.
-``__getitems__`` (which ``DataLoader`` calls with a whole batch of indices) reads the rows of
-one forward with one gather instead of one Python call per row.
+``__getitems__`` (which ``DataLoader`` calls with a whole batch of indices) reads a batch with
+one gather per shard (``Captures.rows``) instead of one Python call per row; ``ds.loader(...)``
+hands whole batches to ``ds[rows]`` and skips the row-by-row collation as well (the fast path).
 """
 
 from __future__ import annotations
 
-import collections
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -57,6 +58,10 @@ class Source(Protocol):
 
     def forward(self, i: int) -> Mapping[str, Any]: ...
 
+    def rows(self, site: str, indices: Any, lead: int = 2) -> torch.Tensor: ...
+
+    def row_count(self, site: str, lead: int = 2) -> int: ...
+
 
 class CaptureDataset(Dataset[Any]):
     """Rows of captured values: see :meth:`Captures.dataset`."""
@@ -91,6 +96,8 @@ class CaptureDataset(Dataset[Any]):
         self._forwards: list[int] = []
         self._starts: list[int] = []
         self._kept: list[torch.Tensor | None] = []
+        self._raw_starts: list[int] = []
+        raw_total = 0
         self.row_shapes: dict[str, tuple[int, ...]] = {}
         """Each name's shape of one row."""
         self.row_dtypes: dict[str, torch.dtype] = {}
@@ -115,10 +122,12 @@ class CaptureDataset(Dataset[Any]):
             self._forwards.append(f)
             self._starts.append(total)
             self._kept.append(kept)
+            self._raw_starts.append(raw_total)
+            raw_total += int(torch.Size(lead).numel())
             total += count
         self._len = total
-        self._cache: collections.OrderedDict[int, dict[str, torch.Tensor]] = \
-            collections.OrderedDict()
+        self._raw_len = raw_total
+        self._raw: np.ndarray | None = None
         if layout == "stack":
             check_stackable(self.row_shapes, self.row_dtypes)
         self.scale: Scale | None = Scale.given(self.names, normalize)
@@ -159,57 +168,44 @@ class CaptureDataset(Dataset[Any]):
     def __len__(self) -> int:
         return self._len
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_cache"] = collections.OrderedDict()  # maps stay in the process that made them
-        return state
+    def _raw_rows(self, idx: np.ndarray) -> np.ndarray:
+        """Dataset rows -> rows of the sites' row spaces (``Captures.rows``)."""
+        if all(k is None for k in self._kept):
+            return idx
+        if self._raw is None:  # where each kept row lies, once: 8 bytes a row
+            ends = [*self._raw_starts[1:], self._raw_len]
+            parts = [start + (k.numpy() if k is not None else np.arange(end - start))
+                     for start, end, k in zip(self._raw_starts, ends, self._kept, strict=True)]
+            self._raw = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return self._raw[idx]
 
-    def _flat(self, k: int) -> dict[str, torch.Tensor]:
-        """Forward k's values with their leading dims flattened: views of the maps."""
-        got = self._cache.get(k)
-        if got is None:
-            values = self._caps.forward(self._forwards[k])
-            lead = 2 if self.rows == "tokens" else 1
-            got = {n: values[n].flatten(0, lead - 1) if lead == 2 else values[n]
-                   for n in self.names}
-            self._cache[k] = got
-            if len(self._cache) > 256:  # each map holds a file descriptor
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(k)
-        return got
-
-    def _gather(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows ``idx`` (1-d, long) of every name, stacked: one gather per forward they fall
-        in."""
-        if idx.numel() and not (-self._len <= int(idx.min()) and int(idx.max()) < self._len):
-            bad = idx[(idx < -self._len) | (idx >= self._len)][0]
-            raise IndexError(f"row {int(bad)} out of range: the dataset has {self._len} rows")
-        idx = idx.remainder(max(self._len, 1))
-        starts = torch.tensor(self._starts, dtype=torch.long)
-        k = torch.searchsorted(starts, idx, right=True) - 1
-        local = idx - starts[k]
-        order = torch.argsort(k, stable=True)
-        ks, counts = torch.unique_consecutive(k[order], return_counts=True)
+    def _gather(self, idx: Any) -> dict[str, torch.Tensor]:
+        """Rows ``idx`` (1-d integers) of every name, stacked in that order: one gather per
+        shard from the memory maps (:meth:`Captures.rows`)."""
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        n = self._len
+        if idx.size and not (-n <= int(idx.min()) and int(idx.max()) < n):
+            bad = idx[(idx < -n) | (idx >= n)][0]
+            raise IndexError(f"row {int(bad)} out of range: the dataset has {n} rows")
+        if idx.size and int(idx.min()) < 0:
+            idx = np.where(idx < 0, idx + n, idx)
+        raw = self._raw_rows(idx)
+        lead = 2 if self.rows == "tokens" else 1
         out: dict[str, torch.Tensor] = {}
-        begin = 0
-        for kk, count in zip(ks.tolist(), counts.tolist(), strict=True):
-            where = order[begin:begin + count]
-            begin += count
-            rows = local[where]
-            kept = self._kept[kk]
-            if kept is not None:
-                rows = kept[rows]
-            for n, t in self._flat(kk).items():
-                if n not in out:
-                    out[n] = torch.empty((idx.numel(), *t.shape[1:]), dtype=t.dtype)
-                out[n].index_copy_(0, where, t.index_select(0, rows))
-        if not out:  # no rows asked for
-            out = {n: torch.empty((0, *s), dtype=self.row_dtypes[n])
-                   for n, s in self.row_shapes.items()}
+        for name in self.names:
+            have = self._caps.row_count(name, lead)
+            # After caps.refresh(): rows added after the dataset's are fine where forwards
+            # only append (one directory); anything else would move its rows.
+            if have != self._raw_len and not (
+                    have > self._raw_len and getattr(self._caps, "appends_only", False)):
+                raise DiskError(f"site {name!r} has {have} rows in the captures but "
+                                f"{self._raw_len} in the forwards this dataset was made from "
+                                "(caps.refresh() saw new forwards of several ranks); make "
+                                "the dataset again")
+            out[name] = self._caps.rows(name, raw, lead)
         return out
 
-    def _read(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _read(self, idx: Any) -> dict[str, torch.Tensor]:
         """Rows ``idx`` of every name, normalized: what every read returns."""
         got = self._gather(idx)
         return self.scale.apply(got) if self.scale is not None else got
@@ -258,17 +254,54 @@ class CaptureDataset(Dataset[Any]):
         self.scale = Scale({str(k): float(v) for k, v in scale.items()}) if scale else None
 
     def __getitem__(self, i: Any) -> Any:
-        """Row ``i``; a list or 1-d tensor of rows gives them stacked (one batch), which is
-        the fast way to read: ``DataLoader(ds, batch_size=None, sampler=BatchSampler(...))``."""
+        """Row ``i``; a list or 1-d tensor of rows gives them stacked (one batch):
+        ``DataLoader(ds, batch_size=None, sampler=BatchSampler(...))`` reads that way."""
         idx, scalar = _indices(i)
         got = self._read(idx)
         return self._pack({n: v[0] for n, v in got.items()} if scalar else got)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Many rows at once, as ``DataLoader`` asks for a batch: one gather per forward."""
-        got = self._read(_indices(list(indices))[0])
+        got = self._read(_indices(indices)[0])
+        if self._single:
+            return list(got[self.names[0]].unbind(0))
+        if self.layout == "stack":
+            return list(self._pack(got).unbind(0))
         rows = {n: v.unbind(0) for n, v in got.items()}
-        return [self._pack({n: rows[n][p] for n in self.names}) for p in range(len(indices))]
+        return [{n: rows[n][p] for n in self.names} for p in range(len(indices))]
+
+    def loader(self, batch_size: int, shuffle: bool = True, drop_last: bool = False,
+               generator: torch.Generator | None = None, **kwargs: Any) -> Any:
+        """A ``torch.utils.data.DataLoader`` of batches of rows: the fast way to read.
+
+        Each batch is ``ds[rows]``, one gather per shard, with no collation of single rows;
+        the rows of a batch are drawn as ``shuffle=True`` draws them (a permutation per
+        epoch) and read in file order (a batch holds the same rows in another order, which a
+        training step does not see).
+
+        Args:
+            batch_size: rows per batch.
+            shuffle: a new random permutation per epoch (else rows in order).
+            drop_last: leave out a last, smaller batch.
+            generator: the ``torch.Generator`` the permutations are drawn from.
+            **kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
+
+        Returns:
+            ``DataLoader(self, batch_size=None, sampler=...)``: batches shaped
+            ``[batch_size, *row_shape]`` (dicts of them for several names).
+
+        Example:
+            >>> for batch in ds.loader(4096, num_workers=2):
+            ...     loss = sae_step(batch)
+        """
+        from torch.utils.data import DataLoader
+
+        for bad in ("batch_size", "sampler", "batch_sampler", "collate_fn"):
+            if bad in kwargs:
+                raise ConfigError(f"ds.loader({bad}=...) is set by the loader; pass "
+                                  f"DataLoader(ds, ...) yourself to choose it")
+        sampler = Batches(len(self), batch_size, shuffle, drop_last, generator)
+        return DataLoader(self, batch_size=None, sampler=sampler, **kwargs)
 
     def __repr__(self) -> str:
         what = self.names[0] if self._single else list(self.names)
@@ -290,6 +323,37 @@ def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mas
     if isinstance(scale, Mapping):
         options["normalize"] = {one(k): v for k, v in scale.items()}
     return (one(names) if isinstance(names, str) else [one(n) for n in names]), one(mask)
+
+
+class Batches(torch.utils.data.Sampler[np.ndarray]):
+    """Batches of row numbers (sorted 1-d int64 arrays) of a shuffled (or ordered) epoch."""
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool = True, drop_last: bool = False,
+                 generator: torch.Generator | None = None) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r}: a positive int")
+        self.n = n
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.generator = generator
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.n, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Any:
+        if self.shuffle:
+            g = self.generator
+            if g is None:  # as RandomSampler: a seed from torch's global generator
+                g = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64)
+                                                      .random_().item()))
+            order = torch.randperm(self.n, generator=g).numpy()
+        else:
+            order = np.arange(self.n, dtype=np.int64)
+        for b in range(len(self)):
+            part = order[b * self.batch_size:(b + 1) * self.batch_size]
+            yield np.sort(part) if self.shuffle else part
 
 
 def _indices(i: Any) -> tuple[torch.Tensor, bool]:

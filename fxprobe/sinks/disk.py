@@ -8,13 +8,15 @@ than one rank)::
       index.json                          the commit point: the shards it lists are complete
       shard-000000.safetensors            whole forwards; tensors named "{forward}/{site}/{leaf}"
       shard-000001.safetensors
-      shard-000002.safetensors.partial    being written; never listed, never read
+      shard-000002.safetensors.partial    being written
+      shard-000002.safetensors.journal    its complete forwards, one line each (:mod:`.shards`)
       .lock                               held (flock) while a Disk writes here
 
 Every shard is a standard safetensors file (``safetensors.torch.load_file`` opens it), written
 as one stream and renamed when complete (:mod:`.shards`); a new ``index.json`` follows each
-rename (:mod:`.index`). A crash therefore loses at most the shard being written; a reader never
-sees a half-written shard.
+rename (:mod:`.index`). Each forward is also listed in the journal of the shard being written
+once its bytes are in the file, so a killed writer loses only the forwards not yet written
+(readers read the journaled ones; ``mode="append"`` commits them).
 
 This module is the writer: :class:`Disk`, its bounded queue and its thread. It depends only on
 three calls, ``write(values, inputs)``, ``flush()`` and ``close()``; the tapped module makes
@@ -38,9 +40,9 @@ from typing import Any
 
 from ..core.errors import ConfigError, DiskError
 from ..core.options import Sink
-from .captures import INDEX, rank_dirs
+from .catalog import INDEX, rank_dirs
 from .index import CaptureDir, Mode
-from .shards import Encoder, Job, Shard, protected_storages
+from .shards import Encoder, Job, Shard, crc_room, protected_storages
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -380,7 +382,8 @@ class Disk(Sink):
             self._commit()
 
     def _new_shard(self, job: Job, layout_json: str) -> Shard:
-        per_job = sum(len(k) + 128 + 12 * t.dim() for k, t in job.tensors) + 32
+        per_job = sum(len(k) + 128 + 12 * t.dim() + crc_room(k, t.numel() * t.element_size())
+                      for k, t in job.tensors) + 32
         jobs = max(1, math.ceil(self.shard_size / max(job.nbytes, 1)))
         header = per_job * jobs * 5 // 4 + len(layout_json) * 2 + 8192
         header = min(max(header, 64 * 1024), 64 * 2**20)
@@ -406,4 +409,6 @@ class Disk(Sink):
             self._lost += shard.forwards
             with contextlib.suppress(OSError):
                 shard.final.unlink()
+            shard.done()
             raise
+        shard.done()

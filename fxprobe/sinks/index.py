@@ -1,19 +1,25 @@
 """The directory a :class:`~fxprobe.Disk` writes: its lock, its ``index.json`` (the commit point:
 the shards it lists are complete) and what a crashed writer left behind.
 
-A new ``index.json`` is written after each shard's rename (temporary file + ``os.replace``), so
-a crash loses at most the shard being written, and a reader never sees a half-written one.
+A new ``index.json`` is written after each shard's rename (temporary file + ``os.replace``); the
+forwards of the shard being written are listed in its journal (:mod:`.shards`), which the next
+writer (``mode="append"``) commits: a crash loses only the forwards not yet written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 from ..core.errors import DiskError
-from .captures import FORMAT, INDEX, SHARD_RE, VERSION, read_index
+from .catalog import FORMAT, INDEX, SHARD_RE, VERSION, read_index
+from .shardfile import JOURNAL, read_journal
+from .shards import Shard
+
+JOURNAL_RE = re.compile(r"^shard-(\d{6})\.safetensors" + re.escape(JOURNAL) + "$")
 
 Mode = Literal["new", "append", "overwrite"]
 
@@ -72,35 +78,72 @@ class CaptureDir:
         p = self.path
         index_path = p / INDEX
         shards = sorted(f for f in os.listdir(p) if SHARD_RE.match(f))
+        journals = sorted(f for f in os.listdir(p) if JOURNAL_RE.match(f))
         has = index_path.exists()
-        if mode == "new" and (has or shards):
+        if mode == "new" and (has or shards or any(read_journal(p / j)[1] for j in journals)):
             raise DiskError(
-                f"{str(p)!r} already holds captures ({INDEX} and {len(shards)} shard(s)); "
-                "pass fxprobe.Disk(..., mode='append') to add to them, mode='overwrite' to "
-                "replace them, or another directory"
+                f"{str(p)!r} already holds captures ({INDEX}, {len(shards)} shard(s), "
+                f"{len(journals)} unfinished); pass fxprobe.Disk(..., mode='append') to add to "
+                "them, mode='overwrite' to replace them, or another directory"
             )
         for f in os.listdir(p):  # leftovers of a crashed writer: never committed
-            if f.endswith((".partial", ".tmp")) or (mode == "overwrite" and SHARD_RE.match(f)):
+            if f.endswith(".tmp") or (mode == "overwrite" and (
+                    SHARD_RE.match(f) or f.endswith(".partial") or JOURNAL_RE.match(f))):
                 (p / f).unlink()
         if mode == "overwrite" and has:
             index_path.unlink()
             has = False
         if has:
             self.index = read_index(index_path)
-            # Shards a crash left behind after the rename but before the index: not committed.
-            listed = {s["file"] for s in self.index["shards"]}
-            for f in shards:
-                if f not in listed:
-                    (p / f).unlink()
         else:
             self.index = {"format": FORMAT, "version": VERSION, "sites": [],
                           "signature": {}, "forwards": 0, "shards": []}
+        listed = {s["file"] for s in self.index["shards"]}
+        for f in sorted(f for f in os.listdir(p) if SHARD_RE.match(f)):
+            if f in listed:
+                continue
+            # Renamed but not yet listed when the writer stopped: its journal still says
+            # which forwards it holds, so it is committed again below; without one, dropped.
+            if (p / (f + JOURNAL)).exists():
+                os.replace(p / f, p / (f + ".partial"))
+            else:
+                (p / f).unlink()
         if self.rank is not None:
             self.index["rank"] = self.rank
-        self.appending = bool(self.index["forwards"])
         numbers = [int(m.group(1)) for s in self.index["shards"]
                    if (m := SHARD_RE.match(s["file"]))]
         self.next_shard = max(numbers, default=-1) + 1
+        self._recover()
+        self.appending = bool(self.index["forwards"])
+
+    def _recover(self) -> None:
+        """Commit the forwards a killed writer's journal lists (those of the shard it was
+        writing); remove every other leftover of it."""
+        p = self.path
+        for f in sorted(os.listdir(p)):
+            m = JOURNAL_RE.match(f)
+            if m is None:
+                continue
+            number = int(m.group(1))
+            shard = None
+            if number == self.next_shard:
+                shard = Shard.resume(p, number, self.fsync, self.rank, self.committed)
+            if shard is None:
+                for leftover in (p / f, p / (f[:-len(JOURNAL)] + ".partial")):
+                    leftover.unlink(missing_ok=True)
+                continue
+            self.next_shard += 1
+            try:
+                entry = shard.commit()
+            except BaseException:
+                shard.abort()
+                raise
+            self.add_sites(shard.signature)
+            self.record(entry)
+            shard.done()
+        for f in os.listdir(p):  # without a journal: nothing in it was complete
+            if f.endswith(".partial"):
+                (p / f).unlink(missing_ok=True)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

@@ -6,10 +6,17 @@ safetensors file.
 A shard is written as one stream: a header area of real bytes first (spaces, so that a full
 disk cannot refuse the header later and lose the shard's complete forwards), then the data,
 then the header over that area (JSON padded with spaces, as the format allows), ``fsync`` and an
-atomic rename. The index entry of a shard holds a CRC-32 of its data (computed as it is
-written) and of its header, which the reader checks before it trusts the shard. Tensors are
-named ``"{forward}/{site}/{leaf}"``; every one starts on a 64-byte boundary of the file
-(mmap-friendly), the gaps filled with named pads (safetensors allows no holes).
+atomic rename. The header holds a CRC-32 of every block of every tensor (computed as it is
+written), and the index entry a CRC-32 of the header; a reader checks a block when it first
+reads from it. Tensors are named ``"{forward}/{site}/{leaf}"``; every one starts on a 64-byte
+boundary of the file (mmap-friendly), the gaps filled with named pads (safetensors allows no
+holes).
+
+A journal beside the ``.partial`` file (``shard-000007.safetensors.journal``) gets one line per
+forward once its data is in the file (no ``fsync``: a killed process loses nothing the kernel
+has): where its tensors are, its layout and checksums. Readers read the forwards it lists, and
+the next ``Disk(mode="append")`` commits them (:meth:`Shard.resume`): a writer killed mid-run
+loses only the forwards not yet written.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import torch
 from ..capture.stats.math import FIELDS, Stats
 from ..core.errors import ConfigError, DiskError
 from ..core.record import InOut
-from .captures import DTYPES, FORMAT, STATS_KEY, VERSION
+from .catalog import FORMAT, STATS_KEY, VERSION
+from .shardfile import BLOCK, DTYPES, JOURNAL, block_crcs, journal_line, read_journal
 
 _ALIGN = 64  # every tensor starts on a 64-byte boundary of the file (mmap-friendly)
 
@@ -203,56 +211,127 @@ def _entry(key: str, code: str, shape: list[int], begin: int, end: int) -> str:
                       separators=(",", ":"))[1:-1]
 
 
+def crc_room(key: str, nbytes: int) -> int:
+    """Header bytes the checksums of one tensor take (JSON inside JSON: quotes escaped)."""
+    return 2 * len(key) + 16 + 11 * -(-nbytes // BLOCK)
+
+
 class Shard:
-    """A ``.partial`` file receiving whole forwards; ``commit()`` makes it a safetensors file."""
+    """A ``.partial`` file receiving whole forwards, and its journal; ``commit()`` makes it a
+    safetensors file."""
 
     def __init__(self, path: Path, number: int, first: int, header: int, fsync: bool,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, *, resume: bool = False) -> None:
         self.number = number
         self.final = path / f"shard-{number:06d}.safetensors"
         self.partial = self.final.with_name(self.final.name + ".partial")
+        self.journal = self.final.with_name(self.final.name + JOURNAL)
         # 8 bytes of length + header must end on an aligned offset.
         self.header = header + (-(8 + header)) % _ALIGN
         self.fsync = fsync
         self.rank = rank
-        self.file = open(self.partial, "wb")  # noqa: SIM115 (closed by commit/abort)
-        try:
-            # Real bytes, not a hole: writing the header over them at commit needs no new
-            # space, so the complete forwards of a shard survive a full disk.
-            self.file.write(b"\0" * 8 + b" " * self.header)
-        except BaseException:
-            self.abort()
-            raise
         self.pos = 0  # bytes of data written
-        self.crc = 0  # CRC-32 of the data written
         self.entries: list[str] = []
         self.entries_len = 0
+        self.crcs: dict[str, list[int]] = {}
         self.pads = 0
         self.first = first
         self.layouts: list[str] = []
         self.layout_ids: dict[str, int] = {}
         self.layout_of: list[int] = []
-        self.meta_len = 96
+        self.meta_len = 128
+        self.signature: dict[str, str] = {}
+        """The sites of the forwards :meth:`resume` found, with their signatures."""
+        self._log = -1
+        # "r+b" to resume (keep the bytes), "wb" to start; closed by commit/abort.
+        self.file: Any = open(self.partial, "r+b" if resume else "wb")  # noqa: SIM115
+        if resume:
+            return
+        try:
+            # Real bytes, not a hole: writing the header over them at commit needs no new
+            # space, so the complete forwards of a shard survive a full disk.
+            self.file.write(b"\0" * 8 + b" " * self.header)
+            self.file.flush()
+            self._log = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                                | os.O_APPEND, 0o644)
+            os.write(self._log, journal_line({"start": 8 + self.header, "first": first,
+                                              "rank": rank, "block": BLOCK}))
+        except BaseException:
+            self.abort()
+            raise
+
+    @classmethod
+    def resume(cls, path: Path, number: int, fsync: bool, rank: int | None,
+               first: int) -> Shard | None:
+        """The shard a killed writer left, holding the forwards its journal lists (the rest
+        cut off), ready to :meth:`commit`; None (and its files removed) when the journal
+        lists none, or is not one that continues the committed forwards at ``first``."""
+        final = path / f"shard-{number:06d}.safetensors"
+        journal = final.with_name(final.name + JOURNAL)
+        head, records = read_journal(journal)
+        partial = final.with_name(final.name + ".partial")
+        ok = (head is not None and records and head.get("first") == first
+              and head.get("rank") == rank and head.get("block") == BLOCK
+              and partial.exists()
+              and partial.stat().st_size >= int(head["start"]) + int(records[-1]["end"]))
+        if not ok:
+            for f in (journal, partial):
+                f.unlink(missing_ok=True)
+            return None
+        assert head is not None
+        self = cls(path, number, first, int(head["start"]) - 8, fsync, rank, resume=True)
+        try:
+            for r in records:
+                self.entries += _split_entries(r["entries"])
+                self.crcs.update(r["crcs"])
+                self._add_layout(r["layout"])
+                for name, sig in r["signature"].items():
+                    self.signature.setdefault(name, sig)
+            self.entries_len = sum(len(e) + 1 for e in self.entries)
+            self.pads = sum(e.startswith('"__pad__/') for e in self.entries)
+            self.pos = int(records[-1]["end"])
+            self.file.truncate(8 + self.header + self.pos)
+        except BaseException:
+            self.abort()
+            raise
+        return self
 
     def fits(self, job: Job, layout_json: str) -> bool:
-        extra = sum(len(k) + 128 + 12 * t.dim() for k, t in job.tensors)
+        extra = sum(len(k) + 128 + 12 * t.dim() + crc_room(k, t.numel() * t.element_size())
+                    for k, t in job.tensors)
         extra += 8 + (len(json.dumps(layout_json)) if layout_json not in self.layout_ids else 0)
         return self.entries_len + self.meta_len + extra + 2048 <= self.header
 
     def add(self, job: Job, layout_json: str) -> None:
-        """Write one forward; on failure the file is cut back to the forwards before it."""
+        """Write one forward, then its journal line; on failure the file is cut back to the
+        forwards before it."""
         start_pos, start_entries, start_pads = self.pos, len(self.entries), self.pads
-        start_crc = self.crc
+        keys: list[str] = []
         try:
             for key, t in job.tensors:
-                self._write_tensor(f"{job.forward}/{key}", t)
+                keys.append(f"{job.forward}/{key}")
+                self._write_tensor(keys[-1], t)
+            self.file.flush()  # into the kernel before the journal says it is there
+            os.write(self._log, journal_line({
+                "forward": job.forward, "layout": layout_json,
+                "entries": ",".join(self.entries[start_entries:]),
+                "crcs": {k: self.crcs[k] for k in keys}, "end": self.pos,
+                "signature": job.signature}))
         except BaseException:
             with contextlib.suppress(OSError):
                 self.file.truncate(8 + self.header + start_pos)
-            self.pos, self.pads, self.crc = start_pos, start_pads, start_crc
+                self.file.seek(8 + self.header + start_pos)
+            self.pos, self.pads = start_pos, start_pads
+            for k in keys:
+                self.crcs.pop(k, None)
             del self.entries[start_entries:]
             self.entries_len = sum(len(e) + 1 for e in self.entries)
             raise
+        self._add_layout(layout_json)
+        for k in keys:
+            self.meta_len += crc_room(k, 0) + 11 * len(self.crcs[k])
+
+    def _add_layout(self, layout_json: str) -> None:
         if layout_json not in self.layout_ids:
             self.layout_ids[layout_json] = len(self.layouts)
             self.layouts.append(layout_json)
@@ -268,12 +347,12 @@ class Shard:
         t = t.contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         self._append(key, DTYPES[t.dtype], list(t.shape), data)
+        self.crcs[key] = block_crcs(data)  # releases the GIL for large buffers
 
     def _append(self, key: str, code: str, shape: list[int], data: Any) -> None:
         n = len(data) if isinstance(data, bytes) else data.nbytes
         if n:
             self.file.write(data)
-            self.crc = zlib.crc32(data, self.crc)  # releases the GIL for large buffers
         e = _entry(key, code, shape, self.pos, self.pos + n)
         self.entries.append(e)
         self.entries_len += len(e) + 1
@@ -284,9 +363,11 @@ class Shard:
         return len(self.layout_of)
 
     def commit(self) -> dict[str, Any]:
-        """Write the header, fsync, rename to the final name; return the index entry."""
+        """Write the header, fsync, rename to the final name; return the index entry (the
+        journal stays until :meth:`done`, once the index lists the shard)."""
         meta = json.dumps({"first": self.first, "count": self.forwards, "rank": self.rank,
-                           "layouts": self.layouts, "layout_of": self.layout_of},
+                           "layouts": self.layouts, "layout_of": self.layout_of,
+                           "block": BLOCK, "crcs": self.crcs},
                           separators=(",", ":"))
         md = json.dumps({"__metadata__": {"format": f"{FORMAT}/{VERSION}", "fxprobe": meta}},
                         separators=(",", ":"))
@@ -304,13 +385,33 @@ class Shard:
         if self.fsync:
             os.fsync(f.fileno())
         f.close()
+        self._close_log()
         os.replace(self.partial, self.final)
         return {"file": self.final.name, "first": self.first, "count": self.forwards,
-                "bytes": 8 + self.header + self.pos, "crc32": self.crc,
-                "header_crc32": zlib.crc32(header)}
+                "bytes": 8 + self.header + self.pos, "header_crc32": zlib.crc32(header)}
+
+    def done(self) -> None:
+        """The index lists the shard: its journal is no longer needed."""
+        self._close_log()
+        with contextlib.suppress(OSError):
+            self.journal.unlink()
+
+    def _close_log(self) -> None:
+        if self._log >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._log)
+            self._log = -1
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):
             self.file.close()
-        with contextlib.suppress(OSError):
-            self.partial.unlink()
+        self._close_log()
+        for f in (self.partial, self.journal):
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+
+def _split_entries(joined: str) -> list[str]:
+    """The header entries (``"key":{...}``) a journal line joined with commas."""
+    return [json.dumps(k) + ":" + json.dumps(v, separators=(",", ":"))
+            for k, v in json.loads("{" + joined + "}").items()] if joined else []

@@ -95,7 +95,7 @@ def test_workers_read_the_same_rows(tmp_path: Path) -> None:
 def test_a_corrupted_block_is_named_when_a_row_in_it_is_read_and_only_then(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shardfile, "BLOCK", 64)  # small blocks: rows of 24 bytes in several
-    from fxprobe.sinks import rows as _rows
+    from fxprobe.sinks import rowtable as _rows
     from fxprobe.sinks import shards as _shards
 
     monkeypatch.setattr(_rows, "BLOCK", 64)

@@ -13,7 +13,7 @@ forward range and rank, a header that parses with tensors inside the file whose 
 match their dtypes and shapes, and (``verify=True``, indexes written since the checksums were
 added) the CRC-32 of its header, and of each block of its data the first time a value or row in
 it is read (:mod:`.shardfile`). Rows of a site are gathered by :meth:`Captures.rows`
-(:mod:`.rows`).
+(:mod:`.rowtable`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from .dynamo_names import (
     param_path,
 )
 from .dynamo_quiet import quiet_compile
-from .dynamo_shapes import oblivious, static_inputs
+from .dynamo_shapes import static_inputs
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
 
@@ -431,7 +431,7 @@ class DynamoRegion:
             config.fail_on_recompile_limit_hit = True
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
-                with weights_loaded(self.offloaded), oblivious():
+                with weights_loaded(self.offloaded):
                     if self.calls == 1:  # dynamo compiles now: its pages of messages made one
                         result = self._first(*args, **kwargs)
                     else:

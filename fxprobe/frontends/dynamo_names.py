@@ -350,8 +350,8 @@ def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ..
     found: dict[fx.Node, None] = {}
     for n in nodes:
         for a in n.all_input_nodes:
-            if a in group or a in found or a.op == "get_attr":
-                continue
+            if a in group or a in found or a.op == "get_attr" or is_size(a):
+                continue  # (a size in a dynamic graph is no input of the call's)
             if a.op == "placeholder" and (a.meta.get(STATE) or is_state(a)):
                 continue
             found[a] = None

@@ -38,6 +38,11 @@ def closest(name: str, names: Iterable[str], n: int = 5) -> list[str]:
                                      cutoff=CLOSE_CUTOFF)
 
 
+def likeness(a: str, b: str) -> float:
+    """How alike two names are (``difflib``'s ratio, 0..1): what :func:`closest` ranks by."""
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
 def did_you_mean(name: str, names: Iterable[str], n: int = 5) -> str:
     """``" Did you mean 'a', 'b'?"`` (the :func:`closest` names), or ``""``: the hint that
     follows a sentence saying that ``name`` is not found."""

@@ -103,8 +103,10 @@ class GraphIndex:
         v = n.meta.get("example_value")
         if not isinstance(v, torch.Tensor):
             return None
-        return tuple(d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d)
-                     for d in v.shape)
+        # A dynamic graph's sizes are read as the sizes it was captured with, as in a static
+        # graph: a size dynamo specialized later in the trace (a length of 1) is a number in
+        # some values and still its symbol in others.
+        return tuple(_size(d) for d in v.shape)
 
     def is_param(self, n: fx.Node) -> bool:
         """A parameter or buffer of a module (a graph input dynamo took from a module)."""
@@ -164,6 +166,13 @@ def indexed_by_tensor(n: fx.Node) -> bool:
     idx = n.args[1] if len(n.args) > 1 else None
     items = idx if isinstance(idx, (tuple, list)) else (idx,)
     return any(isinstance(i, fx.Node) for i in items)
+
+
+def _size(d: Any) -> Any:
+    if isinstance(d, torch.SymInt):
+        hint = d.node.hint
+        return d.node.expr if hint is None else sympy.Integer(int(hint))
+    return sympy.Integer(d)
 
 
 def numel_of(shape: Sequence[Any]) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from ..capture.pipeline import Pipeline
 from ..capture.points import insert_points
 from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import DynamoError
-from ..core.names import join
+from ..core.names import join, one_line
 from ..core.options import Capture, CopyPolicy
 from ..core.site import SOURCE, STATE, Site, attach, source_name
 from ..core.view import CapturedGraph, DynamoInfo
@@ -49,6 +50,7 @@ from .dynamo_names import (
     param_path,
 )
 from .dynamo_quiet import quiet_compile
+from .dynamo_shapes import static_inputs
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
 
@@ -276,6 +278,10 @@ class DynamoRegion:
         """The forward's positional parameters (none for a replaced forward): its inputs are sites
         by these names."""
         self._compiled: Callable[..., Any] | None = None
+        self._run: Callable[..., Any] | None = None
+        self.static: list[tuple[str, tuple[int, ...]]] = []
+        """The inputs of the forward (and their dims) that dynamo kept static at the first
+        capture: a new size there is captured again (``dynamo_shapes``)."""
         self.offloaded = offloaded(module)
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
 
@@ -322,7 +328,9 @@ class DynamoRegion:
     def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """The torch.compile backend: each captured graph is tapped and runs eagerly."""
         self.graphs += 1
-        captured = _Captured(self, gm, example_inputs)
+        captured = _Captured(self, gm, example_inputs)  # marks the forward's inputs
+        if self.graphs == 1:
+            self.static = static_inputs(gm, INPUT, {n for t in self.state for n in t.shape})
         captured.version(example_inputs)
         self.captured.append(captured)
         return captured
@@ -411,7 +419,9 @@ class DynamoRegion:
             # A code object of its own: dynamo caches graphs (and counts recompilations
             # against recompile_limit) per code object, and this one is per region.
             run.__code__ = run.__code__.replace(co_name=f"fxprobe_{type(self.module).__name__}")
-            compiled = self._compiled = torch.compile(run, backend=self.backend)
+            self._run = run
+            # Sizes are symbols from the first call: a new length or batch reuses the graphs.
+            compiled = self._compiled = torch.compile(run, backend=self.backend, dynamic=True)
         self.calls += 1
         before = self.runs
         if torch.compiler.is_compiling():  # an outer torch.compile traces this call
@@ -427,8 +437,7 @@ class DynamoRegion:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
                     if self.calls == 1:  # dynamo compiles now: its pages of messages made one
-                        with quiet_compile(self.what, lambda: self.graphs):
-                            result = compiled(self.module, *args, **kwargs)
+                        result = self._first(*args, **kwargs)
                     else:
                         result = compiled(self.module, *args, **kwargs)
             except torch._dynamo.exc.FailOnRecompileLimitHit as e:
@@ -444,6 +453,35 @@ class DynamoRegion:
                 "it ran without any of fxprobe's graphs, so nothing could be tapped: it hit "
                 "torch._dynamo.config.recompile_limit or skipped the frame (as it does inside "
                 "an outer torch.compile, which traces through it)"))
+        return result
+
+    def _first(self, *args: Any, **kwargs: Any) -> Any:
+        """The first call, with dynamic shapes; where dynamo cannot capture the module with
+        symbolic sizes at all (before any graph), once more with static ones, said once."""
+        try:
+            with quiet_compile(self.what, lambda: self.graphs):
+                result = self._compiled(self.module, *args, **kwargs)  # type: ignore[misc]
+        except Exception as e:
+            if not dynamo_failed(e) or self.graphs or isinstance(
+                    e, torch._dynamo.exc.FailOnRecompileLimitHit):
+                raise
+            self._compiled = torch.compile(self._run, backend=self.backend, dynamic=False)
+            with quiet_compile(self.what, lambda: self.graphs):
+                result = self._compiled(self.module, *args, **kwargs)
+            warnings.warn(
+                f"fxprobe: torch dynamo could not capture {self.what} with dynamic shapes "
+                f"({one_line(getattr(e, 'inner_exception', None) or e)}); it is captured "
+                "with static shapes instead, so each new sequence length or batch size is "
+                "captured again (values stay right).", stacklevel=5)
+            return result
+        if self.static:
+            fixed = ", ".join(f"{name!r} (dim {', '.join(map(str, dims))})"
+                              for name, dims in self.static)
+            warnings.warn(
+                f"fxprobe: torch dynamo kept these input sizes of {self.what} static: "
+                f"{fixed}; the model's code needs them exactly (a view with a literal shape, "
+                "a branch on a length), so a new size there is captured again (values stay "
+                "right); every other size is dynamic.", stacklevel=5)
         return result
 
     def _limit_hit(self, what: str) -> str:

@@ -26,6 +26,7 @@ from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
 from ..core.view import is_state
+from .dynamo_shapes import is_size
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -161,7 +162,10 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                 modules[rel] = None
         return modules[rel]
 
-    calls = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    # A size computed in a dynamic graph (``s0 * 2``) is no site: the graph names its tensors
+    # as the same graph captured with static shapes does.
+    calls = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")
+             and not is_size(n)]
     # Which leaf-module call (by nn_module_stack key, unique per call) each node belongs to.
     leaf_call: dict[fx.Node, tuple[str, str, nn.Module]] = {}
     innermost: dict[fx.Node, str] = {}
@@ -349,8 +353,8 @@ def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ..
     found: dict[fx.Node, None] = {}
     for n in nodes:
         for a in n.all_input_nodes:
-            if a in group or a in found or a.op == "get_attr":
-                continue
+            if a in group or a in found or a.op == "get_attr" or is_size(a):
+                continue  # (a size in a dynamic graph is no input of the call's)
             if a.op == "placeholder" and (a.meta.get(STATE) or is_state(a)):
                 continue
             found[a] = None

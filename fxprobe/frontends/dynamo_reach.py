@@ -21,7 +21,6 @@ matches (:meth:`Reach.could_match` returns None when the tree does not decide).
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import functools
 import inspect
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..core.names import closest, likeness
 from ..core.select import Selector
 from .canonical import VOCABULARY
 
@@ -203,7 +203,7 @@ class Reach:
         head, _, tail = probe.rpartition(".")
         ops = [f"{p}.{tail}" for p in _close_paths(head, paths)
                ] if head and tail else []  # the op in the module that was probably meant
-        close = difflib.get_close_matches(probe, [n for n in names if n], n=5, cutoff=0.5)
+        close = closest(probe, [n for n in names if n])
         return list(dict.fromkeys([*ops, *close]))[:5]
 
 
@@ -212,10 +212,10 @@ def _close_paths(head: str, paths: Sequence[str]) -> list[str]:
     same number of trailing parts of each path (``*.atn`` is like ``blocks.*.attn``)."""
     if head.startswith("*."):
         k = head.count(".")
-        scored = [(difflib.SequenceMatcher(None, head[2:], ".".join(p.split(".")[-k:])).ratio(),
+        scored = [(likeness(head[2:], ".".join(p.split(".")[-k:])),
                    "*." + ".".join(p.split(".")[-k:])) for p in paths if p.count(".") >= k - 1]
     else:
-        scored = [(difflib.SequenceMatcher(None, head, p).ratio(), p) for p in paths]
+        scored = [(likeness(head, p), p) for p in paths]
     best = sorted({t for t in scored if t[0] >= 0.6}, key=lambda t: -t[0])
     return [p for _, p in best[:2]]
 

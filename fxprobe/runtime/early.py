@@ -11,13 +11,13 @@ other one can. What only the capture decides is left to ``Lifecycle.check``.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable, Sequence
 
 from torch import nn
 
 from ..core.errors import SelectorError
+from ..core.names import closest
 from ..core.select import Selector
 from ..core.site import Site
 from ..frontends.dynamo_reach import Reach
@@ -66,7 +66,7 @@ def _message(sel: Selector, reach: Reach, root: nn.Module, sites: Sequence[Site]
             "dynamo captures (decided from the module tree, before any capture): ")
     if isinstance(source, type):
         held = sorted({type(m).__name__ for m in root.modules()})
-        close = difflib.get_close_matches(source.__name__, held, n=5, cutoff=0.5)
+        close = closest(source.__name__, held)
         return (head + f"the model holds no {source.__name__} module"
                 + (f". Module types it holds that are close: {', '.join(close)}" if close
                    else f". Module types it holds: {', '.join(held[:12])}"

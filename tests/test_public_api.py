@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -102,7 +105,14 @@ def test_all_is_grouped_by_role_each_group_sorted_as_the_reference_groups_it() -
 
 def test_the_layer_packages_are_not_in_the_public_namespace() -> None:
     layers = ["api", "capture", "cli", "core", "frontends", "present", "runtime", "sinks"]
-    assert not [n for n in layers if n in vars(fxprobe) or n in dir(fxprobe)]
+    # What a user sees after ``import fxprobe`` (here, other tests have imported submodules by
+    # path, which Python binds on the package):
+    script = (f"import fxprobe; print([n for n in {layers!r} if n in vars(fxprobe) "
+              "or n in dir(fxprobe)])")
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert shown.stdout.strip() == "[]", shown.stdout + shown.stderr
+    assert not [n for n in layers if n in dir(fxprobe)]
     assert dir(fxprobe) == sorted(fxprobe.__all__)
     site = importlib.import_module("fxprobe.core.site")  # importable by path, as Python says
     assert site.Site is fxprobe.Site

@@ -241,9 +241,12 @@ def test_dynamo_graphs_are_drawn_op_by_op(tmp_path: Path) -> None:
     assert _reaches(edges, "transformer.h.1.attn.matmul_1", "/output")
     assert "1 graph(s) of the last capture drawn op by op" in source
     first = set(nodes)
-    # A new sequence length: dynamo captures the frame again; only the newest is drawn.
+    # A new sequence length runs the graph already captured (dynamic shapes); with gradients
+    # on, dynamo captures the frame again: only the newest graph is drawn.
     with torch.no_grad():
-        tapped(input_ids=torch.randint(2, 100, (2, 9)), use_cache=False)
+        tapped(input_ids=torch.randint(2, 100, (2, 5)), use_cache=False)
+    assert len(tapped.graphs) == 1, list(tapped.graphs)
+    tapped(input_ids=torch.randint(2, 100, (2, 9)), use_cache=False)
     assert len(tapped.graphs) == 2, list(tapped.graphs)
     source = fxprobe.to_dot(tapped).source
     statements = _node_statements(source)

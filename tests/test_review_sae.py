@@ -5,6 +5,8 @@ Each test here failed before the fix it names (states taken at an epoch's edge, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from sae_models import batches, reference_rows, tiny
 
@@ -35,3 +37,32 @@ def test_a_state_after_an_epochs_last_batch_resumes_with_the_next_epoch() -> Non
     rows = torch.cat(first)
     assert sorted(map(tuple, rows.tolist())) == \
         sorted(map(tuple, reference_rows(inputs, mask=True).tolist()))
+
+
+def test_rows_of_several_canonical_sites_are_keyed_as_asked_like_the_streams(
+        tmp_path: Path) -> None:
+    # Before the fix the dataset keyed them by the model's names (transformer.h.0.add_1):
+    # batch["blocks.0.resid_post"] was a KeyError where the stream's batch had it.
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    seen: list[torch.Tensor] = []
+    hooked = transformers.GPT2LMHeadModel(config).eval()
+    hooked.load_state_dict(model.state_dict())
+    hooked.transformer.h[1].register_forward_hook(
+        lambda m, a, o: seen.append((o[0] if isinstance(o, tuple) else o).detach().clone()))
+    with torch.no_grad():
+        hooked(input_ids=ids)
+    sites = ["blocks.0.resid_post", "blocks.1.resid_post"]
+    with fxprobe.tap(model, ops=sites, to=fxprobe.Disk(tmp_path / "a")) as tapped:
+        streamed = next(iter(fxprobe.ActivationStream(tapped, sites, [{"input_ids": ids}],
+                                                      batch_size=10, seed=0)))
+    ds = fxprobe.open_captures(tmp_path / "a").dataset(sites, normalize=True)
+    rows = ds[list(range(len(ds)))]
+    assert list(rows) == list(streamed) == sites
+    torch.testing.assert_close(ds.denormalize(rows)["blocks.1.resid_post"],
+                               seen[0].flatten(0, 1))
+    assert list(ds.__getitems__([0, 1])[0]) == sites

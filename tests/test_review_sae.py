@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from sae_models import batches, reference_rows, tiny
 
@@ -66,3 +67,24 @@ def test_rows_of_several_canonical_sites_are_keyed_as_asked_like_the_streams(
     torch.testing.assert_close(ds.denormalize(rows)["blocks.1.resid_post"],
                                seen[0].flatten(0, 1))
     assert list(ds.__getitems__([0, 1])[0]) == sites
+
+
+def test_normalize_leaves_token_ids_read_beside_the_rows_as_they_are(tmp_path: Path) -> None:
+    # Before the fix normalize=True with a site of token ids (rows of shape ()) beside the
+    # activations was an IndexError, in the dataset and in the stream.
+    inputs = batches(3)
+    ops = ["emb", "attention_mask", "input_ids"]
+    with fxprobe.tap(tiny(), ops=ops, to=fxprobe.Disk(tmp_path / "a")) as tapped:
+        stream = fxprobe.ActivationStream(tapped, ["emb", "input_ids"], inputs, batch_size=500,
+                                          mask="attention_mask", normalize=True)
+        streamed = next(iter(stream))
+    ds = fxprobe.open_captures(tmp_path / "a").dataset(["emb", "input_ids"],
+                                                       mask="attention_mask", normalize=True)
+    rows = ds[list(range(len(ds)))]
+    ids = torch.cat([kw["input_ids"][kw["attention_mask"].bool()] for kw in inputs])
+    assert torch.equal(rows["input_ids"], ids)
+    assert torch.equal(ds.denormalize(rows)["input_ids"], ids)
+    torch.testing.assert_close(ds.denormalize(rows)["emb"], reference_rows(inputs, mask=True))
+    assert set(ds.scale.factors) == set(stream.scale.factors) == {"emb"}
+    assert rows["emb"].norm(dim=1).mean().item() ** 2 == pytest.approx(rows["emb"].shape[1])
+    assert sorted(streamed["input_ids"].tolist()) == sorted(ids.tolist())

@@ -294,12 +294,11 @@ class ActivationStream:
         self.scale = Scale({str(k): float(v) for k, v in scale.items()}) if scale else \
             (None if self._estimate else self.scale)
         progress = dict(state["progress"])
-        if state["rng"] is not None and progress["done"] and not progress["count"]:
-            self.epoch += 1  # taken after the epoch's last batch: the next epoch is next
-        if state["rng"] is None or not progress["consumed"] or (
-                progress["done"] and not progress["count"]):
+        if state["rng"] is None or not progress["consumed"]:
             self._resume = None  # at an epoch's start
             return
+        # Even after the epoch's last batch: the next iteration then ends that epoch (no
+        # batch, as the original's would) and the one after is the next epoch.
         device = self._device()
         self._resume = {"progress": progress, "rng": state["rng"],
                         "buffer": {n: t.to(device) for n, t in state["rows"].items()}}

@@ -92,3 +92,22 @@ def test_normalize_leaves_token_ids_read_beside_the_rows_as_they_are(tmp_path: P
     assert set(ds.scale.factors) == set(stream.scale.factors) == {"emb"}
     assert rows["emb"].norm(dim=1).mean().item() ** 2 == pytest.approx(rows["emb"].shape[1])
     assert sorted(streamed["input_ids"].tolist()) == sorted(ids.tolist())
+
+
+def test_a_second_epoch_over_an_iterator_of_inputs_says_so_instead_of_no_rows() -> None:
+    # Before the fix the second epoch over a generator silently gave no batch at all.
+    inputs = batches(3)
+    tapped = fxprobe.tap(tiny(), ops=["emb", "attention_mask"])
+    stream = _stream(tapped, iter(inputs))
+    rows = torch.cat(list(stream))
+    assert sorted(map(tuple, rows.tolist())) == \
+        sorted(map(tuple, reference_rows(inputs, mask=True).tolist()))
+    with pytest.raises(fxprobe.ConfigError, match="iterator that an earlier epoch ran"):
+        list(stream)
+    stream.inputs = iter(inputs)                  # a new pass: the next epoch, every row
+    assert len(torch.cat(list(stream))) == len(rows)
+    resumed = _stream(tapped, (b for b in inputs))
+    it = iter(stream := _stream(tapped, inputs))
+    next(it)
+    resumed.load_state_dict(stream.state_dict())  # a fresh generator resumes as a list does
+    assert all(torch.equal(a, b) for a, b in zip(resumed, it, strict=True))

@@ -122,6 +122,7 @@ class ActivationStream:
         self._store: dict[str, torch.Tensor] = {}
         self._gen: torch.Generator | None = None
         self._run: object = None
+        self._spent: object = None  # the iterator given as inputs, once an epoch began on it
 
     # -- one epoch --------------------------------------------------------------------------
     def _fresh(self) -> dict[str, Any]:
@@ -145,6 +146,13 @@ class ActivationStream:
         self._state, self._store, self._gen = st, store, g
         token = self._run = object()  # a later iteration takes the buffer over
         items = iter(self.inputs)
+        if items is self.inputs:  # an iterator (a generator): one pass over it, ever
+            if self._spent is items:
+                raise ConfigError(
+                    "ActivationStream(inputs=...) is an iterator that an earlier epoch ran "
+                    "through: this epoch would have no rows. Pass inputs that can be iterated "
+                    "again (a list, a DataLoader), or set stream.inputs to a new iterator")
+            self._spent = items
         for _ in range(st["consumed"]):  # inputs a resumed epoch already ran
             if next(items, _END) is _END:
                 raise ConfigError(f"load_state_dict: the state consumed {st['consumed']} "

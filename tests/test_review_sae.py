@@ -111,3 +111,19 @@ def test_a_second_epoch_over_an_iterator_of_inputs_says_so_instead_of_no_rows() 
     next(it)
     resumed.load_state_dict(stream.state_dict())  # a fresh generator resumes as a list does
     assert all(torch.equal(a, b) for a, b in zip(resumed, it, strict=True))
+
+
+def test_denormalize_of_stacked_integer_sites_gives_them_back(tmp_path: Path) -> None:
+    # Before the fix: a KeyError (integer sites have no factor since normalize skips them).
+    inputs = batches(2)
+    with fxprobe.tap(tiny(), ops=["attention_mask", "input_ids"],
+                     to=fxprobe.Disk(tmp_path / "a")) as tapped:
+        for kw in inputs:
+            tapped(**kw)
+    ds = fxprobe.open_captures(tmp_path / "a").dataset(["input_ids", "attention_mask"],
+                                                       layout="stack", normalize=True)
+    rows = ds[list(range(len(ds)))]
+    expected = torch.cat([torch.stack([kw["input_ids"], kw["attention_mask"]], -1).flatten(0, 1)
+                          for kw in inputs])
+    assert torch.equal(rows, expected)
+    assert torch.equal(ds.denormalize(rows), expected)

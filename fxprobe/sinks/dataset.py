@@ -230,6 +230,8 @@ class CaptureDataset(Dataset[Any]):
         if self.scale is None:
             return rows
         if self.layout == "stack":
+            if not rows.is_floating_point():  # integer sites are not scaled
+                return rows
             trailing = len(self.row_shapes[self.names[0]])
             f = torch.tensor([self.scale.factors[n] for n in self.names], dtype=rows.dtype)
             return rows / f.reshape(-1, *([1] * trailing))

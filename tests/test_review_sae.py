@@ -127,3 +127,23 @@ def test_denormalize_of_stacked_integer_sites_gives_them_back(tmp_path: Path) ->
                           for kw in inputs])
     assert torch.equal(rows, expected)
     assert torch.equal(ds.denormalize(rows), expected)
+
+
+def test_arrow_columns_are_named_as_the_rows_are_keyed(tmp_path: Path) -> None:
+    # Before the fix two canonical names of one site (blocks.0.resid_post is
+    # blocks.1.resid_pre) made pyarrow refuse a schema naming transformer.h.0.add_1 twice.
+    hf = pytest.importorskip("datasets")
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)
+    torch.manual_seed(0)
+    sites = ["blocks.0.resid_post", "blocks.1.resid_pre"]
+    with fxprobe.tap(transformers.GPT2LMHeadModel(config).eval(), ops=sites,
+                     to=fxprobe.Disk(tmp_path / "a")) as tapped:
+        tapped(input_ids=torch.arange(12).reshape(2, 6))
+    ds = fxprobe.open_captures(tmp_path / "a").dataset(sites)
+    loaded = hf.Dataset.from_file(str(ds.to_arrow(tmp_path / "a.arrow"))).with_format("torch")
+    assert loaded.column_names == sites
+    rows = ds[list(range(len(ds)))]
+    for s in sites:
+        torch.testing.assert_close(loaded[s][:], rows[s])

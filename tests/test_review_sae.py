@@ -147,3 +147,30 @@ def test_arrow_columns_are_named_as_the_rows_are_keyed(tmp_path: Path) -> None:
     rows = ds[list(range(len(ds)))]
     for s in sites:
         torch.testing.assert_close(loaded[s][:], rows[s])
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
+        return self.a(x) if use_a else self.b(x)
+
+
+def test_forwards_that_skip_the_site_give_no_rows_as_on_disk() -> None:
+    # Before the fix a forward taking the other branch stopped the stream (SiteNotRunError
+    # wrapped in "tap it with the rest"), where the Disk dataset leaves such forwards out.
+    torch.manual_seed(0)
+    model = _Branch().eval()
+    xs = [(torch.randn(2, 4, 3), i % 2 == 0) for i in range(5)]
+    tapped = fxprobe.tap(model, ops=["a", "b"], tracer="hooks")
+    got = torch.cat(list(fxprobe.ActivationStream(tapped, "a", xs, batch_size=100)))
+    with torch.no_grad():
+        expected = torch.cat([model.a(x).flatten(0, 1) for x, use in xs if use])
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist()))
+    with pytest.raises(fxprobe.DiskError, match=r"ran \['a'\] but not \['b'\]"):
+        list(fxprobe.ActivationStream(tapped, ["a", "b"], xs, batch_size=100))
+    with pytest.raises(fxprobe.ConfigError, match="none of the 2 forwards"):
+        list(fxprobe.ActivationStream(tapped, "a", [x for x in xs if not x[1]]))

@@ -19,7 +19,7 @@ from typing import Any, Unpack
 
 import torch
 
-from ..core.errors import ConfigError, DiskError
+from ..core.errors import ConfigError, DiskError, SiteNotRunError
 from ..sinks.dataset import Layout, RowOptions, Rows
 from ..sinks.rows import RowFilter, Scale, check_stackable
 
@@ -186,6 +186,11 @@ class ActivationStream:
             st["phase"] = "fill"
             if st["done"] and not st["count"]:
                 break
+        if st["consumed"] and not st["forwards"]:
+            raise ConfigError(f"ActivationStream: none of the {st['consumed']} forwards of "
+                              f"epoch {self.epoch} gave the sites {list(self.names)} a value "
+                              "(a branch not taken; tapped.taps after a forward shows what "
+                              "ran): there are no rows to give")
         self.epoch += 1
         self._state, self._store = self._fresh(), {}
 
@@ -205,6 +210,13 @@ class ActivationStream:
         taps = self.tapped.taps
         st = self._state
         values: dict[str, torch.Tensor] = {}
+        ran = [n for n in self.names if not _not_run(taps, n)]
+        if not ran:  # a forward that did not reach the sites gives no rows (as on Disk)
+            return
+        if len(ran) != len(self.names):
+            raise DiskError(f"forward {st['consumed']} of epoch {self.epoch} ran {ran} but "
+                            f"not {[n for n in self.names if n not in ran]}: rows of several "
+                            "sites need every one of them in every forward")
         for n in (*self.names, *self.filter.sites()):
             try:
                 v = taps[n]
@@ -319,6 +331,17 @@ class ActivationStream:
         what = self.names[0] if self._single else list(self.names)
         return (f"ActivationStream({what!r}, batch_size={self.batch_size}, buffer="
                 f"{self.buffer}, refill={self.refill}, epoch={self.epoch})")
+
+
+def _not_run(taps: Any, name: str) -> bool:
+    """Whether the selected site ``name`` did not run in the last forward (a branch)."""
+    try:
+        taps[name]
+    except SiteNotRunError:
+        return True
+    except LookupError:
+        return False  # not a site: reported as such where it is read
+    return False
 
 
 _END = object()

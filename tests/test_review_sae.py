@@ -174,3 +174,12 @@ def test_forwards_that_skip_the_site_give_no_rows_as_on_disk() -> None:
         list(fxprobe.ActivationStream(tapped, ["a", "b"], xs, batch_size=100))
     with pytest.raises(fxprobe.ConfigError, match="none of the 2 forwards"):
         list(fxprobe.ActivationStream(tapped, "a", [x for x in xs if not x[1]]))
+
+
+def test_endless_inputs_that_never_reach_the_site_are_an_error_not_a_hang() -> None:
+    import itertools
+
+    tapped = fxprobe.tap(_Branch().eval(), ops=["a", "b"], tracer="hooks")
+    endless = itertools.repeat((torch.randn(1, 2, 3), False))
+    with pytest.raises(fxprobe.ConfigError, match="none of the 256 forwards"):
+        next(iter(fxprobe.ActivationStream(tapped, "a", endless)))

@@ -167,6 +167,8 @@ class ActivationStream:
                         break
                     self._add(item)
                     st["consumed"] += 1
+                    if not st["forwards"] and st["consumed"] >= _NO_SITE_LIMIT:
+                        self._none_ran()  # inputs may never end: say so early
                     target = self._target()
                 if st["count"] == 0:
                     break
@@ -187,12 +189,15 @@ class ActivationStream:
             if st["done"] and not st["count"]:
                 break
         if st["consumed"] and not st["forwards"]:
-            raise ConfigError(f"ActivationStream: none of the {st['consumed']} forwards of "
-                              f"epoch {self.epoch} gave the sites {list(self.names)} a value "
-                              "(a branch not taken; tapped.taps after a forward shows what "
-                              "ran): there are no rows to give")
+            self._none_ran()
         self.epoch += 1
         self._state, self._store = self._fresh(), {}
+
+    def _none_ran(self) -> None:
+        raise ConfigError(f"ActivationStream: none of the {self._state['consumed']} forwards "
+                          f"of epoch {self.epoch} gave the sites {list(self.names)} a value (a "
+                          "branch not taken; tapped.taps after a forward shows what ran): "
+                          "there are no rows to give")
 
     def _cap(self) -> int:
         """Rows in a full buffer: ``buffer`` forwards of the mean size seen so far."""
@@ -345,3 +350,5 @@ def _not_run(taps: Any, name: str) -> bool:
 
 
 _END = object()
+_NO_SITE_LIMIT = 256
+"""Forwards run without a value at the sites before a stream says so (inputs may be endless)."""

@@ -19,7 +19,7 @@ from typing import Any, Unpack
 
 import torch
 
-from ..core.errors import ConfigError, DiskError
+from ..core.errors import ConfigError, DiskError, SiteNotRunError
 from ..sinks.dataset import Layout, RowOptions, Rows
 from ..sinks.rows import RowFilter, Scale, check_stackable
 
@@ -122,6 +122,7 @@ class ActivationStream:
         self._store: dict[str, torch.Tensor] = {}
         self._gen: torch.Generator | None = None
         self._run: object = None
+        self._spent: object = None  # the iterator given as inputs, once an epoch began on it
 
     # -- one epoch --------------------------------------------------------------------------
     def _fresh(self) -> dict[str, Any]:
@@ -145,6 +146,13 @@ class ActivationStream:
         self._state, self._store, self._gen = st, store, g
         token = self._run = object()  # a later iteration takes the buffer over
         items = iter(self.inputs)
+        if items is self.inputs:  # an iterator (a generator): one pass over it, ever
+            if self._spent is items:
+                raise ConfigError(
+                    "ActivationStream(inputs=...) is an iterator that an earlier epoch ran "
+                    "through: this epoch would have no rows. Pass inputs that can be iterated "
+                    "again (a list, a DataLoader), or set stream.inputs to a new iterator")
+            self._spent = items
         for _ in range(st["consumed"]):  # inputs a resumed epoch already ran
             if next(items, _END) is _END:
                 raise ConfigError(f"load_state_dict: the state consumed {st['consumed']} "
@@ -159,6 +167,8 @@ class ActivationStream:
                         break
                     self._add(item)
                     st["consumed"] += 1
+                    if not st["forwards"] and st["consumed"] >= _NO_SITE_LIMIT:
+                        self._none_ran()  # inputs may never end: say so early
                     target = self._target()
                 if st["count"] == 0:
                     break
@@ -178,8 +188,16 @@ class ActivationStream:
             st["phase"] = "fill"
             if st["done"] and not st["count"]:
                 break
+        if st["consumed"] and not st["forwards"]:
+            self._none_ran()
         self.epoch += 1
         self._state, self._store = self._fresh(), {}
+
+    def _none_ran(self) -> None:
+        raise ConfigError(f"ActivationStream: none of the {self._state['consumed']} forwards "
+                          f"of epoch {self.epoch} gave the sites {list(self.names)} a value (a "
+                          "branch not taken; tapped.taps after a forward shows what ran): "
+                          "there are no rows to give")
 
     def _cap(self) -> int:
         """Rows in a full buffer: ``buffer`` forwards of the mean size seen so far."""
@@ -197,6 +215,13 @@ class ActivationStream:
         taps = self.tapped.taps
         st = self._state
         values: dict[str, torch.Tensor] = {}
+        ran = [n for n in self.names if not _not_run(taps, n)]
+        if not ran:  # a forward that did not reach the sites gives no rows (as on Disk)
+            return
+        if len(ran) != len(self.names):
+            raise DiskError(f"forward {st['consumed']} of epoch {self.epoch} ran {ran} but "
+                            f"not {[n for n in self.names if n not in ran]}: rows of several "
+                            "sites need every one of them in every forward")
         for n in (*self.names, *self.filter.sites()):
             try:
                 v = taps[n]
@@ -294,10 +319,11 @@ class ActivationStream:
         self.scale = Scale({str(k): float(v) for k, v in scale.items()}) if scale else \
             (None if self._estimate else self.scale)
         progress = dict(state["progress"])
-        if state["rng"] is None or not progress["consumed"] or (
-                progress["done"] and not progress["count"]):
+        if state["rng"] is None or not progress["consumed"]:
             self._resume = None  # at an epoch's start
             return
+        # Even after the epoch's last batch: the next iteration then ends that epoch (no
+        # batch, as the original's would) and the one after is the next epoch.
         device = self._device()
         self._resume = {"progress": progress, "rng": state["rng"],
                         "buffer": {n: t.to(device) for n, t in state["rows"].items()}}
@@ -312,4 +338,17 @@ class ActivationStream:
                 f"{self.buffer}, refill={self.refill}, epoch={self.epoch})")
 
 
+def _not_run(taps: Any, name: str) -> bool:
+    """Whether the selected site ``name`` did not run in the last forward (a branch)."""
+    try:
+        taps[name]
+    except SiteNotRunError:
+        return True
+    except LookupError:
+        return False  # not a site: reported as such where it is read
+    return False
+
+
 _END = object()
+_NO_SITE_LIMIT = 256
+"""Forwards run without a value at the sites before a stream says so (inputs may be endless)."""

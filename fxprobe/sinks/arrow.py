@@ -42,16 +42,21 @@ def export_arrow(ds: Any, path: str | os.PathLike[str], batch_size: int = 65536)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive int")
     names = tuple(ds.names)
+    keys = tuple(getattr(ds, "keys", names))  # columns are named as the rows are keyed
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"to_arrow: the sites {list(keys)} name a column twice")
     dtypes = {n: torch.float32 if ds.row_dtypes[n] == torch.bfloat16 else ds.row_dtypes[n]
               for n in names}
     for n, dt in dtypes.items():
         if dt not in _ARROW_TYPES:
             raise ConfigError(f"site {n!r} holds {dt} values, which Arrow cannot hold")
     widths = {n: max(1, int(torch.Size(ds.row_shapes[n]).numel())) for n in names}
-    fields = [pa.field(n, pa.list_(getattr(pa, _ARROW_TYPES[dtypes[n]])(), widths[n]))
-              for n in names]
-    record = {"names": list(names), "row_shapes": {n: list(ds.row_shapes[n]) for n in names},
-              "dtypes": {n: str(ds.row_dtypes[n]) for n in names},
+    pairs = list(zip(keys, names, strict=True))
+    fields = [pa.field(k, pa.list_(getattr(pa, _ARROW_TYPES[dtypes[n]])(), widths[n]))
+              for k, n in pairs]
+    record = {"names": list(keys), "sites": list(names),
+              "row_shapes": {k: list(ds.row_shapes[n]) for k, n in pairs},
+              "dtypes": {k: str(ds.row_dtypes[n]) for k, n in pairs},
               "scale": dict(ds.scale.factors) if ds.scale is not None else None,
               "rows": len(ds)}
     schema = pa.schema(fields, metadata={"fxprobe": json.dumps(record)})

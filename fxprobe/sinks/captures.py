@@ -417,12 +417,12 @@ class Captures:
             >>> ds = fxprobe.open_captures("acts/").dataset("blocks.3.resid_post")
             >>> loader = DataLoader(ds, batch_size=4096, shuffle=True, num_workers=2)
         """
-        names, mask = resolve_names(self.resolve, names, mask, options)
+        keys, (names, mask) = names, resolve_names(self.resolve, names, mask, options)
         for n in ([names] if isinstance(names, str) else list(names)) + \
                 ([mask] if mask is not None else []):
             if isinstance(n, str) and n not in self.names:
                 CapturedForward(-1, {}, self.names, self.canonical)[n]  # raises, close matches
-        return CaptureDataset(self, names, rows, mask, **options)
+        return CaptureDataset(self, names, rows, mask, keys=keys, **options)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -70,7 +70,7 @@ class CaptureDataset(Dataset[Any]):
                  mask: str | None = None, *, positions: slice | None = None,
                  exclude_token_ids: Iterable[int] | None = None, tokens: str = "input_ids",
                  normalize: bool | float | Mapping[str, float] = False,
-                 layout: Layout = "dict") -> None:
+                 layout: Layout = "dict", keys: str | Sequence[str] | None = None) -> None:
         if rows not in ("tokens", "samples"):
             raise ConfigError(f"dataset(rows={rows!r}): expected 'tokens' (one row per "
                               "[batch, pos] position) or 'samples' (one row per batch element)")
@@ -86,6 +86,8 @@ class CaptureDataset(Dataset[Any]):
             raise ConfigError(f"dataset(layout={layout!r}): 'dict' (rows by site name) or "
                               "'stack' ((batch, n_sites, d))")
         self.names = wanted
+        self.keys = wanted if keys is None else ((keys,) if isinstance(keys, str) else tuple(keys))
+        """The names batches of several sites are keyed by: as given (canonical or not)."""
         self.rows: Rows = rows
         self.mask = mask
         self.filter = row_filter
@@ -214,7 +216,9 @@ class CaptureDataset(Dataset[Any]):
         if self.layout == "stack":
             dim = -1 - len(self.row_shapes[self.names[0]])
             return torch.stack([values[n] for n in self.names], dim=dim)
-        return values[self.names[0]] if self._single else values
+        if self._single:
+            return values[self.names[0]]
+        return {k: values[n] for k, n in zip(self.keys, self.names, strict=True)}
 
     def denormalize(self, rows: Any) -> Any:
         """Rows as they were captured: undoes ``normalize=`` (a tensor, a dict by site, or a
@@ -222,10 +226,16 @@ class CaptureDataset(Dataset[Any]):
         if self.scale is None:
             return rows
         if self.layout == "stack":
+            if not rows.is_floating_point():  # integer sites are not scaled
+                return rows
             trailing = len(self.row_shapes[self.names[0]])
             f = torch.tensor([self.scale.factors[n] for n in self.names], dtype=rows.dtype)
             return rows / f.reshape(-1, *([1] * trailing))
-        return self.scale.undo(rows, None if isinstance(rows, Mapping) else self.names[0])
+        if isinstance(rows, Mapping):
+            by_key = dict(zip(self.keys, self.names, strict=True))
+            return {k: self.scale.undo(v, by_key[k]) if k in by_key else v
+                    for k, v in rows.items()}
+        return self.scale.undo(rows, self.names[0])
 
     def to_arrow(self, path: str | os.PathLike[str], batch_size: int = 65536) -> Path:
         """Write every row, in order, to an Arrow file that Hugging Face ``datasets`` reads

@@ -117,10 +117,13 @@ class Scale:
 
     @staticmethod
     def estimate(rows: Mapping[str, torch.Tensor]) -> Scale:
-        """The factors of a sample of rows (``{site: (n, *row_shape)}``)."""
+        """The factors of a sample of rows (``{site: (n, *row_shape)}``); sites of integer
+        values (token ids, masks) are not scaled."""
         factors = {}
         for name, r in rows.items():
-            flat = r.detach().flatten(1).to(torch.float64)
+            if not r.is_floating_point():
+                continue
+            flat = r.detach().reshape(r.shape[0], -1).to(torch.float64)
             if flat.shape[0] == 0:
                 raise DiskError(f"site {name!r} has no rows to estimate its norm from")
             mean = float(flat.norm(dim=1).mean())
@@ -158,13 +161,12 @@ class Scale:
     def undo(self, rows: Any, name: str | None = None) -> Any:
         """Rows as they were captured (a tensor of site ``name``, or a dict by site)."""
         if isinstance(rows, Mapping):
-            return {n: v / self.factors[n] if n in self.factors else v
-                    for n, v in rows.items()}
+            return {n: self.undo(v, n) if n in self.factors else v for n, v in rows.items()}
         if name is None:
             if len(self.factors) != 1:
                 raise ConfigError("undo(rows) of several sites: pass name= or a dict by site")
             name = next(iter(self.factors))
-        return rows / self.factors[name]
+        return rows / self.factors[name] if rows.is_floating_point() else rows
 
 
 def stack_sites(values: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:

@@ -96,9 +96,14 @@ def _retrace(state: TapState, why: str | None) -> Lifecycle:
     hooks), plan and compile again."""
     if why is not None:
         warnings.warn(why, stacklevel=6)
+    # Inside a block (this thread's table), the graphs it runs get their points again.
+    again = state.pipeline.per_call.table is not None and state.root.training in state.points
     state.lives.clear()
     state.points.clear()
-    return lifecycle(state)
+    life = lifecycle(state)
+    if again:
+        pointed(state, life)
+    return life
 
 
 def _rehooked(state: TapState, watch: HookWatch) -> Lifecycle | None:

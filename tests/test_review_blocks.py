@@ -1,0 +1,54 @@
+"""Review of per-call blocks (``intervene``, ``run_with_cache``) across sequences of calls on
+every tracer, each against forward hooks on an untapped copy of the model (the reference)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fxprobe
+
+TRACERS = ["fx", "hooks", "auto", "dynamo"]
+
+
+def _hooked(model: nn.Module, edits: dict[str, Callable[[Any], Any]],
+            x: torch.Tensor) -> torch.Tensor:
+    """``model(x)`` on a copy, each module named in ``edits`` returning its edited output."""
+    ref = copy.deepcopy(model)
+    for path, fn in edits.items():
+        ref.get_submodule(path).register_forward_hook(lambda m, a, o, fn=fn: fn(o))
+    return ref(x)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_submodule_assigned_inside_a_block(tracer: str) -> None:
+    """A submodule assigned to the tapped module inside a block: the model is traced again
+    at the next call, which runs the new module with the block's edits (it raised a
+    ConfigError about train and eval mode: the graphs with points were not built again)."""
+    model = _model()
+    x = torch.randn(5, 4)
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer=tracer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tapped.intervene({"2": lambda s, v: v * 2}):
+            tapped(x)
+            torch.manual_seed(1)
+            new = nn.Linear(8, 3)
+            setattr(tapped, "4", new)
+            model[4] = new
+            out = tapped(x)
+        torch.testing.assert_close(out, _hooked(model, {"2": lambda o: o * 2}, x))
+        torch.testing.assert_close(tapped(x), model(x))
+        with tapped.intervene({"4": lambda s, v: v * 0}):
+            torch.testing.assert_close(tapped(x), _hooked(model, {"4": lambda o: o * 0}, x))

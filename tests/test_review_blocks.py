@@ -4,6 +4,7 @@ every tracer, each against forward hooks on an untapped copy of the model (the r
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -52,3 +53,31 @@ def test_submodule_assigned_inside_a_block(tracer: str) -> None:
         torch.testing.assert_close(tapped(x), model(x))
         with tapped.intervene({"4": lambda s, v: v * 0}):
             torch.testing.assert_close(tapped(x), _hooked(model, {"4": lambda o: o * 0}, x))
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_traced_again_by_another_thread_inside_a_block(tracer: str) -> None:
+    """Another thread assigns a submodule and runs the tapped module (traced again) while this
+    thread is inside a block: this thread's next call runs the new trace with its edits (it
+    raised a ConfigError about train and eval mode)."""
+    model = _model()
+    x = torch.randn(5, 4)
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer=tracer)
+
+    def other() -> None:
+        torch.manual_seed(3)
+        new = nn.Linear(8, 3)
+        setattr(tapped, "4", new)
+        model[4] = new
+        tapped(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tapped.intervene({"2": lambda s, v: v * 2}):
+            tapped(x)
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+            out = tapped(x)
+    torch.testing.assert_close(out, _hooked(model, {"2": lambda o: o * 2}, x))
+    torch.testing.assert_close(tapped(x), model(x))

@@ -56,6 +56,7 @@ class Table:
                  cache: list[Selector] | None | tuple[()], model: str,
                  pointed: frozenset[str], literals: frozenset[str] = frozenset()) -> None:
         self.life = life
+        self.training = life.program.training
         self.literals = literals
         self.entries = fns
         self.cache_selectors = cache

@@ -81,3 +81,44 @@ def test_traced_again_by_another_thread_inside_a_block(tracer: str) -> None:
             out = tapped(x)
     torch.testing.assert_close(out, _hooked(model, {"2": lambda o: o * 2}, x))
     torch.testing.assert_close(tapped(x), model(x))
+
+
+class Twice(nn.Module):
+    """A module called twice in one forward (sites ``lin`` and ``lin_1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lin(self.act(self.lin(x))))
+
+
+@pytest.mark.parametrize("capture", ["input", "both"])
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_inputs_kept_inside_a_block(tracer: str, capture: str) -> None:
+    """``capture="input"``/``"both"`` inside a block: a call's inputs are the values that flow
+    after the block's edits (fx kept the arguments of the intervention point, the site's
+    output and its names; dynamo kept the input as it was before the edit)."""
+    torch.manual_seed(0)
+    model = Twice()
+    x = torch.randn(5, 4)
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer=tracer, capture=capture)
+    tapped(x)
+    with tapped.intervene({"lin_1": lambda s, v: v * 0 + 2}):
+        out = tapped(x)
+    torch.testing.assert_close(out, model.out(torch.full((5, 4), 2.0)))
+
+    def inputs(name: str) -> tuple[Any, ...]:
+        taps = tapped.taps
+        return tuple(taps[name] if capture == "input" else taps[name].inputs)
+
+    first = model.lin(x)
+    assert len(inputs("out")) == 1 and len(inputs("lin")) == 1
+    torch.testing.assert_close(inputs("lin")[0], x)
+    torch.testing.assert_close(inputs("lin_1")[0], torch.relu(first))
+    torch.testing.assert_close(inputs("out")[0], torch.full((5, 4), 2.0))
+    tapped(x)  # and outside the block, as the model computes
+    torch.testing.assert_close(inputs("out")[0], model.lin(torch.relu(first)))

@@ -122,3 +122,20 @@ def test_inputs_kept_inside_a_block(tracer: str, capture: str) -> None:
     torch.testing.assert_close(inputs("out")[0], torch.full((5, 4), 2.0))
     tapped(x)  # and outside the block, as the model computes
     torch.testing.assert_close(inputs("out")[0], model.lin(torch.relu(first)))
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_cache_inside_a_block_editing_a_later_call(tracer: str) -> None:
+    """``run_with_cache`` inside a block that edits a module's second call (``lin_1``): the
+    edit applies and the block ends quietly (with tracer="hooks" it raised a SelectorError on
+    leaving: only the cache's table had met the call)."""
+    torch.manual_seed(0)
+    model = Twice()
+    x = torch.randn(5, 4)
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer=tracer)
+    with tapped.intervene({"lin_1": lambda s, v: v * 0 + 2}):
+        out, cache = tapped.run_with_cache(x, names=["lin", "out"])
+    torch.testing.assert_close(out, model.out(torch.full((5, 4), 2.0)))
+    torch.testing.assert_close(cache["lin"], model.lin(x))
+    torch.testing.assert_close(cache["out"], out.detach())
+    torch.testing.assert_close(tapped(x), model(x))

@@ -139,3 +139,19 @@ def test_cache_inside_a_block_editing_a_later_call(tracer: str) -> None:
     torch.testing.assert_close(cache["lin"], model.lin(x))
     torch.testing.assert_close(cache["out"], out.detach())
     torch.testing.assert_close(tapped(x), model(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+def test_graph_input_kept_inside_a_block(tracer: str) -> None:
+    """``capture="input"``: the graph's input site keeps no inputs, in a block as outside (in a
+    block it kept the intervention point's arguments: the input, its name and two flags)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    tapped = fxprobe.tap(model, tracer=tracer, capture="input")
+    tapped(x)
+    assert tapped.taps["input"] == ()
+    with tapped.intervene({"0": lambda s, v: v + 1}):
+        tapped(x)
+    assert tapped.taps["input"] == ()
+    torch.testing.assert_close(tapped.taps["1"][0], model[0](x) + 1)

@@ -61,9 +61,9 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
         node.meta[SITES] = [s for s in sites_of(node) if s.name not in names]
         point.meta[SITES] = moved
         calls = node.meta.get(CALL_ARGS) or {}
-        if node.op != "placeholder":  # the inputs of the call, not the point's arguments
-            point.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(node.args), node))
-                                     for s in moved}
+        # The inputs of the node's call (none for a placeholder), not the point's arguments.
+        point.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(node.args), node))
+                                 for s in moved}
         flowing[node] = point
         pointed.extend(names)
     for node in graph.nodes:  # a call's inputs named in metadata: what flows after the points

@@ -155,3 +155,20 @@ def test_graph_input_kept_inside_a_block(tracer: str) -> None:
         tapped(x)
     assert tapped.taps["input"] == ()
     torch.testing.assert_close(tapped.taps["1"][0], model[0](x) + 1)
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_nested_blocks_editing_a_later_call(tracer: str) -> None:
+    """A block editing ``lin_1`` around a block editing ``out``, the outer running no forward
+    of its own: both edits apply and both blocks end quietly (with tracer="hooks" the outer
+    block raised a SelectorError on leaving: only the inner table had met ``lin_1``)."""
+    torch.manual_seed(0)
+    model = Twice()
+    x = torch.randn(5, 4)
+    tapped = fxprobe.tap(model, ops=nn.Linear, tracer=tracer)
+    second = model.lin(torch.relu(model.lin(x))) * 2
+    with tapped.intervene({"lin_1": lambda s, v: v * 2}):
+        with tapped.intervene({"out": lambda s, v: v + 1}):
+            inner = tapped(x)
+    torch.testing.assert_close(inner, model.out(second) + 1)
+    torch.testing.assert_close(tapped(x), model(x))

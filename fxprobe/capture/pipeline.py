@@ -66,6 +66,8 @@ class CallTable(Protocol):
     """The kept values, by site name, in the order the sites ran."""
     replaced: set[str]
     """The sites whose value a function replaced in this call."""
+    training: bool
+    """The mode the table was made in (whose graphs with points it was resolved against)."""
 
     def check(self, region: Any) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones."""

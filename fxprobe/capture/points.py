@@ -39,6 +39,7 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
     """
     hazards = Hazards(graph, modules, escapes)
     pointed: list[str] = []
+    flowing: dict[fx.Node, fx.Node] = {}  # a node with sites: its point
     for node in list(graph.nodes):
         sites = [s for s in sites_of(node) if not skip(s)]
         if not sites or node.op in ("output", "get_attr"):
@@ -59,10 +60,17 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
         moved = [s for s in sites_of(node) if s.name in names]
         node.meta[SITES] = [s for s in sites_of(node) if s.name not in names]
         point.meta[SITES] = moved
+        calls = node.meta.get(CALL_ARGS) or {}
+        # The inputs of the node's call (none for a placeholder), not the point's arguments.
+        point.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(node.args), node))
+                                 for s in moved}
+        flowing[node] = point
+        pointed.extend(names)
+    for node in graph.nodes:  # a call's inputs named in metadata: what flows after the points
         calls = node.meta.get(CALL_ARGS)
         if calls:
-            point.meta[CALL_ARGS] = {s.name: calls.get(s.name, (tuple(node.args), node))
-                                     for s in moved}
-        pointed.extend(names)
+            node.meta[CALL_ARGS] = {
+                name: (tuple(flowing.get(a, a) if isinstance(a, fx.Node) else a for a in args),
+                       first) for name, (args, first) in calls.items()}
     graph.lint()
     return frozenset(pointed)

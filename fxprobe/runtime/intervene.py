@@ -56,6 +56,7 @@ class Table:
                  cache: list[Selector] | None | tuple[()], model: str,
                  pointed: frozenset[str], literals: frozenset[str] = frozenset()) -> None:
         self.life = life
+        self.training = life.program.training
         self.literals = literals
         self.entries = fns
         self.cache_selectors = cache
@@ -68,6 +69,8 @@ class Table:
         self.sites: dict[str, Site] = {}
         """Every site resolved so far, by name, in the order met."""
         self.known: dict[int, int] = {}
+        self.outer: Table | None = None
+        """The thread's table this one was composed with (told of the hooked calls met)."""
         self.matched: set[int] = set()
         self.cache_matched: set[int] = set()
 
@@ -85,6 +88,8 @@ class Table:
     def see(self, name: str, key: str) -> None:
         """A hooked module's call ``key`` (``fc_1``: the second call of ``fc`` in a forward,
         a site of its own, as under torch.fx and dynamo)."""
+        if self.outer is not None:  # a cache inside a block: the block's selectors met it too
+            self.outer.see(name, key)
         if key not in self.sites:
             base = self.sites.get(name)
             if base is not None:
@@ -158,6 +163,7 @@ def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tup
         fns = [*outer.entries, *fns]
     literals = literals | {name for _, _, name in fns if name is not None}
     table = Table(life, fns, cache, state.model_name, points.names, literals)
+    table.outer = outer if isinstance(outer, Table) else None
     regions = _regions(life)
     dynamo = {n for r in regions for n in r.sites}
     hidden = life.hidden()  # a deferred module's hook sites, until dynamo has run it

@@ -149,11 +149,14 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
             life = _retrace(state, adopted(state))
         elif watch is not None:
             life = _rehooked(state, watch) or life
-        if pipeline.per_call.table is not None:  # the graphs with points watch their own
+        table = pipeline.per_call.table
+        if table is not None:  # the graphs with points watch their own
             points = state.points.get(root.training)
             if points is not None and points.watch is not None:
                 life = _rehooked(state, points.watch) or life
                 pointed(state, life)
+            elif points is None and table.training == root.training:
+                pointed(state, life)  # traced again inside the block (by any thread)
     else:
         life = lifecycle(state)
     if life.waiting and torch.compiler.is_compiling():  # a deferred module: as written

@@ -278,7 +278,8 @@ class CaptureDataset(Dataset[Any]):
         if self.layout == "stack":
             return list(self._pack(got).unbind(0))
         rows = {n: v.unbind(0) for n, v in got.items()}
-        return [{n: rows[n][p] for n in self.names} for p in range(len(indices))]
+        return [{k: rows[n][p] for k, n in zip(self.keys, self.names, strict=True)}
+                for p in range(len(indices))]
 
     def loader(self, batch_size: int, shuffle: bool = True, drop_last: bool = False,
                generator: torch.Generator | None = None, **kwargs: Any) -> Any:

@@ -255,6 +255,10 @@ _ATTENTION_WORDS = ("softmax", "attn_prob", "attention_prob", "attn_weight", "at
                     "attn_drop", "attn_map")
 
 
+_CANONICAL = re.compile(r"^(blocks\.(\d+|\*)\.\S+|embed|pos_embed|ln_final|logits)$")
+"""What a name of the canonical transformer vocabulary looks like (docs/transformers.md)."""
+
+
 def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
                      fallbacks: Sequence[Any] = ()) -> str:
     sites = list(sites)
@@ -274,6 +278,11 @@ def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
                 "'*.scaled_dot_product_attention'), or the probabilities themselves with "
                 "ops=fxprobe.attention_probs, tracer='dynamo' (sites named "
                 "'<module>.attention_probs').")
+    if _CANONICAL.match(probe) and not any(s.canonical for s in sites):
+        hint += (f" {sel.description} is a canonical transformer name: those exist where torch "
+                 "dynamo captured a Hugging Face transformer (fxprobe.tap, fxprobe.sites with "
+                 "an example input, tracer 'auto' or 'dynamo'); none of these sites has one "
+                 "(torch.fx and hooks name sites by module path and op).")
     ops = sorted({s.op for s in sites if s.kind != "placeholder"})
     hidden = ""
     if fallbacks:

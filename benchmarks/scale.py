@@ -314,7 +314,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--approaches", type=lambda s: s.split(","), default=list(APPROACHES))
     p.add_argument("--tracer", default="dynamo", choices=("dynamo", "auto", "fx+dynamo"),
-                   help="fxprobe's tracer (per-call edits and canonical names need dynamo)")
+                   help="fxprobe's tracer (canonical names need dynamo)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--size", default=None, choices=tuple(SIZES),
                    help="tiny (default on cpu) or 1b (default on cuda)")

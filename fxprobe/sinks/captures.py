@@ -8,12 +8,10 @@ The map is private and copy-on-write: editing a returned tensor in place never c
 file, but it does change what later reads through the same :class:`Captures` (and datasets
 made from it) return; ``.clone()`` a value before editing it.
 
-What the index says of a shard is checked before its values are returned: its size, its
-forward range and rank, a header that parses with tensors inside the file whose byte sizes
-match their dtypes and shapes, and (``verify=True``, indexes written since the checksums were
-added) the CRC-32 of its header, and of each block of its data the first time a value or row in
-it is read (:mod:`.shardfile`). Rows of a site are gathered by :meth:`Captures.rows`
-(:mod:`.rowtable`).
+What the index says of a shard is checked before its values are returned: size, forward
+range, rank, a header that parses with tensors inside the file whose byte sizes match their
+dtypes and shapes, and (``verify=True``) the CRC-32 of the header and of each block of data the
+first time a value or row in it is read (:mod:`.shardfile`; rows: :mod:`.rowtable`).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import bisect
 import collections
 import math
 import os
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -148,6 +147,7 @@ class Captures:
         self._verified: set[tuple[Any, ...]] = set()
         self._checked: dict[tuple[Any, ...], set[tuple[str, int]]] = {}
         self._open: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
+        self._lock = threading.Lock()
         self._tables: dict[tuple[str, int], _rows.RowTable] = {}
         self._shards: list[dict[str, Any]] = []
         self.refresh()
@@ -242,19 +242,21 @@ class Captures:
         return ShardReader(path, listed, self.verify, (journal[0], journal[1]))
 
     def _shard_at(self, k: int) -> ShardReader:
-        """Shard ``k`` (position in the list), opened once and kept among the last 64."""
-        reader = self._open.get(k)
-        if reader is None:
-            reader = self._reader(self._shards[k], k)
-            if _ident(self._shards[k]) in self._verified:
-                reader.crc = None
-            reader.checked = self._checked.setdefault(_ident(self._shards[k]), set())
-            self._open[k] = reader
-            if len(self._open) > 64:  # bound open maps; views keep theirs alive
-                self._open.popitem(last=False)
-        else:
-            self._open.move_to_end(k)
-        return reader
+        """Shard ``k`` (position in the list), opened once and kept among the last 64; one
+        thread at a time (``ds.loader(num_workers=k)`` gathers in threads)."""
+        with self._lock:
+            reader = self._open.get(k)
+            if reader is None:
+                reader = self._reader(self._shards[k], k)
+                if _ident(self._shards[k]) in self._verified:
+                    reader.crc = None
+                reader.checked = self._checked.setdefault(_ident(self._shards[k]), set())
+                self._open[k] = reader
+                if len(self._open) > 64:  # bound open maps; views keep theirs alive
+                    self._open.popitem(last=False)
+            else:
+                self._open.move_to_end(k)
+            return reader
 
     def _check(self, k: int, key: str, blocks: Any) -> None:
         r = self._shard_at(k)
@@ -424,10 +426,11 @@ class Captures:
                 CapturedForward(-1, {}, self.names, self.canonical)[n]  # raises, close matches
         return CaptureDataset(self, names, rows, mask, keys=keys, **options)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_open"] = collections.OrderedDict()  # memory maps do not cross processes
-        return state
+    def __getstate__(self) -> dict[str, Any]:  # memory maps and locks stay in a process
+        return {**self.__dict__, "_open": collections.OrderedDict(), "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def __repr__(self) -> str:
         return (f"Captures({str(self.path)!r}, {len(self)} forwards, {len(self.names)} sites, "

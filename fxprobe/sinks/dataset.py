@@ -14,9 +14,11 @@ hands whole batches to ``ds[rows]`` and skips the row-by-row collation as well (
 
 from __future__ import annotations
 
+import collections
+import itertools
 import operator
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict
 
@@ -282,8 +284,9 @@ class CaptureDataset(Dataset[Any]):
                 for p in range(len(indices))]
 
     def loader(self, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-               generator: torch.Generator | None = None, **kwargs: Any) -> Any:
-        """A ``torch.utils.data.DataLoader`` of batches of rows: the fast way to read.
+               generator: torch.Generator | None = None, num_workers: int = 0,
+               **kwargs: Any) -> Any:
+        """Batches of rows: the fast way to read.
 
         Each batch is ``ds[rows]``, one gather per shard, with no collation of single rows;
         the rows of a batch are drawn as ``shuffle=True`` draws them (a permutation per
@@ -295,11 +298,18 @@ class CaptureDataset(Dataset[Any]):
             shuffle: a new random permutation per epoch (else rows in order).
             drop_last: leave out a last, smaller batch.
             generator: the ``torch.Generator`` the permutations are drawn from.
-            **kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
+            num_workers: threads of this process that gather the next batches while one is
+                used (a gather is a copy from the memory maps that releases the GIL, so the
+                threads share the maps and no batch crosses a process boundary, as it would
+                from ``DataLoader``'s worker processes); 0: each batch read when asked for.
+            **kwargs: with ``num_workers=0``, passed to ``DataLoader`` (``pin_memory``, ...);
+                with threads, ``pin_memory`` and ``prefetch_factor`` (batches ahead per
+                thread, 2).
 
         Returns:
-            ``DataLoader(self, batch_size=None, sampler=...)``: batches shaped
-            ``[batch_size, *row_shape]`` (dicts of them for several names).
+            ``DataLoader(self, batch_size=None, sampler=...)``, or with threads an iterable
+            of the same batches (``len()`` is the number of batches): ``[batch_size,
+            *row_shape]`` (dicts of them for several names).
 
         Example:
             >>> for batch in ds.loader(4096, num_workers=2):
@@ -311,14 +321,59 @@ class CaptureDataset(Dataset[Any]):
             if bad in kwargs:
                 raise ConfigError(f"ds.loader({bad}=...) is set by the loader; pass "
                                   f"DataLoader(ds, ...) yourself to choose it")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"ds.loader(num_workers={num_workers!r}): 0 or more threads")
         sampler = Batches(len(self), batch_size, shuffle, drop_last, generator)
-        return DataLoader(self, batch_size=None, sampler=sampler, **kwargs)
+        if num_workers == 0:
+            return DataLoader(self, batch_size=None, sampler=sampler, **kwargs)
+        unknown = sorted(set(kwargs) - {"pin_memory", "prefetch_factor"})
+        if unknown:
+            raise ConfigError(f"ds.loader(num_workers={num_workers}) gathers in threads and "
+                              f"takes pin_memory= and prefetch_factor=, not {unknown}; pass "
+                              "DataLoader(ds, batch_size=None, sampler=...) for worker "
+                              "processes")
+        return ThreadedBatches(self, sampler, num_workers, int(kwargs.get("prefetch_factor", 2)),
+                               bool(kwargs.get("pin_memory", False)))
 
     def __repr__(self) -> str:
         what = self.names[0] if self._single else list(self.names)
         masked = f", mask={self.mask!r}" if self.mask else ""
         masked += ", normalized" if self.scale is not None else ""
         return f"CaptureDataset({what!r}, rows={self.rows!r}{masked}, {self._len} rows)"
+
+
+class ThreadedBatches:
+    """The batches of ``ds.loader(..., num_workers=k)``: ``k`` threads gather the next
+    ``k * prefetch`` batches while one is used; batches come in the sampler's order."""
+
+    def __init__(self, ds: CaptureDataset, sampler: Batches, workers: int, prefetch: int,
+                 pin_memory: bool) -> None:
+        self.dataset, self.sampler = ds, sampler
+        self.workers, self.prefetch, self.pin_memory = workers, max(1, prefetch), pin_memory
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        order = iter(self.sampler)  # the epoch's permutation, drawn here
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="fxprobe-rows") as pool:
+            ahead = collections.deque(pool.submit(self.dataset.__getitem__, idx)
+                                      for idx in itertools.islice(order,
+                                                                  self.workers * self.prefetch))
+            while ahead:
+                batch = ahead.popleft().result()
+                nxt = next(order, None)
+                if nxt is not None:
+                    ahead.append(pool.submit(self.dataset.__getitem__, nxt))
+                yield _pinned(batch) if self.pin_memory else batch
+
+
+def _pinned(batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return {k: v.pin_memory() for k, v in batch.items()}
+    return batch.pin_memory()
 
 
 def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mask: str | None,

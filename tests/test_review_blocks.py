@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_intervene_frontends import Twice
 from torch import nn
 
 import fxprobe
@@ -81,19 +82,6 @@ def test_traced_again_by_another_thread_inside_a_block(tracer: str) -> None:
             out = tapped(x)
     torch.testing.assert_close(out, _hooked(model, {"2": lambda o: o * 2}, x))
     torch.testing.assert_close(tapped(x), model(x))
-
-
-class Twice(nn.Module):
-    """A module called twice in one forward (sites ``lin`` and ``lin_1``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.act = nn.ReLU()
-        self.out = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.lin(self.act(self.lin(x))))
 
 
 @pytest.mark.parametrize("capture", ["input", "both"])

@@ -10,15 +10,9 @@ tests/test_features_layout.py checks the same rules on hand-written models.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import textwrap
-from pathlib import Path
 
-import pytest
-
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
-    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
+from tv_venv import needs_tv, run_tv
 
 _SCRIPT = textwrap.dedent("""
     import torch, timm, fxprobe
@@ -111,19 +105,9 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not TV_PYTHON.exists(),
-                    reason=f"no venv with timm and torchvision at {TV_PYTHON} (they do not "
-                           "install beside torch 2.13 here; .ci/tv-env builds it, or set "
-                           "FXPROBE_TV_PYTHON to a python with both)")
+@needs_tv
 def test_swin_levit_hrnet_and_torchvision_layouts() -> None:
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([str(TV_PYTHON), "-c", _SCRIPT],
-                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
-                         text=True, timeout=600)
-    if run.returncode != 0 and "No module named" in run.stderr:
-        pytest.skip(f"{TV_PYTHON} lacks timm or torchvision: {run.stderr.splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout
+    out = run_tv(_SCRIPT)
     assert "equal swin_tiny_patch4_window7_224 [(2, 16, 16, 24), (2, 8, 8, 48)" in out, out
     assert "[24, 48, 96, 192] [4, 8, 16, 32]" in out, out
     assert "equal hrnet_w18_small" in out and "equal levit_128s" in out, out

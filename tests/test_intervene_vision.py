@@ -9,15 +9,9 @@ there, with this checkout first on the path; without it these tests skip and say
 
 from __future__ import annotations
 
-import os
-import subprocess
 import textwrap
-from pathlib import Path
 
-import pytest
-
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
-    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
+from tv_venv import needs_tv, run_tv
 
 _SCRIPT = textwrap.dedent("""
     import torch, timm, torchvision, fxprobe
@@ -115,18 +109,9 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not TV_PYTHON.exists(),
-                    reason=f"no venv with timm and torchvision at {TV_PYTHON} (they do not "
-                           "install beside torch 2.13 here; .ci/tv-env builds it, or set "
-                           "FXPROBE_TV_PYTHON to a python with both)")
+@needs_tv
 def test_resnet18_and_a_vit_are_edited_per_call_as_hooks_edit_them() -> None:
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([str(TV_PYTHON), "-c", _SCRIPT],
-                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
-                         text=True, timeout=600)
-    if run.returncode != 0 and "No module named" in run.stderr:
-        pytest.skip(f"{TV_PYTHON} lacks timm or torchvision: {run.stderr.splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr[-3000:]
+    stdout = run_tv(_SCRIPT)
     for tracer in ["auto", "hooks", "dynamo"]:
-        assert f"resnet18 ok {tracer}" in run.stdout, run.stdout
-    assert "vit ok ['blocks.0', 'blocks.1']" in run.stdout, run.stdout
+        assert f"resnet18 ok {tracer}" in stdout, stdout
+    assert "vit ok ['blocks.0', 'blocks.1']" in stdout, stdout

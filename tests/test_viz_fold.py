@@ -9,10 +9,8 @@ tests/test_torchvision.py), and skip where it is absent.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -20,14 +18,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from tv_venv import needs_tv, run_tv
 
 import fxprobe
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAS_DOT, reason="the Graphviz 'dot' program is not installed")
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
-    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
 _SVG = "{http://www.w3.org/2000/svg}"
 _XLINK = "{http://www.w3.org/1999/xlink}"
 
@@ -225,17 +222,10 @@ print(json.dumps({"resnet50": height(fxprobe.to_dot(r50, x)),
 
 
 @needs_dot
-@pytest.mark.skipif(not TV_PYTHON.exists(),
-                    reason=f"no torchvision venv at {TV_PYTHON} (set FXPROBE_TV_VENV or "
-                           "FXPROBE_TV_PYTHON to a python with torchvision)")
+@needs_tv
 def test_resnet50_and_vit_b_16_fit_in_4000_px_by_default() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([str(TV_PYTHON), "-c", _HEIGHTS], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=600)
-    if run.returncode and "No module named 'torchvision'" in run.stderr:
-        pytest.skip(f"{TV_PYTHON} lacks torchvision")
-    assert run.returncode == 0, run.stderr[-3000:]
-    h = json.loads(run.stdout.strip().splitlines()[-1])
+    stdout = run_tv(_HEIGHTS)
+    h = json.loads(stdout.strip().splitlines()[-1])
     assert h["resnet50"] <= 4000 and h["vit_b_16"] <= 4000, h
     # depth changes a CNN: one node per block is shorter than the blocks drawn (folded)
     assert h["resnet50 depth=1"] < h["resnet50"] / 1.5, h

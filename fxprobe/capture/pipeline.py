@@ -68,6 +68,8 @@ class CallTable(Protocol):
     """The sites whose value a function replaced in this call."""
     training: bool
     """The mode the table was made in (whose graphs with points it was resolved against)."""
+    serial: int
+    """A number no other table of the process has (what a graph remembers it by)."""
 
     def check(self, region: Any) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones."""

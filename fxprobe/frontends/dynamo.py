@@ -31,7 +31,7 @@ from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
 from ..capture.points import insert_points
-from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
+from ..capture.rewrite import compile_region, copy_graph, insert_taps
 from ..core.errors import DynamoError
 from ..core.names import join, one_line
 from ..core.options import Capture, CopyPolicy
@@ -51,6 +51,7 @@ from .dynamo_names import (
 )
 from .dynamo_quiet import quiet_compile
 from .dynamo_shapes import static_inputs
+from .dynamo_versions import Instrumented
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
 
@@ -78,38 +79,6 @@ def _positional(forward: Callable[..., Any]) -> tuple[str, ...]:
 def dynamo_failed(e: BaseException) -> bool:
     """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
     return isinstance(e, (torch._dynamo.exc.TorchDynamoException, DynamoError))
-
-
-class _Instrumented:
-    """One captured graph rewritten for one instance of its frame's module."""
-
-    __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix", "named",
-                 "ran", "repeat", "count", "pointed")
-
-    def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph, repeat: int = 0
-                 ) -> None:
-        self.graph = compiled.graph
-        self.fn = compiled.fn
-        self.holder = compiled.holder
-        self.names = compiled.names
-        self.copied = compiled.copied
-        self.outplaced = compiled.outplaced
-        self.prefix = prefix
-        """The path, relative to the region, of the module instance it runs for."""
-        self.named = named
-        """The graph with its sites, before the taps went in (for the pictures)."""
-        self.ran = (-1, -1)
-        """(forward, place among the graphs it ran) of its first run in the last forward it
-        ran in (for the pictures: graphs drawn in the order they ran)."""
-        self.repeat = repeat
-        """0; n for the version named for the (n+1)-th run of its code for the same module
-        instance in one forward (the module called again)."""
-        self.count = ""
-        """The key counting the runs of its code for its instance in a forward
-        (``Frame.hook_calls``; set by ``_Captured``)."""
-        self.pointed: _Instrumented | None = None
-        """The same graph with an intervention point at every site (``capture.points``):
-        what runs while the calling thread has a per-call table (``tapped.intervene``)."""
 
 
 class _Captured:
@@ -146,7 +115,7 @@ class _Captured:
                     break
         self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
-        self.versions: dict[int | tuple[int, int], _Instrumented] = {}
+        self.versions: dict[int | tuple[int, int], Instrumented] = {}
         self.stamp = -1
 
     def _locate(self) -> str:
@@ -183,7 +152,7 @@ class _Captured:
                 return owner[: len(owner) - len(rel)].rstrip(".")
         return ""
 
-    def version(self, args: Sequence[Any], repeat: int = 0) -> _Instrumented:
+    def version(self, args: Sequence[Any], repeat: int = 0) -> Instrumented:
         key = id(args[self.anchor]) if self.anchor is not None else 0
         found = self.versions.get((key, repeat) if repeat else key)
         if found is None:
@@ -213,10 +182,11 @@ class _Captured:
         table = region.pipeline.per_call.table
         if table is not None:  # one check per graph run: per-call interventions or a cache
             table.check(region)
-            if version.pointed is None:  # no dynamo: the captured graph, rewritten again
-                version.pointed = region.instrument(self.gm, self.captured_prefix,
-                                                    version.prefix, version.repeat, True)
-            version = version.pointed
+            if not version.serves(table):
+                if version.pointed is None:  # no dynamo: the captured graph, rewritten again
+                    version.pointed = region.instrument(self.gm, self.captured_prefix,
+                                                        version.prefix, version.repeat, True)
+                version = version.pointed
         result = version.fn(version.holder, *args)
         if self.stamp != region.calls:  # the first run of this graph in this forward
             self.stamp = region.calls
@@ -295,7 +265,7 @@ class DynamoRegion:
         in-place write by the forward (see ``runtime.lifecycle.Lifecycle.run``)."""
         return [t._version for t in self.state]
 
-    def instrumented(self) -> dict[str, _Instrumented]:
+    def instrumented(self) -> dict[str, Instrumented]:
         """Every instrumented graph so far, by key (``tapped.graphs``):
         ``"dynamo:<region path>:<graph number>"``, the graphs numbered from 0 in the order
         dynamo captured them, then ``"@<module path>"`` for a graph dynamo reuses for another
@@ -303,7 +273,7 @@ class DynamoRegion:
         """
         return {key: version for key, _, _, version in self._versions()}
 
-    def _versions(self) -> list[tuple[str, int, _Captured, _Instrumented]]:
+    def _versions(self) -> list[tuple[str, int, _Captured, Instrumented]]:
         out = []
         for i, captured in enumerate(self.captured):
             for version in captured.versions.values():
@@ -358,7 +328,7 @@ class DynamoRegion:
             return False
 
     def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str,
-                   repeat: int = 0, points: bool = False) -> _Instrumented:
+                   repeat: int = 0, points: bool = False) -> Instrumented:
         """Name the graph's nodes for the module instance at ``prefix`` (for its run
         ``repeat`` in one forward, from 0) and insert its taps (with ``points``, after an
         intervention point at every site, ``capture.points``)."""
@@ -389,16 +359,26 @@ class DynamoRegion:
             sharding.gather(graph, {s.name for s in named.order} if points else chosen)
         named_graph = copy_graph(graph)
         if points:  # not beside SDPA where not computed (a pattern not selected at tap())
-            self.pointable |= insert_points(graph, gm.get_submodule, self.pipeline,
-                                            lambda s: s.target is attention_probs
-                                            and s.name not in chosen)
+            pointed = insert_points(graph, gm.get_submodule, self.pipeline,
+                                    lambda s: s.target is attention_probs
+                                    and s.name not in chosen)
+        elif chosen:  # a point at each selected site: a per-call block on them needs no
+            # graph of its own. Not beside SDPA: an edit there must drive the attention's
+            # output, which would then no longer be the fused kernel's.
+            pointed = insert_points(graph, gm.get_submodule, self.pipeline,
+                                    lambda s: s.name not in chosen
+                                    or s.target is attention_probs)
+        else:
+            pointed = frozenset()
+        self.pointable |= pointed
         # A captured graph returns to dynamo's bytecode (the code between graph breaks, or
         # the caller), which fxprobe does not see and which may write into what it returns.
         order, copied, outplaced = insert_taps(
             graph, gm.get_submodule, chosen, capture=self.capture, copy=self.copy,
             pipeline=self.pipeline, escapes=True)
-        return _Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
-                             prefix, named_graph, repeat)
+        return Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
+                             prefix, named_graph, repeat, pointed,
+                             frozenset(s.name for s in named.order))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.finished = False  # until this call ends: an error inside leaves sites unseen

@@ -15,6 +15,7 @@ check per graph (or hooked call) is all that a block costs outside.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -30,6 +31,9 @@ from ..frontends.dynamo import DynamoRegion
 from .lifecycle import Lifecycle, State
 from .run import lifecycle, pointed
 from .state import TapState
+
+_serials = itertools.count(1)
+"""Each table's ``serial``."""
 
 Fn = Callable[[Site, Any], Any]
 Entry = tuple[Selector, Fn, str | None]
@@ -57,6 +61,7 @@ class Table:
                  pointed: frozenset[str], literals: frozenset[str] = frozenset()) -> None:
         self.life = life
         self.training = life.program.training
+        self.serial = next(_serials)
         self.literals = literals
         self.entries = fns
         self.cache_selectors = cache

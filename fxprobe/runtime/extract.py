@@ -269,11 +269,7 @@ def build_features_graph(region: Region, renames: Mapping[str, str],
     (out,) = (n for n in graph.nodes if n.op == "output")
     graph.erase_node(out)
     _resolve_placeholder_types(graph, region.module)
-    produced: dict[str, fx.Node] = {}
-    for n in graph.nodes:
-        for site in sites_of(n):
-            if site.name in renames:
-                produced[site.name] = n
+    produced = {site.name: n for n in graph.nodes for site in sites_of(n)}
     graph.output({new: produced[name if name in produced else (aliases or {})[name]]
                   for name, new in renames.items()})
     prune(graph, region.module.get_submodule)

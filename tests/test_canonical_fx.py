@@ -188,3 +188,39 @@ def test_no_family_recognised_says_what_fx_needs() -> None:
     assert "torch.fx traced whole" in str(e.value) and "nn.ModuleList" in str(e.value)
     out, values = fxprobe.extractor(model, ops="1")(torch.tensor([[1, 2]]))
     torch.testing.assert_close(values["1"], out)
+
+
+class NormedGPT(GPT):
+    """A train-mode BatchNorm over the embeddings: finding the names must not step it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.size(1)))
+        x = self.bn(x.transpose(1, 2)).transpose(1, 2)
+        for b in self.blocks:
+            x = nn.functional.dropout(b(x), 0.1, self.training)
+        return self.head(self.ln_f(x))
+
+
+def test_finding_the_names_changes_no_state_of_the_model_nor_the_random_state() -> None:
+    model = NormedGPT().train()
+    state = copy.deepcopy(model.state_dict())
+    rng = torch.random.get_rng_state()
+    tapped = fxprobe.tap(model, ops="blocks.*.resid_post", tracer="fx")
+    fxprobe.extractor(model, return_nodes=["blocks.2.resid_post"], train=True)
+    assert any(s.canonical for s in fxprobe.sites(model, train=True))
+    assert torch.equal(rng, torch.random.get_rng_state())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    ids = torch.randint(0, 100, (2, 5))
+    torch.manual_seed(1)
+    tapped(ids)
+    torch.manual_seed(1)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(state)
+    ref = _hooked(reference, ids)
+    for i in range(3):
+        assert torch.equal(tapped.taps[f"blocks.{i}.resid_post"], ref[f"blocks.{i}.resid_post"])

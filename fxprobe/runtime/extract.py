@@ -83,9 +83,11 @@ def extractor(model: nn.Module, ops: Any = None, *, train: bool = False,
         return_nodes: instead of ``ops``, exact site names as torchvision spells them: a list
             (``["layer1", "layer2.0.relu"]``) or a dict renaming them
             (``{"layer1": "feat1"}``). A module path such as ``"layer1"`` is that module's
-            output. The forward then returns ``{name: value}`` in the order given, and the graph
-            is pruned: ops that no requested value depends on are dropped (the model's head is
-            not run), except in-place writes that a kept op still reads.
+            output; a transformer's canonical names (``"blocks.3.resid_post"``, where
+            ``fxprobe.sites(model)`` lists them) are names too. The forward then returns
+            ``{name: value}`` in the order given, and the graph is pruned: ops that no
+            requested value depends on are dropped (the model's head is not run), except
+            in-place writes that a kept op still reads.
 
     Returns:
         An ``fx.GraphModule`` named like the model's class.

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..capture.rewrite import copy_graph
 from ..core.errors import ConfigError
-from ..core.site import node_site, sites_of
+from ..core.site import SITES, node_site, sites_of
 from ..core.view import Plan, Region, ValueInfo
 from ..frontends.canonical import annotate
 from ..frontends.canonical_graph import ATTENTION_MODULE, FxIndex
@@ -43,17 +43,7 @@ def propagate(p: Plan, source: nn.Module, args: Sequence[Any],
     The run uses a private copy of ``source``: the user's hooks and fxprobe's taps do not fire,
     buffers (BatchNorm statistics) are copies, the random number generator is restored after.
     """
-    work = mirror(source, share_state=False)
-    drop_overrides(work)
-    for module in work.modules():
-        for name in _HOOK_DICTS:
-            hooks = module.__dict__.get(name)
-            if isinstance(hooks, dict):
-                hooks.clear()  # the copy's own dict; the model keeps its hooks
-        buffers = module.__dict__["_buffers"]
-        for key, buf in buffers.items():
-            if buf is not None:
-                buffers[key] = buf.clone()
+    work = private_copy(source)
     infos: dict[str, ValueInfo] = {}
 
     def note(key: str, value: Any) -> None:
@@ -80,6 +70,24 @@ def propagate(p: Plan, source: nn.Module, args: Sequence[Any],
         raise refused_input(source, args, e) from e
     note("/output", out)
     return infos
+
+
+def private_copy(source: nn.Module) -> nn.Module:
+    """A copy of ``source``'s module tree for a private run: no hooks (the model keeps its
+    own), no replaced forwards, buffers of its own (a train-mode BatchNorm updates copies);
+    the parameters are the model's."""
+    work = mirror(source, share_state=False)
+    drop_overrides(work)
+    for module in work.modules():
+        for name in _HOOK_DICTS:
+            hooks = module.__dict__.get(name)
+            if isinstance(hooks, dict):
+                hooks.clear()  # the copy's own dict; the model keeps its hooks
+        buffers = module.__dict__["_buffers"]
+        for key, buf in buffers.items():
+            if buf is not None:
+                buffers[key] = buf.clone()
+    return work
 
 
 def refused_input(model: nn.Module, args: Sequence[Any], e: BaseException) -> ConfigError:
@@ -130,8 +138,9 @@ def with_canonical(p: Plan) -> Plan:
     where torch.fx traced the whole model and the canonical pass recognises its family.
 
     The pass (``frontends.canonical``, the one dynamo's graphs go through) reads each value's
-    shape; an fx graph has none, so its graph runs once on fake tensors (nothing computed,
-    nothing of the model changed, no hook run) fed an input shaped as the graph reads it
+    shape; an fx graph has none, so its graph runs once on fake tensors (nothing computed)
+    and a private copy of the module tree (nothing of the model changes, none of its hooks
+    runs, the random state is restored), fed an input shaped as the graph reads it
     (:func:`fake_input`). Where no input can be made, the run fails, or the graph holds no
     attention, ``p`` comes back as it is (a canonical name then matches nothing and says why).
     """
@@ -144,14 +153,20 @@ def with_canonical(p: Plan) -> Plan:
     args = fake_input(region)
     if args is None:
         return p
+    saved = {n: n.meta.get(SITES) for n in region.graph.nodes}
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):  # tensors made inside are fake
-            _Shapes(region.module, region.graph).run(*(make() for make in args))
+        # A private copy (a BatchNorm's step counter is written even under fake tensors).
+        work = private_copy(region.module)
+        with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True):
+            _Shapes(work, region.graph).run(*(make() for make in args))  # made inside: fake
         sites = {n: s for n in region.graph.nodes if (s := node_site(n)) is not None}
         named = NamedGraph(sites, {}, [s for _, s in region.sites()],
                            frozenset(s.module_path for s in sites.values()))
         annotate(region.graph, named, root=region.module, root_path="", traced=True)
     except Exception:  # noqa: BLE001 (a graph fake tensors cannot run: no canonical names)
+        for n, found in saved.items():
+            if found is not None:
+                n.meta[SITES] = found
         return p
     finally:
         for n in region.graph.nodes:
@@ -209,8 +224,7 @@ def _image_size(root: nn.Module) -> tuple[int, int]:
 
 
 class _Shapes(fx.Interpreter):
-    """Runs a graph, keeping each value in ``node.meta["example_value"]`` (as dynamo does);
-    a module is called by its ``forward`` (its hooks, the user's, do not run)."""
+    """Runs a graph, keeping each value in ``node.meta["example_value"]`` (as dynamo does)."""
 
     def __init__(self, module: nn.Module, graph: fx.Graph) -> None:
         super().__init__(module, garbage_collect_values=True, graph=graph)
@@ -219,6 +233,3 @@ class _Shapes(fx.Interpreter):
         value = super().run_node(n)
         n.meta["example_value"] = value
         return value
-
-    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        return self.fetch_attr(str(target)).forward(*args, **kwargs)

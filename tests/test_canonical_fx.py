@@ -224,3 +224,41 @@ def test_finding_the_names_changes_no_state_of_the_model_nor_the_random_state() 
     ref = _hooked(reference, ids)
     for i in range(3):
         assert torch.equal(tapped.taps[f"blocks.{i}.resid_post"], ref[f"blocks.{i}.resid_post"])
+
+
+def test_intervene_and_run_with_cache_take_canonical_names_under_fx() -> None:
+    model = GPT().eval()
+    reference = copy.deepcopy(model)
+    tapped = fxprobe.tap(model, ops="blocks.0.resid_post", tracer="fx")
+    ids = torch.randint(0, 100, (2, 6))
+
+    def halve(site: Any, value: torch.Tensor) -> torch.Tensor:
+        return value * 0.5
+
+    with torch.no_grad():
+        with tapped.intervene({"blocks.1.resid_post": halve}):
+            edited = tapped(ids)
+        hook = reference.blocks[1].register_forward_hook(lambda m, a, out: out * 0.5)
+        expected = reference(ids)
+        hook.remove()
+        plain = tapped(ids)  # outside the block: the model as it is
+        out, cache = tapped.run_with_cache(ids, names="blocks.*.mlp_out")
+        ref = _hooked(reference, ids)
+    assert torch.equal(edited, expected) and not torch.equal(edited, plain)
+    assert torch.equal(plain, ref["logits"]) and torch.equal(out, plain)
+    for i in range(3):
+        torch.testing.assert_close(cache[f"blocks.{i}.mlp_out"], ref[f"blocks.{i}.mlp_out"])
+    assert torch.equal(tapped.taps["blocks.0.resid_post"], ref["blocks.0.resid_post"])
+
+
+def test_a_block_with_hooks_of_its_own_has_no_names_the_others_keep_theirs() -> None:
+    model = GPT().eval()
+    seen: list[torch.Tensor] = []
+    model.blocks[0].register_forward_hook(lambda m, a, out: seen.append(out.clone()))
+    listed = {c for s in fxprobe.sites(model, tracer="fx") for c in s.canonical}
+    assert not any(c.startswith("blocks.0.") and c != "blocks.0.resid_pre" for c in listed)
+    assert {"blocks.1.resid_pre", "blocks.1.resid_post", "blocks.2.attn.q"} <= listed
+    tapped = fxprobe.tap(model, ops="blocks.1.resid_pre", tracer="fx")
+    with torch.no_grad():
+        tapped(torch.randint(0, 100, (2, 5)))
+    assert len(seen) == 1 and torch.equal(tapped.taps["blocks.1.resid_pre"], seen[0])

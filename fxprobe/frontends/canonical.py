@@ -8,8 +8,10 @@ module tree:
 
 - **blocks**: an attention kernel (``F.scaled_dot_product_attention``, or a softmax whose
   probabilities multiply the values; the scores by ``matmul``, ``bmm`` or ``baddbmm``, from q
-  and k computed in the block itself) inside a child of a ``ModuleList`` whose children are
-  distinct modules of one class; the child's index is ``L``. A block run more than once in a
+  and k computed in the block itself; in a torch.fx graph also a call of
+  ``nn.MultiheadAttention``, whose insides have no names) inside a child of a ``ModuleList``
+  or ``Sequential`` whose children are distinct modules of one class; the child's position
+  is ``L``. A block run more than once in a
   graph (a shared layer) has no names. Several such lists are several stacks: the one whose
   blocks hold a cross-attention (keys and values from outside the block's stream) is
   ``decoder.``, the other ``encoder.``.
@@ -102,7 +104,8 @@ class _RoleNames:
 
 def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: str,
              traced: bool = False) -> NamedGraph:
-    """Add canonical names to the sites of a graph dynamo captured (see the module docstring).
+    """Add canonical names to the sites of a graph dynamo captured, or of one torch.fx traced
+    whole (``traced``; ``runtime.shapes.with_canonical``), see the module docstring.
 
     Beside each SDPA call, an ``attention_scores`` site is added too. A graph without an
     attention kernel inside a repeated block comes back unchanged.

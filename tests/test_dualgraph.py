@@ -6,15 +6,13 @@ read off hooked values, the model's own ``feature_info``, and torchvision's
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import zoo
 from torch import nn
+from tv_venv import needs_tv, run_tv
 
 from fxprobe.core.errors import SelectorError
 from fxprobe.runtime.extract import extractor
@@ -155,8 +153,6 @@ def test_features_switch_modes_too() -> None:
         assert torch.equal(feats.body(x)["fc2"], model(x))
 
 
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
-    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
 _TV_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
@@ -199,13 +195,8 @@ _TV_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not TV_PYTHON.exists(),
-                    reason=f"no torchvision venv at {TV_PYTHON} (set FXPROBE_TV_PYTHON)")
+@needs_tv
 def test_switching_modes_equals_torchvision_dual_graph() -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    run = subprocess.run([str(TV_PYTHON), "-c", _TV_SCRIPT], env=env, capture_output=True,
-                         text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("equal ['bn', 'head']") == 3, run.stdout
-    assert "channels [8, 4] reduction [2, 2]" in run.stdout
+    stdout = run_tv(_TV_SCRIPT)
+    assert stdout.count("equal ['bn', 'head']") == 3, stdout
+    assert "channels [8, 4] reduction [2, 2]" in stdout

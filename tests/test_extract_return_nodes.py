@@ -3,10 +3,7 @@ value, and equality with create_feature_extractor."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +11,7 @@ import torch
 import zoo
 from extract_support import TRACEABLE, assert_same, node_values
 from torch import nn
+from tv_venv import needs_tv, run_tv
 
 from fxprobe.core.errors import ConfigError, SelectorError
 from fxprobe.runtime.extract import extractor
@@ -193,9 +191,6 @@ def test_return_nodes_with_ops_is_refused() -> None:
         extractor(model, ops=nn.Conv2d, return_nodes=["layer1"])
 
 
-# As tests/test_torchvision.py finds it: FXPROBE_TV_PYTHON, else the venv .ci/tv-env makes.
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
-    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
 
 
 _TV_SCRIPT = textwrap.dedent("""
@@ -225,15 +220,9 @@ _TV_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not TV_PYTHON.exists(),
-                    reason=f"no torchvision venv at {TV_PYTHON} (torchvision does not install "
-                           "beside torch 2.13 here; set FXPROBE_TV_PYTHON to a python with it)")
+@needs_tv
 def test_return_nodes_equals_torchvision_create_feature_extractor() -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    run = subprocess.run([str(TV_PYTHON), "-c", _TV_SCRIPT], env=env, capture_output=True,
-                         text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "ResNet equal ['f1', 'mid', 'f3']" in run.stdout
-    assert "VisionTransformer equal" in run.stdout
+    stdout = run_tv(_TV_SCRIPT)
+    assert "ResNet equal ['f1', 'mid', 'f3']" in stdout
+    assert "VisionTransformer equal" in stdout
 

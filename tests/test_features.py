@@ -7,15 +7,13 @@ indexing written independently of the implementation; forward hooks; timm's
 
 from __future__ import annotations
 
-import os
-import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import zoo
 from torch import nn
+from tv_venv import needs_tv, run_tv
 
 import fxprobe
 from fxprobe.core.errors import ConfigError
@@ -170,9 +168,6 @@ def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
         fxprobe.features(_ViT(), **kwargs)  # type: ignore[arg-type]
 
 
-# As tests/test_torchvision.py finds it: FXPROBE_TV_PYTHON, else the venv .ci/tv-env makes.
-TV_PYTHON = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
-    os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
 _TIMM_SCRIPT = textwrap.dedent("""
     import torch, timm, fxprobe
     torch.manual_seed(0)
@@ -248,18 +243,10 @@ _TIMM_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not TV_PYTHON.exists(),
-                    reason=f"no venv with timm at {TV_PYTHON} (timm does not install beside "
-                           "torch 2.13 here; set FXPROBE_TV_PYTHON to a python with timm)")
+@needs_tv
 def test_equals_timm_forward_intermediates_and_torchvision_tokens() -> None:
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([str(TV_PYTHON), "-c", _TIMM_SCRIPT],
-                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
-                         text=True, timeout=300)
-    if run.returncode != 0 and "No module named 'timm'" in run.stderr:
-        pytest.skip(f"{TV_PYTHON} has no timm (pip install timm into it)")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "vit equal 3" in run.stdout and "torchvision vit equal" in run.stdout
+    stdout = run_tv(_TIMM_SCRIPT, timeout=300)
+    assert "vit equal 3" in stdout and "torchvision vit equal" in stdout
     for line in ("resnet18 5 layer4", "convnext_atto 4 stages.3", "efficientnet_b0 5 blocks.6",
                  "vit_tiny_patch16_224 4 blocks.3"):
-        assert f"timm equal {line}" in run.stdout, run.stdout
+        assert f"timm equal {line}" in stdout, stdout

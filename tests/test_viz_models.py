@@ -6,7 +6,6 @@ large pictures."""
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,9 @@ import torch.nn.functional as F
 import zoo
 from reference import hook_values
 from torch import fx, nn
+from tv_venv import needs_tv, run_tv
 from viz_support import (
     _NODE,
-    ROOT,
     _unquote,
     needs_dot,
     parse_dot,
@@ -403,20 +402,9 @@ for kw in ({"depth": 2}, {"focus": "blocks.3"}):
 
 
 @needs_dot
+@needs_tv
 def test_timm_vit_at_depth_2_is_at_most_6000_px_tall() -> None:
-    import subprocess
-
-    from test_features import TV_PYTHON
-
-    if not TV_PYTHON.exists():
-        pytest.skip(f"no venv with timm at {TV_PYTHON}")
-    run = subprocess.run([str(TV_PYTHON), "-c", _VIT_SCRIPT],
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                         text=True)
-    if run.returncode != 0 and "No module named 'timm'" in run.stderr:
-        pytest.skip(f"{TV_PYTHON} has no timm")
-    assert run.returncode == 0, run.stderr[-3000:]
-    heights = dict(line.split() for line in run.stdout.splitlines())
+    heights = dict(line.split() for line in run_tv(_VIT_SCRIPT).splitlines())
     assert int(heights["depth"]) <= 6000, heights  # 11,885 px before folding
     assert int(heights["focus"]) <= 6000, heights
 

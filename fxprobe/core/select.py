@@ -255,8 +255,17 @@ _ATTENTION_WORDS = ("softmax", "attn_prob", "attention_prob", "attn_weight", "at
                     "attn_drop", "attn_map")
 
 
-_CANONICAL = re.compile(r"^(blocks\.(\d+|\*)\.\S+|embed|pos_embed|ln_final|logits)$")
+CANONICAL = re.compile(r"^(blocks\.(\d+|\*)\.\S+|embed|pos_embed|ln_final|logits)$")
 """What a name of the canonical transformer vocabulary looks like (docs/transformers.md)."""
+
+CANONICAL_ELSEWHERE = (
+    "Canonical transformer names exist where fxprobe recognises a transformer: a model torch "
+    "dynamo captured (fxprobe.tap, fxprobe.sites with an example input, tracer 'auto' or "
+    "'dynamo'), or one torch.fx traced whole whose blocks (distinct modules of one class in "
+    "an nn.ModuleList or nn.Sequential) each hold an attention (F.scaled_dot_product_attention, "
+    "a softmax weighing values, nn.MultiheadAttention) and whose input an nn.Embedding or "
+    "nn.Conv2d reads. This model is neither: its sites are named by module path and op.")
+"""Why a canonical name matches nothing where no site has one."""
 
 
 def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
@@ -278,11 +287,8 @@ def no_match_message(sel: Selector, sites: Iterable[Site], context: str,
                 "'*.scaled_dot_product_attention'), or the probabilities themselves with "
                 "ops=fxprobe.attention_probs, tracer='dynamo' (sites named "
                 "'<module>.attention_probs').")
-    if _CANONICAL.match(probe) and not any(s.canonical for s in sites):
-        hint += (f" {sel.description} is a canonical transformer name: those exist where torch "
-                 "dynamo captured a Hugging Face transformer (fxprobe.tap, fxprobe.sites with "
-                 "an example input, tracer 'auto' or 'dynamo'); none of these sites has one "
-                 "(torch.fx and hooks name sites by module path and op).")
+    if CANONICAL.match(probe) and not any(s.canonical for s in sites):
+        hint += f" {sel.description} is a canonical transformer name. {CANONICAL_ELSEWHERE}"
     ops = sorted({s.op for s in sites if s.kind != "placeholder"})
     hidden = ""
     if fallbacks:

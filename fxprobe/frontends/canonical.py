@@ -8,8 +8,10 @@ module tree:
 
 - **blocks**: an attention kernel (``F.scaled_dot_product_attention``, or a softmax whose
   probabilities multiply the values; the scores by ``matmul``, ``bmm`` or ``baddbmm``, from q
-  and k computed in the block itself) inside a child of a ``ModuleList`` whose children are
-  distinct modules of one class; the child's index is ``L``. A block run more than once in a
+  and k computed in the block itself; in a torch.fx graph also a call of
+  ``nn.MultiheadAttention``, whose insides have no names) inside a child of a ``ModuleList``
+  or ``Sequential`` whose children are distinct modules of one class; the child's position
+  is ``L``. A block run more than once in a
   graph (a shared layer) has no names. Several such lists are several stacks: the one whose
   blocks hold a cross-attention (keys and values from outside the block's stream) is
   ``decoder.``, the other ``encoder.``.
@@ -58,6 +60,7 @@ from .canonical_graph import (
     ADDS,
     PASS,
     VIEWS,
+    FxIndex,
     GraphIndex,
     Kernel,
     closure,
@@ -86,15 +89,6 @@ VOCABULARY = (
 """Every canonical name, in the order a forward reaches them (``{L}``: the block's index)."""
 
 
-
-
-
-
-
-
-
-
-
 class _RoleNames:
     """Collects the canonical names of nodes (and the SDPA scores sites to add)."""
 
@@ -108,9 +102,10 @@ class _RoleNames:
                 names.append(name)
 
 
-def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: str
-             ) -> NamedGraph:
-    """Add canonical names to the sites of a graph dynamo captured (see the module docstring).
+def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: str,
+             traced: bool = False) -> NamedGraph:
+    """Add canonical names to the sites of a graph dynamo captured, or of one torch.fx traced
+    whole (``traced``; ``runtime.shapes.with_canonical``), see the module docstring.
 
     Beside each SDPA call, an ``attention_scores`` site is added too. A graph without an
     attention kernel inside a repeated block comes back unchanged.
@@ -120,14 +115,18 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         named: what ``name_graph`` returned for it.
         root: the module the dynamo region runs.
         root_path: its path in the model.
+        traced: the graph is one torch.fx traced (read by ``FxIndex``; each node's
+            ``meta["example_value"]`` from a run on fake tensors): no probabilities or scores
+            sites beside SDPA, so its ``attn.pattern``/``attn.scores`` are absent.
     """
-    g = GraphIndex(graph, root, root_path)
+    g = (FxIndex if traced else GraphIndex)(graph, root, root_path)
     scores: dict[fx.Node, Site] = {}
     for node, probs in named.sdpa.items():
         head, sep, tail = probs.name.rpartition("attention_probs")
         scores[node] = Site(f"{head}attention_scores{tail}" if sep else probs.name + "_scores",
                             "dynamo", "call_function", attention_scores, probs.module_path)
     kernels = find_kernels(g, named)
+    fused = {k.node for k in kernels if k.node is k.pattern}  # SDPA calls
     out = _RoleNames()
     if kernels:
         _name_all(g, kernels, named, scores, out)
@@ -145,6 +144,8 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
                 target = scores[node]
             elif n.endswith(".pattern") and node in named.sdpa:
                 target = named.sdpa[node]
+            elif n.endswith((".scores", ".pattern")) and node in fused:
+                continue  # an SDPA call with no such site beside it: its value is no pattern
             if target is None:
                 continue
             cur = replaced.get(id(target), target)
@@ -171,12 +172,6 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         sdpa={n: swap(s) for n, s in named.sdpa.items()}, order=order, scores=new_scores)
 
 
-
-
-
-
-
-
 def _blocks(g: GraphIndex, kernels: list[Kernel]) -> dict[str, dict[int, str]]:
     """The repeated blocks that hold the kernels: {ModuleList path: {index: block path}}."""
     stacks: dict[str, dict[int, str]] = {}
@@ -185,14 +180,15 @@ def _blocks(g: GraphIndex, kernels: list[Kernel]) -> dict[str, dict[int, str]]:
         parts = path.split(".")
         for i in range(len(parts) - 1, 0, -1):
             parent, child = ".".join(parts[:i]), parts[i]
-            if not child.isdigit():
-                continue
             lst = g.module(parent)
             if isinstance(lst, (nn.ModuleList, nn.Sequential)) and len(lst) > 0 and len(
                     {type(m) for m in lst}) == 1 and len({id(m) for m in lst}) == len(lst):
-                # (one module listed twice runs more than once: no index per call)
-                stacks.setdefault(parent, {})[int(child)] = f"{parent}.{child}"
-                break
+                # (one module listed twice runs more than once: no index per call); a block's
+                # index is its position (torchvision names a Sequential's: encoder_layer_3)
+                keys = list(lst._modules)
+                if child in keys:
+                    stacks.setdefault(parent, {})[keys.index(child)] = f"{parent}.{child}"
+                    break
     return stacks
 
 
@@ -297,10 +293,6 @@ class _Block:
         out.put(self.mlp_post, pre + "mlp.post")
 
 
-
-
-
-
 def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
            list_nodes: set[fx.Node]) -> _Block | None:
     """The roles of one block, from its nodes and its attention kernels (``list_nodes``: the
@@ -378,7 +370,9 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
         for part, node in parts.items():
             if part in ("attn", "cross_attn") and node is not None:
                 ks = kernels_in(g, node, inside, stops, kernel_nodes)
-                if ks:
+                if ks and ks[-1].opaque:  # a module call: nothing inside it is a value
+                    blk.kernels[part] = Kernel(ks[-1].node, None, None, None, None, None)
+                elif ks:
                     kernel = ks[-1]
                     blk.kernels[part] = Kernel(
                         kernel.node, per_head(g, kernel.q, batch=batch),
@@ -391,10 +385,6 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
             if part == "mlp" and node is not None:
                 blk.mlp_pre, blk.mlp_post = mlp_points(g, node, inside, stops, shape)
     return blk
-
-
-
-
 
 
 def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops: set[fx.Node],
@@ -427,10 +417,6 @@ def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops
     return role, {role: branch}
 
 
-
-
-
-
 def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: _RoleNames, last: bool,
           lst: str, last_ran: int | None) -> None:
     """``embed``, ``pos_embed``, ``ln_final`` and (for the last stack) ``logits``: around the
@@ -453,8 +439,7 @@ def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: _RoleNames, l
             positions = (g.shape(first.stream_in) or (0, 0))[-2]
             rest = []
             for e in embeds:
-                w = e.args[1] if len(e.args) > 1 and isinstance(e.args[1], fx.Node) else None
-                rows = (g.shape(w) or (sympy.Integer(0),))[0] if w is not None else sympy.Integer(0)
+                rows = g.rows(e)
                 enough = rows >= positions  # a row per position (unknown: symbolic)
                 if e is not tok[0] and enough != sympy.false:
                     rest.append((rows, e))
@@ -484,10 +469,6 @@ def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: _RoleNames, l
         if any(g.projects(n) for n in g.ancestors(o, after, set())):
             out.put(o, "logits")
             return
-
-
-
-
 
 
 __all__ = ["VOCABULARY", "annotate", "attention_scores"]

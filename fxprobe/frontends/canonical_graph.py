@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from ..capture.inplace import settled
-from ..core.ops import VIEW_OPS
+from ..core.ops import VIEW_OPS, module_key
 from ..core.site import CALL_ARGS, SITES, Site, node_site, reach, source_name
 from .dynamo_names import NamedGraph, dynamo_op_key, is_state
 
@@ -38,6 +38,10 @@ GATHERS = frozenset({"index_select", "gather", "take", "sort", "topk", "argsort"
 
 
 ADDS = frozenset({"add"})
+
+
+ATTENTION_MODULE = "multihead_attention"
+"""The key of a call of ``nn.MultiheadAttention`` that torch.fx keeps whole (``FxIndex``)."""
 
 
 MATMULS = frozenset({"matmul", "bmm"})
@@ -118,8 +122,7 @@ class GraphIndex:
         return [a for a in n.all_input_nodes if not self.is_param(a)
                 and self.shape(a) is not None]
 
-    @staticmethod
-    def is_parameter(n: fx.Node) -> bool:
+    def is_parameter(self, n: fx.Node) -> bool:
         """A module's parameter (not a buffer: position ids, masks, frequencies)."""
         name = source_name(n) if n.op == "placeholder" else None
         return name is not None and "._parameters[" in name
@@ -142,6 +145,22 @@ class GraphIndex:
         return n.op != "placeholder" and self.key(n) not in {"embedding", "getattr"} | VIEWS \
             and self.weight(n) is not None
 
+    def weight_shape(self, n: fx.Node) -> tuple[Any, ...] | None:
+        """The shape of the weight ``n`` reads (see :meth:`weight`)."""
+        w = self.weight(n)
+        return self.shape(w) if w is not None else None
+
+    def rows(self, lookup: fx.Node) -> Any:
+        """The rows of the table an ``embedding`` node reads (0 where unknown)."""
+        w = lookup.args[1] if len(lookup.args) > 1 and isinstance(lookup.args[1], fx.Node) \
+            else None
+        return (self.shape(w) or (sympy.Integer(0),))[0] if w is not None else sympy.Integer(0)
+
+    def call_args(self, n: fx.Node, s: Site) -> Any:
+        """``(positional argument nodes, first node)`` of the module call ``s`` that ``n``
+        ends (``CALL_ARGS``), or None."""
+        return n.meta.get(CALL_ARGS, {}).get(s.name)
+
     def back(self, n: fx.Node, ops: frozenset[str]) -> list[fx.Node]:
         """``n`` and the values it is a view of (through ``ops``), nearest first."""
         chain = [n]
@@ -160,6 +179,63 @@ class GraphIndex:
         """The nodes of ``inside`` that ``n`` is computed from (``n`` too), not past ``stop``."""
         return reach([n], lambda x: x.all_input_nodes,
                      where=lambda x: x in inside and x not in stop)
+
+
+class FxIndex(GraphIndex):
+    """A graph torch.fx traced (the fx frontend's, its shapes from one run on fake tensors):
+    the module calls fx keeps whole read as the ops dynamo inlines them into. An
+    ``nn.Embedding`` is an ``embedding`` of ``num_embeddings`` rows, a module holding a weight
+    matrix projects, ``nn.MultiheadAttention`` is an attention kernel (``ATTENTION_MODULE``),
+    and a module's arguments are its call's."""
+
+    def called(self, n: fx.Node) -> nn.Module | None:
+        return self.module(str(n.target)) if n.op == "call_module" else None
+
+    def key(self, n: fx.Node) -> str | None:
+        m = self.called(n)
+        if m is None:
+            return super().key(n)
+        if isinstance(m, nn.Embedding):
+            return "embedding"
+        if isinstance(m, nn.MultiheadAttention):
+            return ATTENTION_MODULE
+        return module_key(type(m)) or f"module:{type(m).__name__}"
+
+    def is_parameter(self, n: fx.Node) -> bool:
+        if n.op != "get_attr":
+            return False
+        obj: Any = self.root
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part, None)
+        return isinstance(obj, nn.Parameter)
+
+    @staticmethod
+    def matrix(m: nn.Module) -> nn.Parameter | None:
+        return next((p for p in m.parameters(recurse=False) if p.dim() >= 2), None)
+
+    def projects(self, n: fx.Node) -> bool:
+        m = self.called(n)
+        if m is None:
+            return super().projects(n)
+        return not isinstance(m, nn.Embedding) and self.matrix(m) is not None
+
+    def weight_shape(self, n: fx.Node) -> tuple[Any, ...] | None:
+        m = self.called(n)
+        if m is None:
+            return super().weight_shape(n)
+        w = self.matrix(m)
+        return tuple(sympy.Integer(d) for d in w.shape) if w is not None else None
+
+    def rows(self, lookup: fx.Node) -> Any:
+        m = self.called(lookup)
+        if isinstance(m, nn.Embedding):
+            return sympy.Integer(m.num_embeddings)
+        return super().rows(lookup)
+
+    def call_args(self, n: fx.Node, s: Site) -> Any:
+        if n.op == "call_module" and not s.inlined:
+            return (n.args, n)
+        return super().call_args(n, s)
 
 
 def indexed_by_tensor(n: fx.Node) -> bool:
@@ -194,6 +270,9 @@ class Kernel:
     pattern: fx.Node | None
     qk: fx.Node | None = None
     """The op that computed ``q @ k.T`` (eager attention; None beside SDPA)."""
+    opaque: bool = False
+    """A module call (``nn.MultiheadAttention`` under torch.fx): q, k and v are what it is
+    called with, and nothing it computes inside is a value of the graph."""
 
 
 def find_kernels(g: GraphIndex, named: NamedGraph) -> list[Kernel]:
@@ -212,6 +291,11 @@ def find_kernels(g: GraphIndex, named: NamedGraph) -> list[Kernel]:
             kernel = eager_kernel(g, n)
             if kernel is not None:
                 found.append(kernel)
+        elif key == ATTENTION_MODULE:
+            q, k, v = (x if isinstance(x, fx.Node) else None for x in (
+                n.args[i] if len(n.args) > i else n.kwargs.get(w)
+                for i, w in enumerate(("query", "key", "value"))))
+            found.append(Kernel(n, q, k, v, None, None, opaque=True))
     return found
 
 
@@ -289,7 +373,7 @@ def norms_after(g: GraphIndex, x: fx.Node) -> list[fx.Node]:
         for s in n.meta.get(SITES, ()):
             if s.kind != "call_module":
                 continue
-            args = n.meta.get(CALL_ARGS, {}).get(s.name)
+            args = g.call_args(n, s)
             if args is None or x not in args[0][:1]:
                 continue
             m = g.module(s.module_path)
@@ -332,8 +416,7 @@ def mlp_points(g: GraphIndex, out: fx.Node, inside: set[fx.Node], stops: set[fx.
     if len(last) != 1:
         return None, None
     proj = last[0]
-    weight = g.weight(proj)
-    if weight is not None and len(g.shape(weight) or ()) > 2:
+    if len(g.weight_shape(proj) or ()) > 2:
         return None, None  # one weight per expert
     ins = [a for a in g.tensors(proj) if a in region]
     if not ins:

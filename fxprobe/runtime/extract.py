@@ -10,6 +10,7 @@ it whole. It is built from the same tracing, site names, selectors and in-place 
 
 from __future__ import annotations
 
+import functools
 import operator
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,7 @@ from ..core.ops import (
     is_torch_callable,
 )
 from ..core.options import TraceOptions, arguments, keywords
-from ..core.select import as_selectors, paths_in, select
+from ..core.select import CANONICAL, CANONICAL_ELSEWHERE, as_selectors, paths_in, select
 from ..core.site import Site, reach, sites_of
 from ..core.view import Plan
 from ..frontends.fx import Fallback, Region, plan
@@ -47,6 +48,7 @@ from ..frontends.mirror import mirror
 from .dualgraph import ExtractorModule, model_info
 from .layout import declared_format
 from .program import check_model
+from .shapes import with_canonical
 
 
 @keywords(TraceOptions, tracer="fx")
@@ -81,9 +83,11 @@ def extractor(model: nn.Module, ops: Any = None, *, train: bool = False,
         return_nodes: instead of ``ops``, exact site names as torchvision spells them: a list
             (``["layer1", "layer2.0.relu"]``) or a dict renaming them
             (``{"layer1": "feat1"}``). A module path such as ``"layer1"`` is that module's
-            output. The forward then returns ``{name: value}`` in the order given, and the graph
-            is pruned: ops that no requested value depends on are dropped (the model's head is
-            not run), except in-place writes that a kept op still reads.
+            output; a transformer's canonical names (``"blocks.3.resid_post"``, where
+            ``fxprobe.sites(model)`` lists them) are names too. The forward then returns
+            ``{name: value}`` in the order given, and the graph is pruned: ops that no
+            requested value depends on are dropped (the model's head is not run), except
+            in-place writes that a kept op still reads.
 
     Returns:
         An ``fx.GraphModule`` named like the model's class.
@@ -177,7 +181,7 @@ def _plan(model: nn.Module, train: bool, leaf_modules: Sequence[Any],
             f"{type(model).__name__} is a container without a forward of its own; pass a module "
             "whose forward runs it (for an nn.ModuleList, the module that iterates over it)"
         )
-    return root, p
+    return root, with_canonical(p)
 
 
 def _graph(model: nn.Module, train: bool, p: Plan, selectors: Any,
@@ -187,8 +191,9 @@ def _graph(model: nn.Module, train: bool, p: Plan, selectors: Any,
     assert region is not None
     context = f"{type(model).__name__} ({'train' if train else 'eval'} mode)"
     if renames is not None:
-        _check_names(renames, p.sites, context)
-        return build_features_graph(region, renames)
+        aliases = {c: s.name for s in p.sites for c in s.canonical}  # blocks.3.resid_post
+        _check_names(renames, p.sites, context, aliases)
+        return build_features_graph(region, renames, aliases)
     selected = select(p.sites, selectors, context=context, fallbacks=p.fallbacks,
                       other_mode=(lambda: other) if other is not None else None)
     return build_graph(region, {s.name for s in selected})
@@ -252,8 +257,10 @@ def build_graph(region: Region, selected: set[str]) -> fx.Graph:
     return graph
 
 
-def build_features_graph(region: Region, renames: Mapping[str, str]) -> fx.Graph:
-    """Copy the region's graph; return ``{new name: value}`` only, pruned, copying at risk.
+def build_features_graph(region: Region, renames: Mapping[str, str],
+                         aliases: Mapping[str, str] | None = None) -> fx.Graph:
+    """Copy the region's graph; return ``{new name: value}`` only, pruned, copying at risk
+    (``renames`` by site name, or by a canonical name ``aliases`` maps to one).
 
     The requested values become the output before anything is copied, so that the pruning sees
     what is needed: ``prune`` drops every op they do not depend on, and only then is the
@@ -264,12 +271,9 @@ def build_features_graph(region: Region, renames: Mapping[str, str]) -> fx.Graph
     (out,) = (n for n in graph.nodes if n.op == "output")
     graph.erase_node(out)
     _resolve_placeholder_types(graph, region.module)
-    produced: dict[str, fx.Node] = {}
-    for n in graph.nodes:
-        for site in sites_of(n):
-            if site.name in renames:
-                produced[site.name] = n
-    graph.output({new: produced[name] for name, new in renames.items()})
+    produced = {site.name: n for n in graph.nodes for site in sites_of(n)}
+    graph.output({new: produced[name if name in produced else (aliases or {})[name]]
+                  for name, new in renames.items()})
     prune(graph, region.module.get_submodule)
     (out,) = (n for n in graph.nodes if n.op == "output")
     hazards = Hazards(graph, region.module.get_submodule)
@@ -430,26 +434,26 @@ def _return_nodes(return_nodes: Any, ops: Any) -> dict[str, str] | None:
     return renames
 
 
-def _check_names(renames: Mapping[str, str], sites: Sequence[Site], context: str) -> None:
-    known = [s.name for s in sites]
+def _check_names(renames: Mapping[str, str], sites: Sequence[Site], context: str,
+                 aliases: Mapping[str, str]) -> None:
+    known = [s.name for s in sites] + list(aliases)
     names = set(known)
     for name in renames:
         if name in names:
             continue
         close = closest(name, known)
         hint = f" Closest site names: {', '.join(close)}." if close else ""
+        canonical = CANONICAL.match(name) and not aliases
         raise SelectorError(
             f"return_nodes names {name!r}, which is no site of {context}.{hint} Site names are "
-            "torchvision's (get_graph_node_names), module paths included; run "
-            "fxprobe.sites(model) for the node names and fxprobe.sites(model).modules for the "
-            "module paths.")
+            "torchvision's (get_graph_node_names), module paths included, and where the "
+            "model is a transformer fxprobe recognises, canonical names (blocks.3.resid_post); "
+            "run fxprobe.sites(model) for the node names and fxprobe.sites(model).modules for "
+            "the module paths." + (f" {CANONICAL_ELSEWHERE}" if canonical else ""))
 
 
-def _get_attr(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
+def _get_attr(root: Any, target: str) -> Any:
+    return functools.reduce(lambda obj, part: getattr(obj, part, None), target.split("."), root)
 
 
 def _resolve_placeholder_types(graph: fx.Graph, module: nn.Module) -> None:

@@ -29,6 +29,7 @@ from ..frontends.dynamo import DynamoRegion
 from ..frontends.fx import Deferred, Fallback, Plan, is_leaf, plan
 from ..frontends.mirror import HookWatch, mirror
 from .early import check_before_capture
+from .shapes import with_canonical
 
 if TYPE_CHECKING:
     from ..present.summary import Table
@@ -115,8 +116,8 @@ def check_model(model: Any, what: str = "fxprobe.tap") -> nn.Module:
 
 def plan_model(root: nn.Module, options: TapOptions) -> Plan:
     """Trace fxprobe's copy ``root`` (already in the wanted mode) with the options' tracer."""
-    return plan(root, tracer=options.tracer, leaf_modules=options.leaf_modules,
-                autowrap_functions=options.autowrap_functions)
+    return with_canonical(plan(root, tracer=options.tracer, leaf_modules=options.leaf_modules,
+                               autowrap_functions=options.autowrap_functions))
 
 
 def build_program(root: nn.Module, selectors: list[Selector] | None, options: TapOptions,
@@ -305,6 +306,6 @@ def list_sites(model: nn.Module, *, train: bool, tracer: TracerKind,
     """Plan a copy of ``model`` in one mode and list its sites (see ``fxprobe.sites``)."""
     root = mirror(model)
     root.train(train)
-    p = plan(root, tracer=tracer, leaf_modules=leaf_modules,
-             autowrap_functions=autowrap_functions)
+    p = with_canonical(plan(root, tracer=tracer, leaf_modules=leaf_modules,
+                            autowrap_functions=autowrap_functions))
     return SiteNames(p.sites, p.fallbacks)

@@ -29,7 +29,7 @@ from ..present import viz
 from .artifact import TappedArtifact, artifact_kind, artifact_sites, tap_artifact
 from .pictures import artifact_view, refuse_for_artifact, refuse_for_module, tapped_artifact_view
 from .program import SiteNames, check_model, list_sites
-from .shapes import propagate, refused_input
+from .shapes import propagate, refused_input, with_canonical
 from .tapped import TappedModule
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def view_of(obj: Any, *, ops: Any = None, tracer: TracerKind = "auto",
     drop_overrides(root)
     training = obj.training if train is None else bool(train)
     root.train(training)
-    p = plan(root, tracer=tracer)
+    p = with_canonical(plan(root, tracer=tracer))
     title = f"{type(obj).__name__} ({'train' if training else 'eval'} mode)"
     chosen: Sequence[Site] = ()
     if ops is not None:

@@ -109,9 +109,6 @@ class _OnBranches(nn.Module):
         return self.head(self.blk(x))
 
 
-@pytest.mark.xfail(strict=True, reason="the graph dynamo captures for the other branch (a new "
-                   "length) has no site 'blk': taps lacks it, SiteNotRunError says 'a branch not "
-                   "taken' though the module ran")
 def test_a_module_branching_on_length_keeps_its_site_in_the_second_graph() -> None:
     torch.manual_seed(0)
     model = _OnBranches().eval()

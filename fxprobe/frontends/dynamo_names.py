@@ -213,7 +213,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
             if whole and not is_leaf(m, _join(root_path, rel)):
                 calls_of.setdefault(str(key), []).append(node)
                 where[str(key)] = (rel, m)
-    module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node]]] = {}
+    module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node, str]]] = {}
     for key, nodes in calls_of.items():
         group = set(nodes)
         leaving = [n for n in nodes if any(u not in group for u in n.users)]
@@ -226,8 +226,11 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
             continue  # several values (a tuple) or none: no one node holds the output
         rel, m = where[key]
         out = settled(leaving[0], nodes[nodes.index(leaving[0]) + 1:])
+        depth = [module_at(resolve(str(k), str(p))) for k, (p, _c) in
+                 (nodes[0].meta.get("nn_module_stack") or {}).items()]
         module_calls.setdefault(out, []).append(
-            (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0]))
+            (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0],
+             _call_location(nodes[0], m, depth[depth.index(m):] if m in depth else [m])))
 
     seen: dict[tuple[str, str], int] = {}
     sites: dict[fx.Node, Site] = {}
@@ -255,8 +258,8 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
             # A hook's own op (the model's hooks run inside the module call dynamo traced):
             # no site, as under fx, where a hooked module is called; named, it would take the
             # name of the forward's op after it (``a.add`` for the forward's ``a.add_1``).
-            for path, m, args, first in reversed(module_calls.get(node, ())):
-                call = Site(next_name(path, _location(first)), "dynamo", "call_module", path,
+            for path, m, args, first, at in reversed(module_calls.get(node, ())):
+                call = Site(next_name(path, at), "dynamo", "call_module", path,
                             path, type(m), module_key(type(m)), inlined=True, listed=False)
                 attach(node, call)
                 node.meta.setdefault(CALL_ARGS, {})[call.name] = (args, first)
@@ -277,8 +280,8 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         sites[node] = site
         order.append(site)
         # Outer calls end after inner ones: the innermost module's site comes first.
-        for path, m, args, first in reversed(module_calls.get(node, ())):
-            call = Site(next_name(path, _location(first)), "dynamo", "call_module", path, path,
+        for path, m, args, first, at in reversed(module_calls.get(node, ())):
+            call = Site(next_name(path, at), "dynamo", "call_module", path, path,
                         type(m), module_key(type(m)), inlined=True, listed=False)
             attach(node, call)
             node.meta.setdefault(CALL_ARGS, {})[call.name] = (args, first)
@@ -345,6 +348,33 @@ def _in_hook(node: fx.Node, hooked: dict[str, list[tuple[int, int]]]) -> bool:
         if any(a <= int(line) <= b for a, b in hooked.get(file, ())):
             return True
     return False
+
+
+def _forward_code(m: nn.Module | None) -> Any:
+    forward = getattr(m, "forward", None)
+    return getattr(getattr(forward, "__func__", forward), "__code__", None)
+
+
+def _call_location(first: fx.Node, m: nn.Module, stack: list[nn.Module | None]) -> str:
+    """Where module ``m`` was called (``file:line`` of the caller's frame), from the stack
+    trace of the call's first node; ``stack`` is that node's module stack from ``m`` inwards.
+
+    Not the first node's own line: a forward that branches (on a length, an early return)
+    starts at another line in another graph, and a key that moved with it would name the
+    same call ``blk`` in one graph and ``blk_1`` in the next."""
+    code = _forward_code(m)
+    frames = FILE_LINE.findall(first.meta.get("stack_trace") or "")
+    if code is not None:
+        lines = [ln for _, _, ln in code.co_lines() if ln is not None]
+        last = max(lines, default=code.co_firstlineno)
+        inside = [i for i, (file, line) in enumerate(frames)
+                  if file == code.co_filename and code.co_firstlineno <= int(line) <= last]
+        # Modules of the same class nested in ``m`` run the same code in deeper frames.
+        nested = sum(1 for s in stack if _forward_code(s) is code)
+        if 0 < nested <= len(inside) and inside[-nested] > 0:
+            file, line = frames[inside[-nested] - 1]
+            return f"{file}:{line}"
+    return _location(first)
 
 
 def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ...]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..capture.inplace import settled
+from ..capture.settle import as_returned, settle
 from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
@@ -194,9 +194,12 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         read = [n for n in leaving if any(u not in group and u.op != "output" for u in n.users)]
         out = (read or leaving or nodes)[-1]
         _k, rel, m = leaf_call[out]
-        out = settled(out, nodes[nodes.index(out) + 1:])
-        outputs[out] = (_join(root_path, rel), m)
-        inputs[out] = (_call_inputs(nodes, group), nodes[0])
+        written = settle(out, nodes[nodes.index(out) + 1:])
+        if written.target is as_returned:  # written through a view: a node of the call's
+            _stack_upto(written, nodes[0], _k)
+            calls.insert(calls.index(written.prev) + 1, written)
+        outputs[written] = (_join(root_path, rel), m)
+        inputs[written] = (_call_inputs(nodes, group), nodes[0])
     # Calls of modules dynamo traced through (``h.0.mlp``): a site on the one node whose value
     # leaves the call. Without nested graph breaks (dynamo's default) a call that a graph
     # break splits runs as a frame of its own, so every call seen here is whole.
@@ -214,6 +217,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
                 calls_of.setdefault(str(key), []).append(node)
                 where[str(key)] = (rel, m)
     module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node, str]]] = {}
+    settles: list[fx.Node] = []  # nodes added after a write through a view (capture.settle)
     for key, nodes in calls_of.items():
         group = set(nodes)
         leaving = [n for n in nodes if any(u not in group for u in n.users)]
@@ -225,13 +229,19 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         if len(leaving) != 1:
             continue  # several values (a tuple) or none: no one node holds the output
         rel, m = where[key]
-        out = settled(leaving[0], nodes[nodes.index(leaving[0]) + 1:])
+        out = settle(leaving[0], nodes[nodes.index(leaving[0]) + 1:])
+        if out.target is as_returned and out not in outputs:  # written through a view
+            _stack_upto(out, nodes[0], key)
+            settles.append(out)
         depth = [module_at(resolve(str(k), str(p))) for k, (p, _c) in
                  (nodes[0].meta.get("nn_module_stack") or {}).items()]
         module_calls.setdefault(out, []).append(
             (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0],
              _call_location(nodes[0], m, depth[depth.index(m):] if m in depth else [m])))
 
+    if settles:
+        known = {*calls, *settles}
+        calls = [n for n in graph.nodes if n in known]
     seen: dict[tuple[str, str], int] = {}
     sites: dict[fx.Node, Site] = {}
     sdpa: dict[fx.Node, Site] = {}
@@ -254,10 +264,12 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     hooked = _hook_lines(modules.values())
     for node in calls:
         loc = _location(node)
-        if node not in outputs and hooked and _in_hook(node, hooked):
+        if node not in outputs and (node.target is as_returned
+                                    or hooked and _in_hook(node, hooked)):
             # A hook's own op (the model's hooks run inside the module call dynamo traced):
             # no site, as under fx, where a hooked module is called; named, it would take the
             # name of the forward's op after it (``a.add`` for the forward's ``a.add_1``).
+            # Nor the node fxprobe added after a write through a view: no op of the model's.
             for path, m, args, first, at in reversed(module_calls.get(node, ())):
                 call = Site(next_name(path, at), "dynamo", "call_module", path,
                             path, type(m), module_key(type(m)), inlined=True, listed=False)
@@ -348,6 +360,16 @@ def _in_hook(node: fx.Node, hooked: dict[str, list[tuple[int, int]]]) -> bool:
         if any(a <= int(line) <= b for a, b in hooked.get(file, ())):
             return True
     return False
+
+
+def _stack_upto(node: fx.Node, first: fx.Node, key: str) -> None:
+    """Give ``node`` the module stack of the call ``key`` that ``first`` belongs to."""
+    stack = {}
+    for k, entry in (first.meta.get("nn_module_stack") or {}).items():
+        stack[k] = entry
+        if str(k) == key:
+            break
+    node.meta["nn_module_stack"] = stack
 
 
 def _forward_code(m: nn.Module | None) -> Any:

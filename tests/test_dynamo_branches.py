@@ -27,6 +27,21 @@ class _Branches(nn.Module):
         return y * 2
 
 
+class _Helpers(_Branches):
+    """Branches through functions defined in its forward (frames of their own)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def long(t: torch.Tensor) -> torch.Tensor:
+            return self.a(t).relu()
+
+        def short(t: torch.Tensor) -> torch.Tensor:
+            return self.b(t) * 2
+
+        if x.shape[0] > 4:
+            return long(x)
+        return short(x)
+
+
 class _TwoSites(nn.Module):
     """The branching module called at two lines, with inputs of different lengths."""
 
@@ -69,12 +84,14 @@ def _hooked(model: nn.Module, name: str, x: torch.Tensor) -> dict[str, torch.Ten
     return seen
 
 
-@pytest.mark.parametrize("lengths", [[1, 7, 3, 8, 2], [7, 3, 9, 1]])
-@pytest.mark.parametrize("tracer", ["dynamo", "auto"])
-def test_both_branches_name_the_module_call_the_same(tracer: str, lengths: list[int]) -> None:
+@pytest.mark.parametrize(("tracer", "lengths", "blk"), [
+    ("dynamo", [1, 7, 3, 8, 2], _Branches), ("dynamo", [7, 3, 9, 1], _Branches),
+    ("auto", [1, 7, 3, 8, 2], _Branches), ("dynamo", [7, 3, 9, 1], _Helpers)])
+def test_both_branches_name_the_module_call_the_same(tracer: str, lengths: list[int],
+                                                     blk: type[nn.Module]) -> None:
     torch.manual_seed(0)
     model = nn.Sequential()
-    model.blk = _Branches()
+    model.blk = blk()
     model.head = nn.Linear(4, 4)
     model.eval()
     torch._dynamo.reset()

@@ -186,6 +186,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         members.setdefault(key, []).append(node)
     outputs: dict[fx.Node, tuple[str, nn.Module]] = {}
     inputs: dict[fx.Node, tuple[tuple[fx.Node, ...], fx.Node]] = {}
+    added: set[fx.Node] = set()
     for nodes in members.values():
         group = set(nodes)
         leaving = [n for n in nodes if any(u not in group for u in n.users)]
@@ -197,9 +198,12 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         written = settle(out, nodes[nodes.index(out) + 1:])
         if written.target is as_returned:  # written through a view: a node of the call's
             _stack_upto(written, nodes[0], _k)
-            calls.insert(calls.index(written.prev) + 1, written)
+            added.add(written)
         outputs[written] = (_join(root_path, rel), m)
         inputs[written] = (_call_inputs(nodes, group), nodes[0])
+    if added:  # in graph order, where the calls of the modules around them find them
+        added.update(calls)
+        calls = [n for n in graph.nodes if n in added]
     # Calls of modules dynamo traced through (``h.0.mlp``): a site on the one node whose value
     # leaves the call. Without nested graph breaks (dynamo's default) a call that a graph
     # break splits runs as a frame of its own, so every call seen here is whole.
@@ -387,10 +391,9 @@ def _call_location(first: fx.Node, m: nn.Module, stack: list[nn.Module | None]) 
     code = _forward_code(m)
     frames = FILE_LINE.findall(first.meta.get("stack_trace") or "")
     if code is not None:
-        lines = [ln for _, _, ln in code.co_lines() if ln is not None]
-        last = max(lines, default=code.co_firstlineno)
+        lines = {ln for _, _, ln in code.co_lines() if ln is not None}  # not a nested def's
         inside = [i for i, (file, line) in enumerate(frames)
-                  if file == code.co_filename and code.co_firstlineno <= int(line) <= last]
+                  if file == code.co_filename and int(line) in lines]
         # Modules of the same class nested in ``m`` run the same code in deeper frames.
         nested = sum(1 for s in stack if _forward_code(s) is code)
         if 0 < nested <= len(inside) and inside[-nested] > 0:

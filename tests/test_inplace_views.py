@@ -159,3 +159,34 @@ def test_an_edit_of_a_module_written_through_a_view_flows_on(tracer: str) -> Non
         with torch.no_grad():
             torch.testing.assert_close(out, ref(x))
             torch.testing.assert_close(tapped(x), model(x))  # and gone after the block
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.view(-1)[:2].add_(10)  # the previous call's output, written by this call
+        y = self.lin(x)
+        y[:, 1:].mul_(3)
+        return y
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _WritesItsInput()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.w(x * 1)
+        b = self.w(a)
+        return self.head(b) + a.sum()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+def test_the_next_call_writing_a_calls_output_through_a_view_does_not_show(tracer: str
+                                                                             ) -> None:
+    torch.manual_seed(0)
+    _check(_Chain().eval(), tracer, ["w", "w.lin"], ["w", "w_1", "w.lin", "w.lin_1"])

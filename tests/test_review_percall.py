@@ -229,10 +229,6 @@ def test_reduce_stats_after_a_call_where_every_rank_was_idle(tmp_path: Path) -> 
         assert len(said) == 1 and "rank 1 ran no forward" in said[0], (rank, said)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an edit of attn.k/attn.v (the kernel's input, after the cache's torch.cat) also flows "
-    "into the graph output dynamo stores back as the KV cache: the next step edits the "
-    "already edited positions again (a flip undoes itself, a steering vector adds up)"))
 @torch.no_grad()
 def test_an_edit_of_the_cached_values_applies_once_per_step() -> None:
     torch.manual_seed(0)

@@ -72,8 +72,6 @@ class _Outer(nn.Module):
         return self.head(self.w(x))
 
 
-@pytest.mark.xfail(strict=True, reason="a module's write to its output through a view is not "
-                   "followed by capture.inplace.settled: the site shows the value before it")
 @pytest.mark.parametrize("tracer", ["fx", "dynamo"])
 def test_a_module_that_writes_its_output_through_a_view_equals_hooks(tracer: str) -> None:
     torch.manual_seed(0)
@@ -109,9 +107,6 @@ class _OnBranches(nn.Module):
         return self.head(self.blk(x))
 
 
-@pytest.mark.xfail(strict=True, reason="the graph dynamo captures for the other branch (a new "
-                   "length) has no site 'blk': taps lacks it, SiteNotRunError says 'a branch not "
-                   "taken' though the module ran")
 def test_a_module_branching_on_length_keeps_its_site_in_the_second_graph() -> None:
     torch.manual_seed(0)
     model = _OnBranches().eval()

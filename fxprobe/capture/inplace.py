@@ -44,6 +44,9 @@ from ..core.ops import (
 )
 from ..core.site import STATE
 
+_NONE_RESULT = frozenset({operator.setitem, "__setitem__"})
+"""In-place writes whose result is None, not what they wrote (``y[0] = 1``)."""
+
 OUT_OF_PLACE = "_fxprobe_out_of_place"
 """Attribute set on the functions the rewrite puts in place of in-place ops: they write no
 argument (their result may still alias the first)."""
@@ -421,8 +424,6 @@ def outplace(analyse: Callable[[], Hazards], values: Mapping[Any, Hashable],
     return current, saved
 
 
-
-
 def settled(value: fx.Node, nodes: Iterable[fx.Node], replaced: bool = False) -> fx.Node:
     """The node whose value is ``value`` as a module call hands it on: the last of ``nodes``
     (the call's nodes after ``value``, in graph order) that writes ``value`` itself in place
@@ -432,7 +433,8 @@ def settled(value: fx.Node, nodes: Iterable[fx.Node], replaced: bool = False) ->
     A module call's site sits on that node: on ``value`` it would show the tensor before the
     call finished writing it (a partial sum where a row-parallel layer reduces in place).
     ``replaced``: only writes that replace the value whole (``copy_``), not those that
-    update it (``y += a`` makes another value, Falcon's attention + MLP sum).
+    update it (``y += a`` makes another value, Falcon's attention + MLP sum). Writes through
+    a view: :func:`capture.settle.settle`.
     """
     last, same = value, {value}
     for n in nodes:
@@ -450,8 +452,10 @@ def _writes_itself(n: fx.Node) -> bool:
     """An in-place op on its first argument whose result is that argument."""
     if n.op == "call_method":
         name = str(n.target)
-        return (name.endswith("_") and not name.startswith("_")) or name in INPLACE_DUNDERS
+        return ((name.endswith("_") and not name.startswith("_")) or name in INPLACE_DUNDERS
+                ) and name not in _NONE_RESULT
     if n.op == "call_function" and callable(n.target):
         name = getattr(n.target, "__name__", "")
-        return n.target in INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
+        return n.target not in _NONE_RESULT and (
+            n.target in INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("_")))
     return False

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from torch import fx, nn
 
-from ..core.site import CALL_ARGS, SITES, Site, sites_of
+from ..core.site import CALL_ARGS, KERNEL_KV, SITES, Site, sites_of, unedited
 from .inplace import Hazards
 from .pipeline import Pipeline
 from .rewrite import _writes_first
@@ -46,13 +46,16 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
             continue
         names = tuple(s.name for s in sites)
         risky = hazards.output_at_risk(node)
-        writes = node.op != "placeholder" and _writes_first(node, modules)
+        kept = unedited(node)  # a kernel's keys or values: the cache keeps what was computed
+        writes = (node.op != "placeholder" and not node.meta.get(KERNEL_KV)
+                  and _writes_first(node, modules))
         anchor = node
         if node.op == "placeholder":
             anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(anchor):
             point = graph.call_function(pipeline.point, (node, names, risky, writes))
-        node.replace_all_uses_with(point, delete_user_cb=lambda user, p=point: user is not p)
+        node.replace_all_uses_with(
+            point, delete_user_cb=lambda user, p=point, kept=kept: user is not p and not kept(user))
         for key in ("nn_module_stack", "stack_trace"):
             if key in node.meta:
                 point.meta[key] = node.meta[key]

@@ -24,7 +24,7 @@ from torch import fx, nn
 
 from ..core.ops import AUGMENTED_OPERATORS, NO_TWIN
 from ..core.options import Capture, CopyPolicy
-from ..core.site import CALL_ARGS, Site, sites_of
+from ..core.site import CALL_ARGS, KERNEL_KV, Site, sites_of, unedited
 from .inplace import OUT_OF_PLACE, Hazards, effects, outplace
 from .pipeline import Pipeline, clone_tree, write_back
 
@@ -250,10 +250,15 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                     with graph.inserting_after(flow):
                         kept = graph.call_function(operator.getitem, (res, 1))
                     if pipeline.fn is not None or pipeline.wants_grads:
+                        # An edit of a kernel's keys or values: the cache keeps what the
+                        # model computed (a gradient watch is no edit: everything reads it).
+                        kept_out = unedited(current) if pipeline.fn is not None else None
                         current.replace_all_uses_with(
-                            flow, delete_user_cb=lambda user, r=res: user is not r)
+                            flow, delete_user_cb=lambda user, r=res, k=kept_out:
+                            user is not r and not (k is not None and k(user)))
                         flowing[node] = flow
-                    if pipeline.fn is not None and _writes_first(node, modules):
+                    if pipeline.fn is not None and _writes_first(node, modules) \
+                            and not node.meta.get(KERNEL_KV):
                         with graph.inserting_after(kept):
                             graph.call_function(write_back, (current, flow))
                     if node.op == "placeholder":

@@ -25,6 +25,16 @@ SOURCE = "fxprobe_source"
 (``"L['self']._modules['h']._parameters['weight']"``). Dynamo drops its own record of it
 (``node.meta["grapharg"]``) once the backend returns, and fxprobe names the same graph again
 later (another module instance, a repeat, the graph with intervention points)."""
+KERNEL_KV = "fxprobe_kernel_kv"
+"""``node.meta`` key on a node whose value an attention kernel reads as its keys or values
+(``blocks.L.attn.k``/``.v``, set by ``frontends.canonical``). Such a value is the KV cache as
+well: dynamo writes it back into the cache object from the graph's output, a model returns it
+in ``past_key_values``, a static cache is written in place. An edit there applies to what the
+kernel reads at this step, as an edit inside the eager kernel does; the cache keeps what the
+model computed, else the next step would edit the edited positions again (:func:`unedited`)."""
+KERNEL = "fxprobe_kernel"
+"""``node.meta`` key on the node of an attention kernel that reads keys or values
+(``F.scaled_dot_product_attention``; eager attention's ``q @ k.T`` and its ``probs @ v``)."""
 CALL_ARGS = "fxprobe_call_args"
 """``node.meta`` key on the last node of a module call fx traced through: for each of its sites,
 ``(positional argument nodes, first node of the call)``, so that its inputs can be captured."""
@@ -160,6 +170,23 @@ def source_name(node: fx.Node) -> str | None:
         return name
     kept = node.meta.get(SOURCE)
     return kept if isinstance(kept, str) else None
+
+
+def unedited(node: fx.Node) -> Callable[[fx.Node], bool]:
+    """Which readers of ``node`` keep its value as computed when an edit replaces it: where the
+    node is a kernel's keys or values (:data:`KERNEL_KV`), those from which no attention
+    kernel is reached (the graph's output that writes the KV cache back, ``torch.stack((k,
+    v))`` returned as ``past_key_values``, ``cache.index_copy_(2, pos, k)``); none elsewhere."""
+    if not node.meta.get(KERNEL_KV):
+        return lambda user: False
+    feeds: dict[fx.Node, bool] = {}
+    for n in reversed(node.graph.nodes):  # a node's readers come after it
+        feeds[n] = bool(n.meta.get(KERNEL)) or any(feeds.get(u, False) for u in n.users)
+        if n is node:
+            break
+    if not feeds[node]:
+        return lambda user: False  # no kernel reads it here: the edit goes where it goes
+    return lambda user: not feeds.get(user, False)
 
 
 def attach(node: fx.Node, site: Site) -> None:

@@ -54,7 +54,7 @@ from collections import Counter
 import sympy
 from torch import fx, nn
 
-from ..core.site import SITES, Site, node_site
+from ..core.site import KERNEL, KERNEL_KV, SITES, Site, node_site
 from .attention import attention_scores
 from .canonical_graph import (
     ADDS,
@@ -127,6 +127,10 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
                             "dynamo", "call_function", attention_scores, probs.module_path)
     kernels = find_kernels(g, named)
     fused = {k.node for k in kernels if k.node is k.pattern}  # SDPA calls
+    for kernel in kernels:  # what reads the keys and values (``core.site.unedited``)
+        for reader in (kernel.node, kernel.qk):
+            if reader is not None:
+                reader.meta[KERNEL] = True
     out = _RoleNames()
     if kernels:
         _name_all(g, kernels, named, scores, out)
@@ -148,6 +152,8 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
                 continue  # an SDPA call with no such site beside it: its value is no pattern
             if target is None:
                 continue
+            if n.endswith((".k", ".v")):  # what the kernel reads, and the KV cache
+                (written if node_site(written) else node).meta[KERNEL_KV] = True
             cur = replaced.get(id(target), target)
             if n not in cur.canonical:
                 replaced[id(target)] = dataclasses.replace(cur, canonical=(*cur.canonical, n))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..capture.inplace import settled
+from ..capture.settle import as_returned, settle
 from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
@@ -186,6 +186,7 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         members.setdefault(key, []).append(node)
     outputs: dict[fx.Node, tuple[str, nn.Module]] = {}
     inputs: dict[fx.Node, tuple[tuple[fx.Node, ...], fx.Node]] = {}
+    added: set[fx.Node] = set()
     for nodes in members.values():
         group = set(nodes)
         leaving = [n for n in nodes if any(u not in group for u in n.users)]
@@ -194,9 +195,15 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         read = [n for n in leaving if any(u not in group and u.op != "output" for u in n.users)]
         out = (read or leaving or nodes)[-1]
         _k, rel, m = leaf_call[out]
-        out = settled(out, nodes[nodes.index(out) + 1:])
-        outputs[out] = (_join(root_path, rel), m)
-        inputs[out] = (_call_inputs(nodes, group), nodes[0])
+        written = settle(out, nodes[nodes.index(out) + 1:])
+        if written.target is as_returned:  # written through a view: a node of the call's
+            _stack_upto(written, nodes[0], _k)
+            added.add(written)
+        outputs[written] = (_join(root_path, rel), m)
+        inputs[written] = (_call_inputs(nodes, group), nodes[0])
+    if added:  # in graph order, where the calls of the modules around them find them
+        added.update(calls)
+        calls = [n for n in graph.nodes if n in added]
     # Calls of modules dynamo traced through (``h.0.mlp``): a site on the one node whose value
     # leaves the call. Without nested graph breaks (dynamo's default) a call that a graph
     # break splits runs as a frame of its own, so every call seen here is whole.
@@ -213,7 +220,8 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
             if whole and not is_leaf(m, _join(root_path, rel)):
                 calls_of.setdefault(str(key), []).append(node)
                 where[str(key)] = (rel, m)
-    module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node]]] = {}
+    module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node, str]]] = {}
+    settles: list[fx.Node] = []  # nodes added after a write through a view (capture.settle)
     for key, nodes in calls_of.items():
         group = set(nodes)
         leaving = [n for n in nodes if any(u not in group for u in n.users)]
@@ -225,10 +233,19 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         if len(leaving) != 1:
             continue  # several values (a tuple) or none: no one node holds the output
         rel, m = where[key]
-        out = settled(leaving[0], nodes[nodes.index(leaving[0]) + 1:])
+        out = settle(leaving[0], nodes[nodes.index(leaving[0]) + 1:])
+        if out.target is as_returned and out not in outputs:  # written through a view
+            _stack_upto(out, nodes[0], key)
+            settles.append(out)
+        depth = [module_at(resolve(str(k), str(p))) for k, (p, _c) in
+                 (nodes[0].meta.get("nn_module_stack") or {}).items()]
         module_calls.setdefault(out, []).append(
-            (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0]))
+            (_join(root_path, rel), m, _call_inputs(nodes, group), nodes[0],
+             _call_location(nodes[0], m, depth[depth.index(m):] if m in depth else [m])))
 
+    if settles:
+        known = {*calls, *settles}
+        calls = [n for n in graph.nodes if n in known]
     seen: dict[tuple[str, str], int] = {}
     sites: dict[fx.Node, Site] = {}
     sdpa: dict[fx.Node, Site] = {}
@@ -251,12 +268,14 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     hooked = _hook_lines(modules.values())
     for node in calls:
         loc = _location(node)
-        if node not in outputs and hooked and _in_hook(node, hooked):
+        if node not in outputs and (node.target is as_returned
+                                    or hooked and _in_hook(node, hooked)):
             # A hook's own op (the model's hooks run inside the module call dynamo traced):
             # no site, as under fx, where a hooked module is called; named, it would take the
             # name of the forward's op after it (``a.add`` for the forward's ``a.add_1``).
-            for path, m, args, first in reversed(module_calls.get(node, ())):
-                call = Site(next_name(path, _location(first)), "dynamo", "call_module", path,
+            # Nor the node fxprobe added after a write through a view: no op of the model's.
+            for path, m, args, first, at in reversed(module_calls.get(node, ())):
+                call = Site(next_name(path, at), "dynamo", "call_module", path,
                             path, type(m), module_key(type(m)), inlined=True, listed=False)
                 attach(node, call)
                 node.meta.setdefault(CALL_ARGS, {})[call.name] = (args, first)
@@ -277,8 +296,8 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
         sites[node] = site
         order.append(site)
         # Outer calls end after inner ones: the innermost module's site comes first.
-        for path, m, args, first in reversed(module_calls.get(node, ())):
-            call = Site(next_name(path, _location(first)), "dynamo", "call_module", path, path,
+        for path, m, args, first, at in reversed(module_calls.get(node, ())):
+            call = Site(next_name(path, at), "dynamo", "call_module", path, path,
                         type(m), module_key(type(m)), inlined=True, listed=False)
             attach(node, call)
             node.meta.setdefault(CALL_ARGS, {})[call.name] = (args, first)
@@ -345,6 +364,42 @@ def _in_hook(node: fx.Node, hooked: dict[str, list[tuple[int, int]]]) -> bool:
         if any(a <= int(line) <= b for a, b in hooked.get(file, ())):
             return True
     return False
+
+
+def _stack_upto(node: fx.Node, first: fx.Node, key: str) -> None:
+    """Give ``node`` the module stack of the call ``key`` that ``first`` belongs to."""
+    stack = {}
+    for k, entry in (first.meta.get("nn_module_stack") or {}).items():
+        stack[k] = entry
+        if str(k) == key:
+            break
+    node.meta["nn_module_stack"] = stack
+
+
+def _forward_code(m: nn.Module | None) -> Any:
+    forward = getattr(m, "forward", None)
+    return getattr(getattr(forward, "__func__", forward), "__code__", None)
+
+
+def _call_location(first: fx.Node, m: nn.Module, stack: list[nn.Module | None]) -> str:
+    """Where module ``m`` was called (``file:line`` of the caller's frame), from the stack
+    trace of the call's first node; ``stack`` is that node's module stack from ``m`` inwards.
+
+    Not the first node's own line: a forward that branches (on a length, an early return)
+    starts at another line in another graph, and a key that moved with it would name the
+    same call ``blk`` in one graph and ``blk_1`` in the next."""
+    code = _forward_code(m)
+    frames = FILE_LINE.findall(first.meta.get("stack_trace") or "")
+    if code is not None:
+        lines = {ln for _, _, ln in code.co_lines() if ln is not None}  # not a nested def's
+        inside = [i for i, (file, line) in enumerate(frames)
+                  if file == code.co_filename and int(line) in lines]
+        # Modules of the same class nested in ``m`` run the same code in deeper frames.
+        nested = sum(1 for s in stack if _forward_code(s) is code)
+        if 0 < nested <= len(inside) and inside[-nested] > 0:
+            file, line = frames[inside[-nested] - 1]
+            return f"{file}:{line}"
+    return _location(first)
 
 
 def _call_inputs(nodes: list[fx.Node], group: set[fx.Node]) -> tuple[fx.Node, ...]:

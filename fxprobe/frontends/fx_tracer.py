@@ -18,7 +18,8 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..capture.inplace import OUT_OF_PLACE, settled
+from ..capture.inplace import OUT_OF_PLACE
+from ..capture.settle import as_returned, settle
 from ..core.names import join as _join
 from ..core.ops import AUGMENTED_OPERATORS, method_key, module_key, op_key
 from ..core.site import CALL_ARGS, Site, attach
@@ -116,8 +117,13 @@ class SiteTracer(fx.Tracer):
                 # place), so the site sits on a node after them.
                 last = self.graph.create_node("call_function", _nest, (last,), {})
             if path and last is not None and _made_since(before, last):
-                # Written in place later in the call (``y.copy_(z)``): the site is on the write.
-                last = settled(last, _nodes_after(last))
+                # Written in place later in the call (``y.copy_(z)``, through a view): the site
+                # is on the write, or on a node after it that the code after the call reads.
+                settled = settle(last, _nodes_after(last), self.root.get_submodule)
+                if settled.target is as_returned and isinstance(out, fx.Proxy) \
+                        and out.node is last:
+                    out = self.proxy(settled)
+                last = settled
             if path and last is not None:
                 first = made if made is not None else last
                 self._name_call(m, path, last, args, first, listed=listed)

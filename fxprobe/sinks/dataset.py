@@ -15,7 +15,6 @@ hands whole batches to ``ds[rows]`` and skips the row-by-row collation as well (
 from __future__ import annotations
 
 import collections
-import itertools
 import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -60,7 +59,8 @@ class Source(Protocol):
 
     def forward(self, i: int) -> Mapping[str, Any]: ...
 
-    def rows(self, site: str, indices: Any, lead: int = 2) -> torch.Tensor: ...
+    def rows(self, site: str, indices: Any, lead: int = 2, *, out: Any = None
+             ) -> torch.Tensor: ...
 
     def row_count(self, site: str, lead: int = 2) -> int: ...
 
@@ -183,9 +183,10 @@ class CaptureDataset(Dataset[Any]):
             self._raw = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return self._raw[idx]
 
-    def _gather(self, idx: Any) -> dict[str, torch.Tensor]:
+    def _gather(self, idx: Any, into: Mapping[str, torch.Tensor] | None = None
+                ) -> dict[str, torch.Tensor]:
         """Rows ``idx`` (1-d integers) of every name, stacked in that order: one gather per
-        shard from the memory maps (:meth:`Captures.rows`)."""
+        shard from the memory maps (:meth:`Captures.rows`), into ``into``'s tensors if given."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         n = self._len
         if idx.size and not (-n <= int(idx.min()) and int(idx.max()) < n):
@@ -206,13 +207,23 @@ class CaptureDataset(Dataset[Any]):
                                 f"{self._raw_len} in the forwards this dataset was made from "
                                 "(caps.refresh() saw new forwards of several ranks); make "
                                 "the dataset again")
-            out[name] = self._caps.rows(name, raw, lead)
+            out[name] = self._caps.rows(name, raw, lead) if into is None else \
+                self._caps.rows(name, raw, lead, out=into[name])
         return out
 
-    def _read(self, idx: Any) -> dict[str, torch.Tensor]:
-        """Rows ``idx`` of every name, normalized: what every read returns."""
-        got = self._gather(idx)
-        return self.scale.apply(got) if self.scale is not None else got
+    def _read(self, idx: Any, into: Mapping[str, torch.Tensor] | None = None
+              ) -> dict[str, torch.Tensor]:
+        """Rows ``idx`` of every name, normalized: what every read returns (written into
+        ``into``'s tensors, scaled in place, if given)."""
+        got = self._gather(idx, into)
+        if self.scale is None:
+            return got
+        return self.scale.apply(got, in_place=into is not None)
+
+    def _empty(self, n: int, pinned: bool = False) -> dict[str, torch.Tensor]:
+        """Tensors for ``n`` rows of every name (what :meth:`_read` may write into)."""
+        return {name: torch.empty((n, *self.row_shapes[name]), dtype=self.row_dtypes[name],
+                                  pin_memory=pinned) for name in self.names}
 
     def _pack(self, values: dict[str, torch.Tensor]) -> Any:
         if self.layout == "stack":
@@ -303,8 +314,8 @@ class CaptureDataset(Dataset[Any]):
                 threads share the maps and no batch crosses a process boundary, as it would
                 from ``DataLoader``'s worker processes); 0: each batch read when asked for.
             **kwargs: with ``num_workers=0``, passed to ``DataLoader`` (``pin_memory``, ...);
-                with threads, ``pin_memory`` and ``prefetch_factor`` (batches ahead per
-                thread, 2).
+                with threads, ``pin_memory`` (batches gathered into pinned memory) and
+                ``prefetch_factor`` (batches ahead per thread, 2).
 
         Returns:
             ``DataLoader(self, batch_size=None, sampler=...)``, or with threads an iterable
@@ -343,8 +354,13 @@ class CaptureDataset(Dataset[Any]):
 
 
 class ThreadedBatches:
-    """The batches of ``ds.loader(..., num_workers=k)``: ``k`` threads gather the next
-    ``k * prefetch`` batches while one is used; batches come in the sampler's order."""
+    """The batches of ``ds.loader(..., num_workers=k)``: ``k`` threads of this process gather
+    the next ``k * prefetch`` batches while one is used; batches come in the sampler's order.
+
+    A gather (``numpy.take`` from the maps) runs without the GIL, so the threads gather side
+    by side and beside the training step. The consuming thread allocates each batch's tensors
+    (and frees them): made by a gathering thread, the allocator's per-thread arenas would
+    hand out fresh pages, one page fault per 4 KiB, for every batch."""
 
     def __init__(self, ds: CaptureDataset, sampler: Batches, workers: int, prefetch: int,
                  pin_memory: bool) -> None:
@@ -355,25 +371,37 @@ class ThreadedBatches:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import Future, ThreadPoolExecutor
 
-        order = iter(self.sampler)  # the epoch's permutation, drawn here
+        ds, order = self.dataset, iter(self.sampler)  # the epoch's permutation, drawn here
+
+        def gather(idx: np.ndarray, into: dict[str, torch.Tensor]) -> Any:
+            batch = ds._pack(ds._read(idx, into))
+            return _pinned(batch) if self.pin_memory else batch
+
+        ahead: collections.deque[Future[Any]] = collections.deque()
         with ThreadPoolExecutor(self.workers, thread_name_prefix="fxprobe-rows") as pool:
-            ahead = collections.deque(pool.submit(self.dataset.__getitem__, idx)
-                                      for idx in itertools.islice(order,
-                                                                  self.workers * self.prefetch))
-            while ahead:
-                batch = ahead.popleft().result()
-                nxt = next(order, None)
-                if nxt is not None:
-                    ahead.append(pool.submit(self.dataset.__getitem__, nxt))
-                yield _pinned(batch) if self.pin_memory else batch
+            def submit() -> None:
+                idx = next(order, None)
+                if idx is not None:
+                    ahead.append(pool.submit(gather, idx, ds._empty(len(idx), self.pin_memory)))
+
+            try:
+                for _ in range(self.workers * self.prefetch):
+                    submit()
+                while ahead:
+                    batch = ahead.popleft().result()
+                    submit()
+                    yield batch
+            finally:  # the consumer stopped early: gathers not started are not run
+                for f in ahead:
+                    f.cancel()
 
 
 def _pinned(batch: Any) -> Any:
     if isinstance(batch, Mapping):
-        return {k: v.pin_memory() for k, v in batch.items()}
-    return batch.pin_memory()
+        return {k: _pinned(v) for k, v in batch.items()}
+    return batch if batch.is_pinned() else batch.pin_memory()
 
 
 def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mask: str | None,

@@ -4,8 +4,11 @@ split across training ranks, with a ``state_dict`` to resume mid-epoch.
 ``DataLoader(ds, batch_size=None, sampler=RowSampler(ds, 4096))`` hands each batch of row
 numbers to ``ds[rows]`` (one gather per forward). Like ``DistributedSampler`` the order is a
 permutation drawn from ``seed + epoch``; rank ``r`` of ``world_size`` takes every
-``world_size``-th row of it from the ``r``-th, so the ranks' rows are disjoint and together
-cover the epoch.
+``world_size``-th row of it from the ``r``-th. Every rank gets the same number of rows, so the
+same number of batches (a rank with one batch more would wait in DDP's all-reduce forever):
+where the rows do not divide evenly, the permutation is padded with its own first rows (a few
+rows twice in the epoch) or, with ``drop_last=True``, its last rows are left out (a few rows
+not at all), as ``DistributedSampler`` does.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class RowSampler(Sampler[list[int]]):
         batch_size: rows per batch.
         shuffle: a new permutation each epoch (else rows in order).
         seed: the permutation's seed; every rank must pass the same one.
-        drop_last: leave out this rank's last batch when it is short.
+        drop_last: leave out the last batch when it is short, and across ranks the rows
+            that do not divide evenly (else the epoch is padded with its first rows).
         rank, world_size: this training rank and how many there are; by default
             torch.distributed's, else 0 and 1.
 
@@ -77,7 +81,10 @@ class RowSampler(Sampler[list[int]]):
         self._next = 0  # batches of this epoch already handed out
 
     def _mine(self) -> int:
-        return len(range(self.rank, self.rows, self.world_size))
+        """Rows per rank: the same on every rank (padded, or with ``drop_last`` cut)."""
+        if self.drop_last:
+            return self.rows // self.world_size
+        return -(-self.rows // self.world_size)
 
     def __len__(self) -> int:
         mine = self._mine()
@@ -95,7 +102,10 @@ class RowSampler(Sampler[list[int]]):
             perm = torch.randperm(self.rows, generator=g)
         else:
             perm = torch.arange(self.rows)
-        return perm[self.rank::self.world_size]
+        total = self._mine() * self.world_size
+        if total > self.rows:  # pad with the first rows (again, if there are fewer rows)
+            perm = perm.repeat(-(-total // self.rows))
+        return perm[self.rank:total:self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()

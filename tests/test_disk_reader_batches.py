@@ -14,7 +14,7 @@ from test_disk_reader import flat, write
 from torch.utils.data import DataLoader
 
 import fxprobe
-from fxprobe.sinks.dataset import Batches
+from fxprobe.sinks.sampler import Batches
 
 
 def epoch(n: int, batch: int, seed: int) -> list[np.ndarray]:
@@ -142,3 +142,28 @@ def test_one_site_over_several_shards_reads_each_shards_rows_at_once(tmp_path: P
                 9, generator=torch.Generator().manual_seed(4), num_workers=workers),
                 strict=True):
             assert np.array_equal(b.view(torch.int32).numpy(), ref[idx])
+
+
+def test_reused_batch_tensors_are_never_written_while_anything_holds_them(
+        tmp_path: Path) -> None:
+    written = write(tmp_path, 9, 2000)
+    ref = flat(written, "h", 2).view(torch.int32).numpy()
+    ds = fxprobe.open_captures(tmp_path).dataset("h")
+    loader = ds.loader(4, generator=torch.Generator().manual_seed(2), num_workers=2,
+                       prefetch_factor=1)
+    kept: list[tuple[object, np.ndarray]] = []
+    ptrs = set()
+    draws = Batches(len(ds), 4, generator=torch.Generator().manual_seed(2))  # the same epochs
+    for _ in range(2):  # two epochs through the same loader (its buffers kept)
+        for i, (idx, b) in enumerate(zip(draws, loader, strict=True)):
+            assert np.array_equal(b.view(torch.int32).numpy(), ref[idx])
+            ptrs.add(b.untyped_storage().data_ptr())
+            if i % 4 == 0:  # what a consumer may keep of a batch: a slice, an array, a view
+                kept += [(b[1:3], ref[idx][1:3]), (b.numpy()[:1], ref[idx][:1]),
+                         (b.view(-1)[5:9], ref[idx].reshape(-1)[5:9])]
+            del b
+    assert len(ptrs) < 2 * len(loader)  # buffers were reused ...
+    for held, want in kept:  # ... but none that something still held
+        got = held.view(np.int32) if isinstance(held, np.ndarray) else \
+            held.view(torch.int32).numpy()  # type: ignore[attr-defined]
+        assert np.array_equal(got, want)

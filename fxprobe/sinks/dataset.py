@@ -14,10 +14,9 @@ hands whole batches to ``ds[rows]`` and skips the row-by-row collation as well (
 
 from __future__ import annotations
 
-import collections
 import operator
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict
 
@@ -27,6 +26,7 @@ from torch.utils.data import Dataset
 
 from ..core.errors import ConfigError, DiskError
 from .rows import RowFilter, Scale, check_stackable
+from .sampler import Batches, ThreadedBatches
 
 Rows = Literal["tokens", "samples"]
 Layout = Literal["dict", "stack"]
@@ -353,57 +353,6 @@ class CaptureDataset(Dataset[Any]):
         return f"CaptureDataset({what!r}, rows={self.rows!r}{masked}, {self._len} rows)"
 
 
-class ThreadedBatches:
-    """The batches of ``ds.loader(..., num_workers=k)``: ``k`` threads of this process gather
-    the next ``k * prefetch`` batches while one is used; batches come in the sampler's order.
-
-    A gather (``numpy.take`` from the maps) runs without the GIL, so the threads gather side
-    by side and beside the training step. The consuming thread allocates each batch's tensors
-    (and frees them): made by a gathering thread, the allocator's per-thread arenas would
-    hand out fresh pages, one page fault per 4 KiB, for every batch."""
-
-    def __init__(self, ds: CaptureDataset, sampler: Batches, workers: int, prefetch: int,
-                 pin_memory: bool) -> None:
-        self.dataset, self.sampler = ds, sampler
-        self.workers, self.prefetch, self.pin_memory = workers, max(1, prefetch), pin_memory
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[Any]:
-        from concurrent.futures import Future, ThreadPoolExecutor
-
-        ds, order = self.dataset, iter(self.sampler)  # the epoch's permutation, drawn here
-
-        def gather(idx: np.ndarray, into: dict[str, torch.Tensor]) -> Any:
-            batch = ds._pack(ds._read(idx, into))
-            return _pinned(batch) if self.pin_memory else batch
-
-        ahead: collections.deque[Future[Any]] = collections.deque()
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="fxprobe-rows") as pool:
-            def submit() -> None:
-                idx = next(order, None)
-                if idx is not None:
-                    ahead.append(pool.submit(gather, idx, ds._empty(len(idx), self.pin_memory)))
-
-            try:
-                for _ in range(self.workers * self.prefetch):
-                    submit()
-                while ahead:
-                    batch = ahead.popleft().result()
-                    submit()
-                    yield batch
-            finally:  # the consumer stopped early: gathers not started are not run
-                for f in ahead:
-                    f.cancel()
-
-
-def _pinned(batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return {k: _pinned(v) for k, v in batch.items()}
-    return batch if batch.is_pinned() else batch.pin_memory()
-
-
 def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mask: str | None,
                   options: Any) -> tuple[str | list[str], str | None]:
     """The site names a dataset's arguments mean (canonical ones mapped by ``resolve``);
@@ -417,37 +366,6 @@ def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mas
     if isinstance(scale, Mapping):
         options["normalize"] = {one(k): v for k, v in scale.items()}
     return (one(names) if isinstance(names, str) else [one(n) for n in names]), one(mask)
-
-
-class Batches(torch.utils.data.Sampler[np.ndarray]):
-    """Batches of row numbers (sorted 1-d int64 arrays) of a shuffled (or ordered) epoch."""
-
-    def __init__(self, n: int, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-                 generator: torch.Generator | None = None) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size={batch_size!r}: a positive int")
-        self.n = n
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.generator = generator
-
-    def __len__(self) -> int:
-        full, rest = divmod(self.n, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
-
-    def __iter__(self) -> Any:
-        if self.shuffle:
-            g = self.generator
-            if g is None:  # as RandomSampler: a seed from torch's global generator
-                g = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64)
-                                                      .random_().item()))
-            order = torch.randperm(self.n, generator=g).numpy()
-        else:
-            order = np.arange(self.n, dtype=np.int64)
-        for b in range(len(self)):
-            part = order[b * self.batch_size:(b + 1) * self.batch_size]
-            yield np.sort(part) if self.shuffle else part
 
 
 def _indices(i: Any) -> tuple[torch.Tensor, bool]:

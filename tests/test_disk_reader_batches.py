@@ -167,3 +167,12 @@ def test_reused_batch_tensors_are_never_written_while_anything_holds_them(
         got = held.view(np.int32) if isinstance(held, np.ndarray) else \
             held.view(torch.int32).numpy()  # type: ignore[attr-defined]
         assert np.array_equal(got, want)
+
+
+def test_rows_refuse_to_write_into_the_captures_own_memory(tmp_path: Path) -> None:
+    written = write(tmp_path, 3)
+    caps = fxprobe.open_captures(tmp_path)
+    view = caps.forward(1)["h"].flatten(0, 1)[:2]  # a view of the shard's map
+    with pytest.raises(fxprobe.ConfigError, match="view of these captures"):
+        caps.rows("h", [0, 1], out=view)
+    assert torch.equal(caps.forward(1)["h"], written[1]["h"])  # untouched

@@ -108,6 +108,11 @@ class RowTable:
         grid = self.grid[piece]
         dest = result.view(-1).view(torch.uint8).view(n, rb).numpy()
         cuts = np.flatnonzero(grid[1:] != grid[:-1]) + 1
+        if into is not None:
+            for g in set(grid[[0, *cuts.tolist()]].tolist()):
+                if np.may_share_memory(dest, self._grid(g, reader)):
+                    raise ConfigError(f"rows({self.site!r}, out=...): out is a view of these "
+                                      "captures' own memory; pass a tensor of your own")
         if not cuts.size:  # one grid (every batch of a site on one grid in one shard)
             np.take(self._grid(int(grid[0]), reader), row, 0, out=dest, mode="clip")
         elif (grid[cuts] > grid[cuts - 1]).all():  # sorted rows: each grid's rows together
@@ -147,7 +152,9 @@ class RowTable:
             rows = (whole.size - first) // rb
             got = self._grids[g] = (r, whole[first:first + rows * rb].reshape(rows, rb))
             if len(self._grids) > 64:  # as Captures: each map holds a file descriptor
-                del self._grids[next(iter(self._grids))]
+                # (threads of ds.loader may drop the same one, or add one, meanwhile)
+                with contextlib.suppress(RuntimeError, KeyError, StopIteration):
+                    del self._grids[next(iter(self._grids))]
         return got[1]
 
     def _prefetch(self, need: np.ndarray, owner: np.ndarray,

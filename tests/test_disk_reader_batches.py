@@ -176,3 +176,23 @@ def test_rows_refuse_to_write_into_the_captures_own_memory(tmp_path: Path) -> No
     with pytest.raises(fxprobe.ConfigError, match="view of these captures"):
         caps.rows("h", [0, 1], out=view)
     assert torch.equal(caps.forward(1)["h"], written[1]["h"])  # untouched
+
+
+def test_threads_check_each_block_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxprobe.sinks import rowtable, shardfile, shards
+
+    for module in (shardfile, rowtable, shards):
+        monkeypatch.setattr(module, "BLOCK", 64)  # many blocks: each batch needs most
+    written = write(tmp_path, 6)
+    checked: list[tuple[str, int]] = []
+    real = shardfile.ShardReader.check_blocks
+
+    def counting(self: shardfile.ShardReader, key: str, blocks: list[int]) -> None:
+        checked.extend((key, b) for b in blocks)
+        real(self, key, blocks)
+
+    monkeypatch.setattr(shardfile.ShardReader, "check_blocks", counting)
+    ds = fxprobe.open_captures(tmp_path).dataset("h")
+    got = torch.cat(list(ds.loader(5, shuffle=False, num_workers=2, prefetch_factor=4)))
+    assert torch.equal(got, flat(written, "h", 2))
+    assert checked and len(checked) == len(set(checked))  # none twice

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,13 +78,18 @@ class RowTable:
         self.grid_row = self.offset // rb
         """The row of its grid each piece starts at."""
         self._grids: dict[int, tuple[ShardReader, np.ndarray]] = {}
+        self._checking = threading.Lock()
         self._all_checked = self.checked is not None and not len(self.checked)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _grids={})  # maps stay in the process that made them
+        # maps and locks stay in the process that made them
+        return dict(self.__dict__, _grids={}, _checking=None)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _checking=threading.Lock())
 
     def locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The piece each row lies in and its row number there."""
@@ -103,7 +109,8 @@ class RowTable:
             return result
         piece, local = self.locate(idx)
         if self.checked is not None and not self._all_checked:
-            self._check(piece, local, check, reader)
+            with self._checking:  # threads of ds.loader: each block checked by one of them
+                self._check(piece, local, check, reader)
         row = self.grid_row[piece] + local
         grid = self.grid[piece]
         dest = result.view(-1).view(torch.uint8).view(n, rb).numpy()

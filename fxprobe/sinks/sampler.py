@@ -245,6 +245,8 @@ class ThreadedBatches:
 
     def __iter__(self) -> Iterator[Any]:
         ds, order = self.dataset, iter(self.sampler)  # the epoch's permutation, drawn here
+        for name in ds.names:  # each site's row table made here, not by two threads at once
+            ds._caps.row_count(name, 2 if ds.rows == "tokens" else 1)
         if self._buffers is None and not self.pin_memory:
             self._buffers = Buffers(ds, self.sampler.batch_size, self.workers * self.prefetch + 2)
         buffers = self._buffers

@@ -242,9 +242,9 @@ class Disk(Sink):
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"fxprobe.Disk({self.path})")
                 self._thread.start()
-            while self._error is None and (self._unwritten if self.queue == 0 else (
-                    self._jobs and (len(self._jobs) >= self.queue
-                                    or self._queued_bytes + job.nbytes > self.queue_bytes))):
+            while self.queue and self._error is None and self._jobs and (
+                    len(self._jobs) >= self.queue
+                    or self._queued_bytes + job.nbytes > self.queue_bytes):
                 self._cond.wait()
             self._raise_if_failed()
             # Numbered here, in queue order, so that the numbers of several threads' forwards
@@ -255,6 +255,10 @@ class Disk(Sink):
             self._queued_bytes += job.nbytes
             self._unwritten += 1
             self._cond.notify_all()
+            # queue=0: return once every forward before this one is written (this one queued
+            # first, so that the writer goes on to it without waiting for this thread)
+            while self.queue == 0 and self._error is None and self._unwritten > 1:
+                self._cond.wait()
 
     def _learn_canonical(self, module: Any, values: Mapping[str, Any]) -> None:
         """Record the canonical names (``blocks.6.resid_post``) of sites not seen before, so

@@ -20,12 +20,15 @@ Run ``python -m benchmarks.harvest`` (``--quick`` for a smoke run); it writes
   shuffled epoch in batches of 4096 by every reader: ``DataLoader(ds, batch_size, shuffle=True)``
   (and ``num_workers=2``), ``ds.loader(batch_size)`` (and ``num_workers=2``), the
   ``BatchSampler`` path, ``safetensors.load_file`` of the shards + a permutation, and the floor,
-  a NumPy memmap of the same rows in one file + a permutation. Each reader in a fresh process,
+  a NumPy memmap of the same rows in one file + a permutation (and the same with each batch's
+  rows sorted, as ``ds.loader`` reads them). Each reader in a fresh process,
   cold (its files dropped from the page cache with ``posix_fadvise(DONTNEED)`` first) and warm
   (read once before); rows/s of its first epoch and of a second one, and its peak RSS growth.
   The disk's sequential read rate: ``dd`` of the shard, cold. Writer throughput before/after:
   ``--baseline-tree DIR`` (an fxprobe tree, e.g. ``git archive f3d4cd4``) and this one write the
-  same forwards with ``Disk.write`` in interleaved rounds, each in a fresh process.
+  same forwards with ``Disk.write`` in interleaved rounds, each in a fresh process. A tiny SAE
+  (``benchmarks.stream.SAE``) trained on the rows: rows/s of its step alone, of ``ds.loader``
+  alone, and of the loader (without and with threads) feeding it.
 """
 
 from __future__ import annotations
@@ -134,11 +137,13 @@ READERS = {
     "dataloader": "`DataLoader(ds, batch_size=B, shuffle=True)`",
     "dataloader_w2": "the same, `num_workers=2`",
     "loader": "`ds.loader(B)` (the batch path)",
+    "loader_w1": "`ds.loader(B, num_workers=1)`",
     "loader_w2": "`ds.loader(B, num_workers=2)`",
     "batch_sampler": "`DataLoader(ds, batch_size=None, sampler=BatchSampler(RandomSampler(ds), "
                      "B, False))`",
     "safetensors": "`safetensors.torch.load_file` every shard + a permutation",
     "memmap": "NumPy memmap of the same rows + a permutation (the floor)",
+    "memmap_sorted": "the same, each batch's rows read in sorted order (as `ds.loader` reads)",
 }
 
 
@@ -181,8 +186,8 @@ def reader_child(kind: str, base: str, batch: int, width: int) -> None:
     for _ in range(2):
         start = time.perf_counter()
         rows = 0
-        if kind in ("memmap", "safetensors"):
-            if kind == "memmap":
+        if kind in ("memmap", "memmap_sorted", "safetensors"):
+            if kind.startswith("memmap"):
                 allrows: Any = np.memmap(Path(base, "rows.raw"), dtype=np.float32, mode="r")
                 allrows = allrows.reshape(-1, width)
             else:
@@ -193,7 +198,8 @@ def reader_child(kind: str, base: str, batch: int, width: int) -> None:
                 allrows = torch.cat([p.reshape(-1, width) for p in parts]).numpy()
             perm = torch.randperm(allrows.shape[0]).numpy()
             for i in range(0, len(perm), batch):
-                b = torch.from_numpy(allrows[perm[i:i + batch]])
+                part = perm[i:i + batch]
+                b = torch.from_numpy(allrows[np.sort(part) if kind == "memmap_sorted" else part])
                 rows += b.shape[0]
         else:
             if ds is None:
@@ -202,7 +208,7 @@ def reader_child(kind: str, base: str, batch: int, width: int) -> None:
                 loader: Any = DataLoader(ds, batch_size=batch, shuffle=True,
                                          num_workers=2 if kind.endswith("w2") else 0)
             elif kind.startswith("loader"):
-                loader = ds.loader(batch, num_workers=2 if kind.endswith("w2") else 0)
+                loader = ds.loader(batch, num_workers=int(kind[-1]) if "_w" in kind else 0)
             else:
                 loader = DataLoader(ds, batch_size=None,
                                     sampler=BatchSampler(RandomSampler(ds), batch, False))
@@ -276,10 +282,55 @@ def readers(base: Path, args: argparse.Namespace) -> dict[str, Any]:
                         tree)
             writes[label].append(got["bytes"] / got["seconds"] / 1e6)
             shutil.rmtree(out, ignore_errors=True)
-    return {"rows": args.read_forwards * 8 * 128, "width": args.width,
+    sae = sae_rounds(base, args)
+    return {"rows": args.read_forwards * 8 * 128, "width": args.width, "sae_rows_per_s": sae,
+            "sae_steps": args.sae_steps,
             "site_bytes": args.read_forwards * 8 * 128 * args.width * 4,
             "shard_bytes": shard_bytes, "batch": args.read_batch, "dd_mb_s": dd,
             "readers": results, "write_mb_s": writes}
+
+
+SAE_KINDS = {
+    "sae_alone": "tiny SAE step alone (batches already in memory)",
+    "loader_alone": "`ds.loader(B)` alone, as many batches",
+    "loader_into_sae": "`ds.loader(B)` feeding the SAE",
+    "loader_w2_into_sae": "`ds.loader(B, num_workers=2)` feeding the SAE",
+}
+
+
+def sae_rounds(base: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Rows/s of a tiny SAE (``benchmarks.stream.SAE``: width -> 4 x width, Adam) trained on
+    ``--sae-steps`` batches of the reader table's rows, against the step alone and the loader
+    alone; warm page cache, one process, kinds interleaved over ``--read-rounds`` rounds."""
+    from .stream import SAE, consume
+
+    ds = fxprobe.open_captures(base / "racts").dataset("h")
+    torch.manual_seed(0)
+    sae = SAE(args.width)
+    opt = torch.optim.Adam(sae.parameters(), lr=1e-4)
+
+    def step(x: torch.Tensor) -> None:
+        sae.step(x, opt)
+
+    held = [ds[list(range(i * args.read_batch, (i + 1) * args.read_batch))]
+            for i in range(args.sae_steps)]
+    kinds = {
+        "sae_alone": lambda: consume(held, step),
+        "loader_alone": lambda: consume(ds.loader(args.read_batch), None, args.sae_steps),
+        "loader_into_sae": lambda: consume(ds.loader(args.read_batch), step, args.sae_steps),
+        "loader_w2_into_sae": lambda: consume(ds.loader(args.read_batch, num_workers=2), step,
+                                              args.sae_steps),
+    }
+    for fn in kinds.values():  # the maps opened and checked, Adam's state made
+        fn()
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    order = list(kinds)
+    for r in range(args.read_rounds):
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            start = time.perf_counter()
+            rows = kinds[k]()
+            rates[k].append(rows / (time.perf_counter() - start))
+    return rates
 
 
 def read_child(kind: str, base: str, name: str, batch: int) -> None:
@@ -365,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="only the reader table and the writer before/after")
     ap.add_argument("--read-forwards", type=int, default=75,
                     help="forwards of [8, 128, width] in the reader table (75: 76,800 rows)")
+    ap.add_argument("--sae-steps", type=int, default=4,
+                    help="SAE steps (batches) timed per round in the reader table")
     ap.add_argument("--write-rounds", type=int, default=5)
     ap.add_argument("--write-forwards", type=int, default=24)
     ap.add_argument("--baseline-tree", default=None,
@@ -389,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds, args.per, args.forwards, args.read_rounds = 3, 2, 6, 2
         args.read_batch = 256
         args.read_forwards, args.write_rounds, args.write_forwards = 4, 2, 4
+        args.sae_steps = 3
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fxprobe-harvest-"))
     base.mkdir(parents=True, exist_ok=True)
     if args.readers_only:
@@ -504,18 +558,27 @@ def readers_markdown(t: dict[str, Any]) -> str:
         f"({t['site_bytes'] / 1e6:.0f} MB, one site), batches of {t['batch']} "
         f"(commit {t['commit']}; torch {t['machine']['torch']}, {t['machine']['cpus']} CPUs)",
         "",
-        "| reader | warm: 1st epoch rows/s | warm: 2nd epoch | x memmap (2nd) | cold: 1st epoch "
-        "rows/s (MB/s) | peak RSS growth, warm |",
-        "|---|---|---|---|---|---|",
+        "| reader | warm: 1st epoch rows/s | warm: 2nd epoch | x memmap (2nd) | x sorted memmap "
+        "(2nd) | cold: 1st epoch rows/s (MB/s) | peak RSS growth, warm |",
+        "|---|---|---|---|---|---|---|",
     ]
     mm2 = med(x["second"] for x in t["readers"]["memmap"]["warm"])
+    ms2 = med(x["second"] for x in t["readers"]["memmap_sorted"]["warm"])
     for kind, label in READERS.items():
         warm, cold = t["readers"][kind]["warm"], t["readers"][kind]["cold"]
         w1, w2 = med(x["first"] for x in warm), med(x["second"] for x in warm)
         c1 = med(x["first"] for x in cold)
         rss = med(x["peak_growth_mib"] for x in warm)
         lines.append(f"| {label} | {w1 / 1e3:.0f}k | {w2 / 1e3:.0f}k | {w2 / mm2:.2f} | "
+                     f"{w2 / ms2:.2f} | "
                      f"{c1 / 1e3:.0f}k ({c1 * t['width'] * 4 / 1e6:.0f}) | {rss:.0f} MiB |")
+    sae = {k: med(v) for k, v in t["sae_rows_per_s"].items()}
+    lines += ["", f"A tiny SAE ({t['width']} -> {4 * t['width']} -> {t['width']}, ReLU, Adam; "
+              f"`benchmarks.stream.SAE`) trained on {t['sae_steps']} batches of {t['batch']} "
+              "rows per round, warm cache, on the CPU (no GPU: not run on one):", "",
+              "| what | rows/s | x the SAE step alone |", "|---|---|---|"]
+    for k, label in SAE_KINDS.items():
+        lines.append(f"| {label} | {sae[k]:,.0f} | {sae[k] / sae['sae_alone']:.2f} |")
     w = t["write_mb_s"]
     lines += [
         "",

@@ -87,7 +87,8 @@ def test_a_failing_index_write_keeps_the_committed_forwards(
     model = nn.Linear(8, 8)
     xs = inputs(5, (4, 8))
     ref = fxprobe.tap(model, keep="all")
-    tapped = fxprobe.tap(model, to=fxprobe.Disk(tmp_path, shard_size=1))  # a shard a forward
+    # a shard a forward; queue=4: forwards 3 and 4 wait in the queue when the index fails
+    tapped = fxprobe.tap(model, to=fxprobe.Disk(tmp_path, shard_size=1, queue=4))
     with pytest.raises(fxprobe.DiskError, match=r"The 2 forwards .* intact.* 3 forward\(s\)"):
         with torch.no_grad():
             for x in xs:
@@ -182,7 +183,7 @@ def test_bad_directories_and_options(tmp_path: Path) -> None:
         odd.write({"site": torch.ones(2)})  # a refused value leaves no gap in the numbering
     caps = fxprobe.open_captures(tmp_path / "c")
     assert len(caps) == 1 and torch.equal(caps.forward(0)["site"], torch.ones(2))
-    for bad in ({"mode": "w"}, {"queue": 0}, {"shard_size": "lots"}, {"rank": -1}):
+    for bad in ({"mode": "w"}, {"queue": -1}, {"shard_size": "lots"}, {"rank": -1}):
         with pytest.raises(fxprobe.ConfigError):
             fxprobe.Disk(tmp_path / "b", **bad)
     with pytest.raises(fxprobe.DiskError, match="holds no captures"):

@@ -294,24 +294,24 @@ class Captures:
         values = _decode(reader, i - self._firsts[k] + reader.first, check_data)
         return CapturedForward(i, values, self.names, self.canonical)
 
-    def rows(self, site: str, indices: Any, lead: int = 2) -> torch.Tensor:
+    def rows(self, site: str, indices: Any, lead: int = 2, *, out: Any = None) -> torch.Tensor:
         """Rows of ``site`` by number in its row space, gathered from the memory maps.
 
         The row space of a site: every forward that holds it, in order, its value
         ``[d0, d1, ...]`` flattened over its first ``lead`` dims (``lead=2``: one row per
         ``[batch, pos]`` token; ``1``: one per batch element); :meth:`row_count` says how many.
-        One NumPy fancy index per shard the rows lie in; sorted indices read the page cache
-        in order. Each block of the values is checked against its checksum the first time a
-        row in it is read (``verify=True``).
+        One ``index_select`` per shard the rows lie in (sorted indices read the page cache in
+        order); each block checked against its checksum the first time a row in it is read.
 
         Args:
             site: a site name holding tensors.
             indices: 1-d integers (NumPy array, tensor, list), any order, repeats allowed.
             lead: the leading dims that make rows (1 or 2).
+            out: a contiguous CPU tensor of the result's shape and dtype to write into.
 
         Returns:
-            A new tensor ``[len(indices), *row_shape]`` of the site's dtype, in the order of
-            ``indices`` (not a view: editing it changes nothing else).
+            A new tensor ``[len(indices), *row_shape]`` of the site's dtype (or ``out``), in
+            the order of ``indices``: not a view, editing it changes nothing else.
 
         Raises:
             IndexError: an index outside ``[0, row_count(site, lead))``.
@@ -320,14 +320,14 @@ class Captures:
         """
         table = self._table(site, lead)
         idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices)
-        if idx.dtype.kind not in "iu" and not (idx.size == 0):
+        if idx.dtype.kind not in "iu" and idx.size:
             raise TypeError(f"rows({site!r}, ...) takes integer indices, not {idx.dtype}")
         idx = idx.astype(np.int64, copy=False).reshape(-1)
         n = len(table)
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
             bad = idx[(idx < 0) | (idx >= n)][0]
             raise IndexError(f"row {int(bad)} out of range: site {site!r} has {n} rows")
-        return table.gather(idx, self._shard_at, self._check)
+        return table.gather(idx, self._shard_at, self._check, out)
 
     def row_count(self, site: str, lead: int = 2) -> int:
         """How many rows :meth:`rows` reads from (see there)."""

@@ -14,11 +14,9 @@ hands whole batches to ``ds[rows]`` and skips the row-by-row collation as well (
 
 from __future__ import annotations
 
-import collections
-import itertools
 import operator
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict
 
@@ -28,6 +26,7 @@ from torch.utils.data import Dataset
 
 from ..core.errors import ConfigError, DiskError
 from .rows import RowFilter, Scale, check_stackable
+from .sampler import Batches, ThreadedBatches
 
 Rows = Literal["tokens", "samples"]
 Layout = Literal["dict", "stack"]
@@ -60,7 +59,8 @@ class Source(Protocol):
 
     def forward(self, i: int) -> Mapping[str, Any]: ...
 
-    def rows(self, site: str, indices: Any, lead: int = 2) -> torch.Tensor: ...
+    def rows(self, site: str, indices: Any, lead: int = 2, *, out: Any = None
+             ) -> torch.Tensor: ...
 
     def row_count(self, site: str, lead: int = 2) -> int: ...
 
@@ -183,9 +183,10 @@ class CaptureDataset(Dataset[Any]):
             self._raw = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return self._raw[idx]
 
-    def _gather(self, idx: Any) -> dict[str, torch.Tensor]:
+    def _gather(self, idx: Any, into: Mapping[str, torch.Tensor] | None = None
+                ) -> dict[str, torch.Tensor]:
         """Rows ``idx`` (1-d integers) of every name, stacked in that order: one gather per
-        shard from the memory maps (:meth:`Captures.rows`)."""
+        shard from the memory maps (:meth:`Captures.rows`), into ``into``'s tensors if given."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         n = self._len
         if idx.size and not (-n <= int(idx.min()) and int(idx.max()) < n):
@@ -206,13 +207,23 @@ class CaptureDataset(Dataset[Any]):
                                 f"{self._raw_len} in the forwards this dataset was made from "
                                 "(caps.refresh() saw new forwards of several ranks); make "
                                 "the dataset again")
-            out[name] = self._caps.rows(name, raw, lead)
+            out[name] = self._caps.rows(name, raw, lead) if into is None else \
+                self._caps.rows(name, raw, lead, out=into[name])
         return out
 
-    def _read(self, idx: Any) -> dict[str, torch.Tensor]:
-        """Rows ``idx`` of every name, normalized: what every read returns."""
-        got = self._gather(idx)
-        return self.scale.apply(got) if self.scale is not None else got
+    def _read(self, idx: Any, into: Mapping[str, torch.Tensor] | None = None
+              ) -> dict[str, torch.Tensor]:
+        """Rows ``idx`` of every name, normalized: what every read returns (written into
+        ``into``'s tensors, scaled in place, if given)."""
+        got = self._gather(idx, into)
+        if self.scale is None:
+            return got
+        return self.scale.apply(got, in_place=into is not None)
+
+    def _empty(self, n: int, pinned: bool = False) -> dict[str, torch.Tensor]:
+        """Tensors for ``n`` rows of every name (what :meth:`_read` may write into)."""
+        return {name: torch.empty((n, *self.row_shapes[name]), dtype=self.row_dtypes[name],
+                                  pin_memory=pinned) for name in self.names}
 
     def _pack(self, values: dict[str, torch.Tensor]) -> Any:
         if self.layout == "stack":
@@ -303,8 +314,8 @@ class CaptureDataset(Dataset[Any]):
                 threads share the maps and no batch crosses a process boundary, as it would
                 from ``DataLoader``'s worker processes); 0: each batch read when asked for.
             **kwargs: with ``num_workers=0``, passed to ``DataLoader`` (``pin_memory``, ...);
-                with threads, ``pin_memory`` and ``prefetch_factor`` (batches ahead per
-                thread, 2).
+                with threads, ``pin_memory`` (batches gathered into pinned memory) and
+                ``prefetch_factor`` (batches ahead per thread, 2).
 
         Returns:
             ``DataLoader(self, batch_size=None, sampler=...)``, or with threads an iterable
@@ -342,40 +353,6 @@ class CaptureDataset(Dataset[Any]):
         return f"CaptureDataset({what!r}, rows={self.rows!r}{masked}, {self._len} rows)"
 
 
-class ThreadedBatches:
-    """The batches of ``ds.loader(..., num_workers=k)``: ``k`` threads gather the next
-    ``k * prefetch`` batches while one is used; batches come in the sampler's order."""
-
-    def __init__(self, ds: CaptureDataset, sampler: Batches, workers: int, prefetch: int,
-                 pin_memory: bool) -> None:
-        self.dataset, self.sampler = ds, sampler
-        self.workers, self.prefetch, self.pin_memory = workers, max(1, prefetch), pin_memory
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[Any]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        order = iter(self.sampler)  # the epoch's permutation, drawn here
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="fxprobe-rows") as pool:
-            ahead = collections.deque(pool.submit(self.dataset.__getitem__, idx)
-                                      for idx in itertools.islice(order,
-                                                                  self.workers * self.prefetch))
-            while ahead:
-                batch = ahead.popleft().result()
-                nxt = next(order, None)
-                if nxt is not None:
-                    ahead.append(pool.submit(self.dataset.__getitem__, nxt))
-                yield _pinned(batch) if self.pin_memory else batch
-
-
-def _pinned(batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return {k: v.pin_memory() for k, v in batch.items()}
-    return batch.pin_memory()
-
-
 def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mask: str | None,
                   options: Any) -> tuple[str | list[str], str | None]:
     """The site names a dataset's arguments mean (canonical ones mapped by ``resolve``);
@@ -389,37 +366,6 @@ def resolve_names(resolve: Callable[[str], str], names: str | Sequence[str], mas
     if isinstance(scale, Mapping):
         options["normalize"] = {one(k): v for k, v in scale.items()}
     return (one(names) if isinstance(names, str) else [one(n) for n in names]), one(mask)
-
-
-class Batches(torch.utils.data.Sampler[np.ndarray]):
-    """Batches of row numbers (sorted 1-d int64 arrays) of a shuffled (or ordered) epoch."""
-
-    def __init__(self, n: int, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-                 generator: torch.Generator | None = None) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size={batch_size!r}: a positive int")
-        self.n = n
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.generator = generator
-
-    def __len__(self) -> int:
-        full, rest = divmod(self.n, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
-
-    def __iter__(self) -> Any:
-        if self.shuffle:
-            g = self.generator
-            if g is None:  # as RandomSampler: a seed from torch's global generator
-                g = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64)
-                                                      .random_().item()))
-            order = torch.randperm(self.n, generator=g).numpy()
-        else:
-            order = np.arange(self.n, dtype=np.int64)
-        for b in range(len(self)):
-            part = order[b * self.batch_size:(b + 1) * self.batch_size]
-            yield np.sort(part) if self.shuffle else part
 
 
 def _indices(i: Any) -> tuple[torch.Tensor, bool]:

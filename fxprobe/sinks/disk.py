@@ -102,9 +102,11 @@ class Disk(Sink):
 
     A background thread writes each forward's values (as ``tapped.taps`` shows them: tensors,
     or :class:`Stats` and samples with ``reduce=``) to safetensors shards of about
-    ``shard_size`` bytes. The forward only hands its values over: it waits for the disk only
-    when ``queue`` forwards or ``queue_bytes`` bytes are already waiting, so memory stays
-    bounded. Values on a GPU are copied to pinned host memory without blocking; CPU values
+    ``shard_size`` bytes. The forward only hands its values over; by default (``queue=0``)
+    it waits until the writer has written the previous forward, so the next forward runs
+    while this one is written and a killed process (SIGKILL) loses at most the forward being
+    written; ``queue=k`` lets ``k`` forwards (or ``queue_bytes`` bytes) wait unwritten.
+    Values on a GPU are copied to pinned host memory without blocking; CPU values
     are handed over as they are, except parameters, buffers and the model's inputs (copied,
     since they may change before they are written) or everything with ``copy=True``.
 
@@ -116,8 +118,10 @@ class Disk(Sink):
             shapes after dim 0 must match); ``"overwrite"`` deletes them first.
         shard_size: bytes per shard (``int`` or e.g. ``"256MiB"``); a shard holds whole
             forwards, so one larger forward makes one larger shard.
-        queue: forwards that may wait for the writer before a forward waits.
-        queue_bytes: bytes that may wait (a bigger single forward still goes through alone).
+        queue: forwards that may wait for the writer before a forward waits; 0 (the
+            default): none, the forward waits until the previous one is written.
+        queue_bytes: with ``queue >= 1``, bytes that may wait (a bigger single forward still
+            goes through alone).
         rank: the rank whose subdirectory to use; by default torch.distributed's rank when it
             runs with more than one rank, else no subdirectory.
         copy: copy every CPU value before handing it over (if your code changes a model's
@@ -137,14 +141,15 @@ class Disk(Sink):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, mode: Mode = "new",
-                 shard_size: int | str = "256MiB", queue: int = 4,
+                 shard_size: int | str = "256MiB", queue: int = 0,
                  queue_bytes: int | str = "1GiB", rank: int | None = None, copy: bool = False,
                  fsync: bool = True) -> None:
         if mode not in ("new", "append", "overwrite"):
             raise ConfigError(f"Disk(mode={mode!r}) is not accepted; use 'new', 'append' or "
                               "'overwrite'")
-        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
-            raise ConfigError(f"Disk(queue={queue!r}) must be a positive int (forwards)")
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 0:
+            raise ConfigError(f"Disk(queue={queue!r}) must be an int >= 0 (forwards that may "
+                              "wait unwritten; 0: none)")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
                                  or rank < 0):
             raise ConfigError(f"Disk(rank={rank!r}) must be a rank >= 0, or None")
@@ -164,6 +169,8 @@ class Disk(Sink):
         self._cond = threading.Condition()
         self._jobs: collections.deque[Job | str] = collections.deque()
         self._queued_bytes = 0
+        self._unwritten = 0
+        """Forwards handed over and not yet in their shard (journaled), or failed."""
         self._busy = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -235,7 +242,7 @@ class Disk(Sink):
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"fxprobe.Disk({self.path})")
                 self._thread.start()
-            while self._error is None and self._jobs and (
+            while self.queue and self._error is None and self._jobs and (
                     len(self._jobs) >= self.queue
                     or self._queued_bytes + job.nbytes > self.queue_bytes):
                 self._cond.wait()
@@ -246,7 +253,12 @@ class Disk(Sink):
             self._next_forward += 1
             self._jobs.append(job)
             self._queued_bytes += job.nbytes
+            self._unwritten += 1
             self._cond.notify_all()
+            # queue=0: return once every forward before this one is written (this one queued
+            # first, so that the writer goes on to it without waiting for this thread)
+            while self.queue == 0 and self._error is None and self._unwritten > 1:
+                self._cond.wait()
 
     def _learn_canonical(self, module: Any, values: Mapping[str, Any]) -> None:
         """Record the canonical names (``blocks.6.resid_post``) of sites not seen before, so
@@ -351,6 +363,8 @@ class Disk(Sink):
                 with self._cond:
                     if isinstance(item, Job):
                         self._queued_bytes -= item.nbytes
+                        if not item.written:  # failed or dropped (counted as lost)
+                            self._unwritten -= 1
                     self._busy = False
                     self._cond.notify_all()
 
@@ -377,7 +391,10 @@ class Disk(Sink):
         if shard is None:
             shard = self._shard = self._new_shard(job, layout_json)
         shard.add(job, layout_json)
-        job.written = True
+        with self._cond:  # journaled: a forward waiting for it (queue=0) may go on
+            job.written = True
+            self._unwritten -= 1
+            self._cond.notify_all()
         if shard.pos >= self.shard_size:
             self._commit()
 

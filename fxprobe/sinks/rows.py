@@ -150,12 +150,13 @@ class Scale:
                               f"False, a positive factor, or {{site: factor}} for {list(names)}")
         return Scale({n: float(normalize[n]) for n in names})
 
-    def apply(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def apply(self, rows: dict[str, torch.Tensor], in_place: bool = False
+              ) -> dict[str, torch.Tensor]:
         """Rows multiplied by their site's factor (new tensors: ``rows`` may be views of a
-        capture's memory map, which must not change)."""
+        capture's memory map, which must not change; ``in_place``: tensors of the caller's)."""
         for n, f in self.factors.items():
             if n in rows and rows[n].is_floating_point():
-                rows[n] = rows[n] * f
+                rows[n] = rows[n].mul_(f) if in_place else rows[n] * f
         return rows
 
     def undo(self, rows: Any, name: str | None = None) -> Any:

@@ -4,10 +4,15 @@ datasets read.
 A site's *row space*: every forward holding the site, in order, its value ``[d0, d1, ...]``
 flattened over its first ``lead`` dims (``lead=2``: one row per ``[batch, pos]`` token,
 ``lead=1``: one per batch element). A :class:`RowTable` says where each forward's rows lie
-(shard, byte offset), learned from the shards' headers without reading data. A gather is one
-NumPy fancy index per shard over a window of the shard's map in which row ``j`` starts at
-byte ``j`` (``as_strided``), so rows of any dtype and offset are copied straight from the page
-cache into the batch, as ``memmap[rows]`` would.
+(shard, byte offset), learned from the shards' headers without reading data. A shard's map is
+seen as rows of ``row_bytes`` bytes on a *grid* starting at one residue of the byte offsets
+mod ``row_bytes`` (every piece of a site in a shard usually lies on one), and a gather is one
+``numpy.take(grid, rows, out=...)`` per grid the rows lie on, written straight into the
+batch's one output tensor: rows of any dtype are copied from the page cache as
+``memmap[rows]`` would, on the calling thread, without the GIL (``mode="clip"``: the rows are
+checked before; ``"raise"`` would copy through a temporary). Not ``torch.index_select``,
+whose intra-op threads stall behind any other busy process on the cores (5x slower measured
+on a shared 2-core machine).
 
 Checksums: each :data:`~fxprobe.sinks.shardfile.BLOCK` of a tensor is checked the first time a
 row in it is read; the record of checked blocks is in shared memory, so ``DataLoader``
@@ -19,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.errors import DiskError
+from ..core.errors import ConfigError, DiskError
 from .shardfile import BLOCK, FROM_CODE, ShardReader
 
 
@@ -66,13 +72,24 @@ class RowTable:
         # Shared memory: what one DataLoader worker checked, the others need not.
         self.checked = torch.zeros(int(self.block_base[-1]) if verify else 0,
                                    dtype=torch.bool).share_memory_() if verify else None
-        self._windows: dict[int, tuple[ShardReader, np.ndarray]] = {}
+        rb = max(self.row_bytes, 1)
+        self.grid = self.shard * rb + self.offset % rb
+        """Each piece's grid: its shard and the residue of its offset (``shard * rb + r``)."""
+        self.grid_row = self.offset // rb
+        """The row of its grid each piece starts at."""
+        self._grids: dict[int, tuple[ShardReader, np.ndarray]] = {}
+        self._checking = threading.Lock()
+        self._all_checked = self.checked is not None and not len(self.checked)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _windows={})  # maps stay in the process that made them
+        # maps and locks stay in the process that made them
+        return dict(self.__dict__, _grids={}, _checking=None)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _checking=threading.Lock())
 
     def locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The piece each row lies in and its row number there."""
@@ -80,38 +97,71 @@ class RowTable:
         return piece, idx - self.starts[piece]
 
     def gather(self, idx: np.ndarray, reader: Callable[[int], ShardReader],
-               check: Callable[[int, str, Any], None]) -> torch.Tensor:
-        """Rows ``idx`` (1-d int64, in range), in that order, as a new tensor."""
+               check: Callable[[int, str, Any], None], into: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Rows ``idx`` (1-d int64, in range), in that order, as a new tensor (or written
+        into ``into``: contiguous, ``[len(idx), *row_shape]`` of the site's dtype)."""
         n, rb = len(idx), self.row_bytes
+        result = torch.empty((n, *self.row_shape), dtype=self.dtype) if into is None else into
+        if into is not None:
+            self._check_into(into, n)
         if rb == 0 or n == 0:
-            return torch.empty((n, *self.row_shape), dtype=self.dtype)
+            return result
         piece, local = self.locate(idx)
-        if self.checked is not None:
-            self._check(piece, local, check, reader)
-        off = self.offset[piece] + local * rb
-        shard = self.shard[piece]
-        first = int(shard[0])
-        if (shard == first).all():
-            out = self._window(first, reader)[off]
-        else:
-            out = np.empty((n, rb), dtype=np.uint8)
-            order = np.argsort(shard, kind="stable")
-            cuts = np.flatnonzero(np.diff(shard[order])) + 1
-            for part in np.split(order, cuts):
-                out[part] = self._window(int(shard[part[0]]), reader)[off[part]]
-        return torch.from_numpy(out).view(self.dtype).view(n, *self.row_shape)
+        if self.checked is not None and not self._all_checked:
+            with self._checking:  # threads of ds.loader: each block checked by one of them
+                self._check(piece, local, check, reader)
+        row = self.grid_row[piece] + local
+        grid = self.grid[piece]
+        dest = result.view(-1).view(torch.uint8).view(n, rb).numpy()
+        cuts = np.flatnonzero(grid[1:] != grid[:-1]) + 1
+        if into is not None:
+            for g in set(grid[[0, *cuts.tolist()]].tolist()):
+                if np.may_share_memory(dest, self._grid(g, reader)):
+                    raise ConfigError(f"rows({self.site!r}, out=...): out is a view of these "
+                                      "captures' own memory; pass a tensor of your own")
+        if not cuts.size:  # one grid (every batch of a site on one grid in one shard)
+            np.take(self._grid(int(grid[0]), reader), row, 0, out=dest, mode="clip")
+        elif (grid[cuts] > grid[cuts - 1]).all():  # sorted rows: each grid's rows together
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
+                np.take(self._grid(int(grid[a]), reader), row[a:b], 0, out=dest[a:b],
+                        mode="clip")
+        else:  # rows of several grids in any order: gather by grid, then put in place
+            order = np.argsort(grid, kind="stable")
+            grouped, row = grid[order], row[order]
+            bounds = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), n]
+            tmp = np.empty_like(dest)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                np.take(self._grid(int(grouped[a]), reader), row[a:b], 0, out=tmp[a:b],
+                        mode="clip")
+            dest[order] = tmp
+        return result
 
-    def _window(self, k: int, reader: Callable[[int], ShardReader]) -> np.ndarray:
-        r = reader(k)
-        got = self._windows.get(k)
+    def _check_into(self, out: Any, n: int) -> None:
+        want = (n, *self.row_shape)
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == want and \
+                out.dtype == self.dtype and out.device.type == "cpu" and out.is_contiguous():
+            return
+        got = (f"{tuple(out.shape)} {out.dtype} on {out.device}"
+               f"{'' if out.is_contiguous() else ', not contiguous'}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ConfigError(f"rows({self.site!r}, out=...): out must be a contiguous CPU tensor "
+                          f"{want} of {self.dtype} (one row per index), not {got}")
+
+    def _grid(self, g: int, reader: Callable[[int], ShardReader]) -> np.ndarray:
+        """Grid ``g`` (see :attr:`grid`): its shard's map as ``[rows, row_bytes]`` bytes."""
+        rb = self.row_bytes
+        r = reader(g // rb)
+        got = self._grids.get(g)
         if got is None or got[0] is not r:  # a shard reopened: its map is new
             whole = r.bytes_view()
-            win = np.lib.stride_tricks.as_strided(
-                whole, shape=(whole.size - self.row_bytes + 1, self.row_bytes),
-                strides=(1, 1), writeable=False)
-            got = self._windows[k] = (r, win)
-            if len(self._windows) > 64:  # as Captures: each map holds a file descriptor
-                del self._windows[next(iter(self._windows))]
+            first = g % rb
+            rows = (whole.size - first) // rb
+            got = self._grids[g] = (r, whole[first:first + rows * rb].reshape(rows, rb))
+            if len(self._grids) > 64:  # as Captures: each map holds a file descriptor
+                # (threads of ds.loader may drop the same one, or add one, meanwhile)
+                with contextlib.suppress(RuntimeError, KeyError, StopIteration):
+                    del self._grids[next(iter(self._grids))]
         return got[1]
 
     def _prefetch(self, need: np.ndarray, owner: np.ndarray,
@@ -146,6 +196,7 @@ class RowTable:
             ids = np.concatenate([self.block_base[piece] + lo, self.block_base[piece] + hi])
         need = np.unique(ids[~done[ids]])
         if not need.size:
+            self._all_checked = bool(done.all())  # then no batch needs to look again
             return
         owner = np.searchsorted(self.block_base, need, side="right") - 1
         if need.size > 1:  # a cold cache: ask for them all at once, read ahead in order
@@ -153,6 +204,7 @@ class RowTable:
         for g, p in zip(need.tolist(), owner.tolist(), strict=True):
             check(int(self.shard[p]), self.keys[p], [g - int(self.block_base[p])])
             done[g] = True
+        self._all_checked = bool(done.all())
 
 
 def build(site: str, lead: int, shards: list[tuple[int, int, ShardReader]],

@@ -4,15 +4,28 @@ split across training ranks, with a ``state_dict`` to resume mid-epoch.
 ``DataLoader(ds, batch_size=None, sampler=RowSampler(ds, 4096))`` hands each batch of row
 numbers to ``ds[rows]`` (one gather per forward). Like ``DistributedSampler`` the order is a
 permutation drawn from ``seed + epoch``; rank ``r`` of ``world_size`` takes every
-``world_size``-th row of it from the ``r``-th, so the ranks' rows are disjoint and together
-cover the epoch.
+``world_size``-th row of it from the ``r``-th. Every rank gets the same number of rows, so the
+same number of batches (a rank with one batch more would wait in DDP's all-reduce forever):
+where the rows do not divide evenly, the permutation is padded with its own first rows (a few
+rows twice in the epoch) or, with ``drop_last=True``, its last rows are left out (a few rows
+not at all), as ``DistributedSampler`` does.
+
+``ds.loader`` draws its batches with :class:`Batches` (sorted row numbers of each batch of an
+epoch) and, with ``num_workers``, gathers them ahead in threads of this process
+(:class:`ThreadedBatches`) into batch tensors it reuses once nothing holds them
+(:class:`Buffers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+import collections
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sized
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -33,7 +46,8 @@ class RowSampler(Sampler[list[int]]):
         batch_size: rows per batch.
         shuffle: a new permutation each epoch (else rows in order).
         seed: the permutation's seed; every rank must pass the same one.
-        drop_last: leave out this rank's last batch when it is short.
+        drop_last: leave out the last batch when it is short, and across ranks the rows
+            that do not divide evenly (else the epoch is padded with its first rows).
         rank, world_size: this training rank and how many there are; by default
             torch.distributed's, else 0 and 1.
 
@@ -77,7 +91,10 @@ class RowSampler(Sampler[list[int]]):
         self._next = 0  # batches of this epoch already handed out
 
     def _mine(self) -> int:
-        return len(range(self.rank, self.rows, self.world_size))
+        """Rows per rank: the same on every rank (padded, or with ``drop_last`` cut)."""
+        if self.drop_last:
+            return self.rows // self.world_size
+        return -(-self.rows // self.world_size)
 
     def __len__(self) -> int:
         mine = self._mine()
@@ -95,7 +112,10 @@ class RowSampler(Sampler[list[int]]):
             perm = torch.randperm(self.rows, generator=g)
         else:
             perm = torch.arange(self.rows)
-        return perm[self.rank::self.world_size]
+        total = self._mine() * self.world_size
+        if total > self.rows:  # pad with the first rows (again, if there are fewer rows)
+            perm = perm.repeat(-(-total // self.rows))
+        return perm[self.rank:total:self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()
@@ -128,3 +148,134 @@ class RowSampler(Sampler[list[int]]):
     def __repr__(self) -> str:
         return (f"RowSampler({self.rows} rows, batch_size={self.batch_size}, rank={self.rank}/"
                 f"{self.world_size}, epoch={self.epoch}, next={self._next})")
+
+
+class Batches(torch.utils.data.Sampler[np.ndarray]):
+    """Batches of row numbers (sorted 1-d int64 arrays) of a shuffled (or ordered) epoch."""
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool = True, drop_last: bool = False,
+                 generator: torch.Generator | None = None) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r}: a positive int")
+        self.n = n
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.generator = generator
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.n, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Any:
+        if self.shuffle:
+            g = self.generator
+            if g is None:  # as RandomSampler: a seed from torch's global generator
+                g = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64)
+                                                      .random_().item()))
+            order = torch.randperm(self.n, generator=g).numpy()
+        else:
+            order = np.arange(self.n, dtype=np.int64)
+        for b in range(len(self)):
+            part = order[b * self.batch_size:(b + 1) * self.batch_size]
+            yield np.sort(part) if self.shuffle else part
+
+
+class Buffers:
+    """The tensors of the batches of ``rows`` rows a loader hands out, reused once nothing
+    holds them, at most ``keep`` sets.
+
+    Each tensor is ``torch.from_numpy`` of a fresh NumPy view of a kept buffer: its storage
+    holds that view, and only it, so the view dies (a weak reference says so) when the last
+    tensor sharing the storage does, whatever the consumer made of the batch (slices,
+    ``.numpy()``, a tensor kept for later). A buffer still held is never written again; a new
+    one is made (or, past ``keep``, a tensor not kept). Reused, a batch costs no page faults:
+    a fresh 12 MB tensor made in another thread than the one that frees it comes back as
+    fresh pages from the allocator, one fault per 4 KiB."""
+
+    def __init__(self, ds: Any, rows: int, keep: int) -> None:
+        self.ds, self.rows, self.keep = ds, rows, keep
+        self.sizes = {n: int(np.prod(ds.row_shapes[n], dtype=np.int64)) *
+                      ds.row_dtypes[n].itemsize for n in ds.names}
+        self.sets: list[tuple[dict[str, np.ndarray], list[weakref.ref[np.ndarray]]]] = []
+        self.lock = threading.Lock()
+
+    def get(self, n: int) -> dict[str, torch.Tensor]:
+        """Tensors for ``n <= rows`` rows of every name, held by nothing else."""
+        if n > self.rows or not all(self.sizes.values()):
+            return self.ds._empty(n)
+        with self.lock:
+            free = [s for s in self.sets if all(r() is None for r in s[1])]
+            if free:
+                raw, held = free[0]
+            elif len(self.sets) < self.keep:
+                raw = {k: np.empty(self.rows * size, dtype=np.uint8)
+                       for k, size in self.sizes.items()}
+                held = []
+                self.sets.append((raw, held))
+            else:
+                return self.ds._empty(n)
+            out: dict[str, torch.Tensor] = {}
+            views = []
+            for k, buf in raw.items():
+                view = buf[:n * self.sizes[k]]
+                views.append(view)
+                out[k] = torch.from_numpy(view).view(self.ds.row_dtypes[k]).view(
+                    n, *self.ds.row_shapes[k])
+            held[:] = [weakref.ref(v) for v in views]
+            return out
+
+
+class ThreadedBatches:
+    """The batches of ``ds.loader(..., num_workers=k)``: ``k`` threads of this process gather
+    the next ``k * prefetch`` batches while one is used; batches come in the sampler's order.
+
+    A gather (``numpy.take`` from the maps) runs without the GIL, so the threads gather side
+    by side and beside the training step, each into tensors the consuming thread chose
+    (:class:`Buffers`)."""
+
+    def __init__(self, ds: Any, sampler: Batches, workers: int, prefetch: int,
+                 pin_memory: bool) -> None:
+        self.dataset, self.sampler = ds, sampler
+        self.workers, self.prefetch, self.pin_memory = workers, max(1, prefetch), pin_memory
+        self._buffers: Buffers | None = None  # pinned batches: torch's own pinned allocator
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        ds, order = self.dataset, iter(self.sampler)  # the epoch's permutation, drawn here
+        for name in ds.names:  # each site's row table made here, not by two threads at once
+            ds._caps.row_count(name, 2 if ds.rows == "tokens" else 1)
+        if self._buffers is None and not self.pin_memory:
+            self._buffers = Buffers(ds, self.sampler.batch_size, self.workers * self.prefetch + 2)
+        buffers = self._buffers
+
+        def gather(idx: np.ndarray, into: dict[str, torch.Tensor]) -> Any:
+            batch = ds._pack(ds._read(idx, into))
+            return _pinned(batch) if self.pin_memory else batch
+
+        ahead: collections.deque[Future[Any]] = collections.deque()
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="fxprobe-rows") as pool:
+            def submit() -> None:
+                idx = next(order, None)
+                if idx is not None:
+                    into = ds._empty(len(idx), True) if buffers is None else buffers.get(len(idx))
+                    ahead.append(pool.submit(gather, idx, into))
+
+            try:
+                for _ in range(self.workers * self.prefetch):
+                    submit()
+                while ahead:
+                    batch = ahead.popleft().result()
+                    submit()
+                    yield batch
+            finally:  # the consumer stopped early: gathers not started are not run
+                for f in ahead:
+                    f.cancel()
+
+
+def _pinned(batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return {k: _pinned(v) for k, v in batch.items()}
+    return batch if batch.is_pinned() else batch.pin_memory()

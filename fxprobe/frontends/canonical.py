@@ -133,6 +133,9 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
     if not out.names and not scores:
         return named
     replaced: dict[int, Site] = {}
+    # A canonical name that is another site's own name (a q projection at the path
+    # ``blocks.0.attn.q``) stays that site's alone: one name, one site to read and to edit.
+    own = {s.name for s in named.order} | {s.name for s in named.sites.values()}
     for node, names in out.names.items():
         # What the code after it reads: the value after the in-place writes that follow it
         # (a row-parallel projection's partial sum, reduced in place into the same tensor).
@@ -146,7 +149,7 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
                 target = named.sdpa[node]
             elif n.endswith((".scores", ".pattern")) and node in fused:
                 continue  # an SDPA call with no such site beside it: its value is no pattern
-            if target is None:
+            if target is None or (n in own and n != target.name):
                 continue
             cur = replaced.get(id(target), target)
             if n not in cur.canonical:

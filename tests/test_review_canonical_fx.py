@@ -247,3 +247,69 @@ def test_a_name_that_is_the_models_own_is_one_site_not_two() -> None:
     torch.testing.assert_close(edited, expected)
     assert torch.equal(plain, reference(ids).detach())
     assert list(cache) == ["blocks.0.attn.q"] and cache["blocks.0.attn.q"].shape == (2, 5, D)
+
+
+@pytest.mark.parametrize("kind", ["pre", "post", "parallel"])
+def test_train_mode_dropout_then_eval_names_for_both_modes(kind: str) -> None:
+    """Dropout (one module called twice per block) in train mode: ``attn_out``/``mlp_out`` are
+    what the residual adds read, the dropped values; then eval mode, then train again."""
+    model = LM(kind=kind, drop=0.3).train()
+    reference = copy.deepcopy(model)
+    names = sorted(hooked(copy.deepcopy(reference).eval(), torch.zeros(1, 2, dtype=torch.long)))
+    assert set(_listed(model, train=True)) == set(names) == set(_listed(model))
+    tapped = fxprobe.tap(model, ops=names, tracer="fx")
+    for step, (mode, shape) in enumerate([("train", (2, 5)), ("eval", (3, 4)),
+                                          ("train", (1, 6)), ("eval", (2, 5))]):
+        tapped.train(mode == "train")
+        reference.train(mode == "train")
+        ids = torch.randint(0, 50, shape)
+        torch.manual_seed(step)
+        with torch.no_grad():
+            out = tapped(ids)
+        torch.manual_seed(step)
+        want = hooked(reference, ids)
+        assert torch.equal(out, want["logits"]), mode
+        for name in names:
+            torch.testing.assert_close(tapped.taps[name], want[name], msg=f"{name} {mode}")
+
+
+@pytest.mark.parametrize("kind", ["post", "parallel", "swapped"])
+def test_extractor_tap_and_intervene_on_one_model_then_a_plain_call(kind: str) -> None:
+    model = LM(kind=kind).eval()
+    reference = copy.deepcopy(model)
+    tapped = fxprobe.tap(model, ops=["blocks.0.resid_post", "blocks.1.attn_out"], tracer="fx")
+    ex = fxprobe.extractor(model, return_nodes={"blocks.1.resid_pre": "pre1",
+                                                "blocks.0.mlp_out": "m0", "ln_final": "lnf"})
+    target = "blocks.1.mlp_out" if kind == "parallel" else "blocks.0.resid_mid"
+    for shape in [(2, 5), (1, 8)]:
+        ids = torch.randint(0, 50, shape)
+        want = hooked(reference, ids)
+        with torch.no_grad():
+            feats = ex(ids)
+            with tapped.intervene({target: lambda s, v: v * 0.5}):
+                edited = tapped(ids)
+            kept = tapped.taps["blocks.1.attn_out"].clone()
+            plain = tapped(ids)
+        b = reference.blocks[1 if kind == "parallel" else 0]
+        if kind == "parallel":  # the MLP branch is the dropout's second call: hook the MLP
+            handle = b.mlp.register_forward_hook(lambda m, a, o: o * 0.5)
+        elif kind == "post":
+            handle = b.ln1.register_forward_hook(lambda m, a, o: o * 0.5)
+        else:  # resid_mid is the sum that the MLP's norm reads and the last add reads
+            def halve_in_place(m: nn.Module, a: tuple[torch.Tensor, ...]) -> None:
+                a[0].mul_(0.5)
+
+            handle = b.ln2.register_forward_pre_hook(halve_in_place)
+        with torch.no_grad():
+            expected = reference(ids)
+        handle.remove()
+        torch.testing.assert_close(edited, expected)
+        assert torch.equal(plain, want["logits"]) and not torch.equal(edited, plain)
+        for name, key in [("blocks.1.resid_pre", "pre1"), ("blocks.0.mlp_out", "m0"),
+                          ("ln_final", "lnf")]:
+            torch.testing.assert_close(feats[key], want[name], msg=name)
+        torch.testing.assert_close(tapped.taps["blocks.0.resid_post"],
+                                   want["blocks.0.resid_post"])
+        torch.testing.assert_close(tapped.taps["blocks.1.attn_out"], want["blocks.1.attn_out"])
+        if kind == "parallel":  # the edit was downstream of block 1's attention
+            torch.testing.assert_close(kept, want["blocks.1.attn_out"])

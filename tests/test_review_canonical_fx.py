@@ -258,19 +258,24 @@ def test_train_mode_dropout_then_eval_names_for_both_modes(kind: str) -> None:
     names = sorted(hooked(copy.deepcopy(reference).eval(), torch.zeros(1, 2, dtype=torch.long)))
     assert set(_listed(model, train=True)) == set(names) == set(_listed(model))
     tapped = fxprobe.tap(model, ops=names, tracer="fx")
+    ex = fxprobe.extractor(model, return_nodes=names, train=True)  # a graph per mode
     for step, (mode, shape) in enumerate([("train", (2, 5)), ("eval", (3, 4)),
                                           ("train", (1, 6)), ("eval", (2, 5))]):
-        tapped.train(mode == "train")
-        reference.train(mode == "train")
+        for m in (tapped, reference, ex):
+            m.train(mode == "train")
         ids = torch.randint(0, 50, shape)
         torch.manual_seed(step)
         with torch.no_grad():
             out = tapped(ids)
         torch.manual_seed(step)
+        with torch.no_grad():
+            feats = ex(ids)
+        torch.manual_seed(step)
         want = hooked(reference, ids)
         assert torch.equal(out, want["logits"]), mode
         for name in names:
             torch.testing.assert_close(tapped.taps[name], want[name], msg=f"{name} {mode}")
+            torch.testing.assert_close(feats[name], want[name], msg=f"extractor {name} {mode}")
 
 
 @pytest.mark.parametrize("kind", ["post", "parallel", "swapped"])

@@ -71,6 +71,8 @@ class Block(nn.Module):
             x = self.ln1(x + self.drop(self.attn(x)))
             return self.ln2(x + self.drop(self.mlp(x)))
         h = self.ln1(x)  # parallel (GPT-J): x + attn(ln(x)) + mlp(ln(x))
+        if self.kind == "parallel1":  # as one add: x + (attn + mlp), the sum a branch
+            return torch.add(x, self.drop(self.attn(h)) + self.drop(self.mlp(h)))
         return x + self.drop(self.attn(h)) + self.drop(self.mlp(h))
 
 
@@ -164,6 +166,7 @@ ALL = ["embed", "pos_embed", "ln_final", "logits"] + [
         "resid_pre", "attn.q", "attn.k", "attn.v", "attn.z", "attn_out", "resid_mid",
         "mlp.pre", "mlp.post", "mlp_out", "resid_post")]
 LAYOUTS = [dict(kind="pre"), dict(kind="post"), dict(kind="parallel"), dict(kind="swapped"),
+           dict(kind="parallel1"),
            dict(kind="pre", fused=True), dict(kind="post", fused=True),
            dict(kind="swapped", holder="seq")]
 
@@ -190,7 +193,7 @@ def test_every_name_is_its_value_by_definition_across_calls(layout: dict[str, An
         assert torch.equal(out, want["logits"])
         for name, value in want.items():
             torch.testing.assert_close(tapped.taps[name], value, msg=f"{name} {shape}")
-    if layout["kind"] == "parallel":  # a name the layout cannot have: refused, not moved
+    if layout["kind"].startswith("parallel"):  # a name it cannot have: refused, not moved
         for name in ("blocks.0.resid_mid", "blocks.1.resid_mid"):
             with pytest.raises(fxprobe.SelectorError):
                 fxprobe.tap(model, ops=name, tracer=tracer)

@@ -64,6 +64,8 @@ from .canonical_graph import (
     GraphIndex,
     Kernel,
     closure,
+    data_inputs,
+    data_of,
     descendants,
     find_kernels,
     flat_nodes,
@@ -137,6 +139,11 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
     if not out.names and not scores:
         return named
     replaced: dict[int, Site] = {}
+    # A canonical name that is another site's own name (a q projection at the path
+    # ``blocks.0.attn.q``) stays that site's alone: one name, one site to read and to edit.
+    own = {s.name for s in named.order} | {s.name for s in named.sites.values()}
+    chosen: dict[tuple[int, str], Site] = {}
+    kv: dict[tuple[int, str], fx.Node] = {}
     for node, names in out.names.items():
         # What the code after it reads: the value after the in-place writes that follow it
         # (a row-parallel projection's partial sum, reduced in place into the same tensor).
@@ -150,13 +157,18 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
                 target = named.sdpa[node]
             elif n.endswith((".scores", ".pattern")) and node in fused:
                 continue  # an SDPA call with no such site beside it: its value is no pattern
-            if target is None:
-                continue
-            if n.endswith((".k", ".v")):  # what the kernel reads, and the KV cache
-                (written if node_site(written) else node).meta[KERNEL_KV] = True
-            cur = replaced.get(id(target), target)
-            if n not in cur.canonical:
-                replaced[id(target)] = dataclasses.replace(cur, canonical=(*cur.canonical, n))
+            if target is not None and (n not in own or n == target.name):
+                chosen[(id(target), n)] = target
+                if n.endswith((".k", ".v")):  # what the kernel reads, and the KV cache
+                    kv[(id(target), n)] = written if node_site(written) else node
+    # One name, one value: a name found on two sites (roles confused) is neither's.
+    sites_of_name = Counter(n for _, n in chosen)
+    for (key, n), target in chosen.items():
+        cur = replaced.get(key, target)
+        if sites_of_name[n] == 1 and n not in cur.canonical:
+            replaced[key] = dataclasses.replace(cur, canonical=(*cur.canonical, n))
+            if (key, n) in kv:
+                kv[(key, n)].meta[KERNEL_KV] = True
     if not replaced and not scores:
         return named
 
@@ -415,9 +427,12 @@ def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops
                 return "parallel", {"attn": attn, "mlp": mlp}
     kernel = found[-1]
     k = kernel.k
+    # What the keys are computed from, not their sizes (``k.view(x.size(0), ...)`` in fx's
+    # graph reads the stream's size: cross-attention keys are no less the encoder's).
+    data = data_of(k, inside) if k is not None else set()
     own = k is not None and (k in stream_nodes or any(
-        a in stream_nodes for x in g.ancestors(k, inside, set()) for a in x.all_input_nodes))
-    if not own and (k is None or g.ancestors(k, set(g.nodes), set()) & foreign):
+        a in stream_nodes for x in data for a in data_inputs(x)))
+    if not own and (k is None or data_of(k) & foreign):
         return "other", {}
     role = "attn" if own else "cross_attn"
     return role, {role: branch}

@@ -385,6 +385,23 @@ def norms_after(g: GraphIndex, x: fx.Node) -> list[fx.Node]:
     return found
 
 
+def data_of(x: fx.Node, inside: set[fx.Node] | None = None) -> set[fx.Node]:
+    """What ``x`` is computed from (``x`` too; within ``inside`` where given), not through the
+    sizes it reads: a key shaped by ``k.view(x.size(0), ...)`` is not computed from ``x``."""
+    return reach([x], data_inputs, where=None if inside is None else inside.__contains__)
+
+
+def data_inputs(n: fx.Node) -> list[fx.Node]:
+    """The inputs of ``n`` but the sizes it reads."""
+    return [a for a in n.all_input_nodes if not _is_size(a.meta.get("example_value"))]
+
+
+def _is_size(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(isinstance(d, (int, torch.SymInt)) for d in v)
+    return isinstance(v, (int, torch.SymInt))
+
+
 def closure(g: GraphIndex, x: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
     """The stream ``x`` as the block reads it: ``x``, its views, and its norms."""
     return reach([x], lambda n: [*(u for u in n.users if g.key(u) in VIEWS and not (

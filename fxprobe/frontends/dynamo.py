@@ -38,7 +38,7 @@ from ..core.options import Capture, CopyPolicy
 from ..core.site import SOURCE, STATE, Site, attach, source_name
 from ..core.view import CapturedGraph, DynamoInfo
 from . import sharding
-from .attention import attention_probs, drive_output
+from .attention import attention_probs, attention_scores, drive_output
 from .canonical import annotate
 from .dynamo_names import (
     FILE_LINE,
@@ -360,14 +360,14 @@ class DynamoRegion:
         named_graph = copy_graph(graph)
         if points:  # not beside SDPA where not computed (a pattern not selected at tap())
             pointed = insert_points(graph, gm.get_submodule, self.pipeline,
-                                    lambda s: s.target is attention_probs
+                                    lambda s: s.target in (attention_probs, attention_scores)
                                     and s.name not in chosen)
         elif chosen:  # a point at each selected site: a per-call block on them needs no
-            # graph of its own. Not beside SDPA: an edit there must drive the attention's
-            # output, which would then no longer be the fused kernel's.
+            # graph of its own. Not beside SDPA (the pattern, the scores): an edit there must
+            # drive the attention's output, which would then no longer be the fused kernel's.
             pointed = insert_points(graph, gm.get_submodule, self.pipeline,
                                     lambda s: s.name not in chosen
-                                    or s.target is attention_probs)
+                                    or s.target in (attention_probs, attention_scores))
         else:
             pointed = frozenset()
         self.pointable |= pointed

@@ -59,8 +59,9 @@ class Instrumented:
         """Whether every site of this graph that ``table`` intervenes on or keeps has a point
         here (else the version with a point at every site runs)."""
         key = (table.serial, len(table.fns), len(table.cache))
-        if self.served[:3] == key:
-            return self.served[3]
+        served = self.served  # read once: another thread's table may write it meanwhile
+        if served[:3] == key:
+            return served[3]
         sites, points = self.sites, self.points
         ok = all(n in points for n in table.fns if n in sites) and all(
             n in points for n in table.cache if n in sites)

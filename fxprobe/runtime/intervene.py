@@ -26,7 +26,7 @@ from ..core.errors import ConfigError, InterventionError, SelectorError, Unknown
 from ..core.names import did_you_mean
 from ..core.select import Selector, as_selector, as_selectors, no_match_message
 from ..core.site import Site
-from ..frontends.attention import attention_probs
+from ..frontends.attention import attention_probs, attention_scores
 from ..frontends.dynamo import DynamoRegion
 from .lifecycle import Lifecycle, State
 from .run import lifecycle, pointed
@@ -131,6 +131,9 @@ class Table:
         if site.target is attention_probs and site.name not in self.life.order:
             return ("the pattern beside SDPA is computed only where tap() selected it: "
                     "fxprobe.tap(model, ops=[..., fxprobe.attention_probs], tracer='dynamo')")
+        if site.target is attention_scores and site.name not in self.life.order:
+            return ("the scores beside SDPA are computed only where tap() selected them: "
+                    "fxprobe.tap(model, ops=[..., 'blocks.*.attn.scores'], tracer='dynamo')")
         if site.how == "fx" and site.name not in self.pointed:
             return "no graph of fxprobe's computes it (it is inside a module run as one call)"
         return None

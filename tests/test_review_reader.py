@@ -361,3 +361,33 @@ def test_an_append_while_a_reader_reads(tmp_path: Path) -> None:
     assert np.array_equal(bits(new[np.arange(len(new))]), allrows)
     assert np.array_equal(bits(fxprobe.open_captures(tmp_path).rows("b", np.arange(
         len(allrows)))), allrows)
+
+
+def test_a_write_that_returns_had_every_earlier_forward_journaled_or_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # queue=0 promises: when write(N) returns, forwards < N are journaled. A writer that fails
+    # on forward 1 while write(2) waits must make write(2) raise, not return.
+    import time
+
+    from fxprobe.sinks import shards
+
+    add = shards.Shard.add
+    started = threading.Event()
+
+    def failing(self: object, job: object, layout: object) -> None:
+        if getattr(job, "forward", None) == 1:
+            started.set()
+            time.sleep(0.3)  # write(2) is queued and waiting meanwhile
+            raise OSError("disk full")
+        add(self, job, layout)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shards.Shard, "add", failing)
+    d = fxprobe.Disk(tmp_path, fsync=False)
+    d.write({"h": torch.ones(2, 3)})
+    d.write({"h": torch.ones(2, 3)})
+    assert started.wait(10)
+    with pytest.raises(fxprobe.DiskError, match=r"disk full.*The 1 forwards.*the 1 forward\(s\)"):
+        d.write({"h": torch.ones(2, 3)})  # forward 1 lost; this one raised, not handed over
+    with pytest.raises(fxprobe.DiskError):
+        d.close()
+    assert len(fxprobe.open_captures(tmp_path)) == 1

@@ -259,6 +259,9 @@ class Disk(Sink):
             # first, so that the writer goes on to it without waiting for this thread)
             while self.queue == 0 and self._error is None and self._unwritten > 1:
                 self._cond.wait()
+            if self._error is not None and not job.written:  # the writer failed meanwhile:
+                self._lost -= 1  # this forward is not written; the caller is told so here
+                self._raise_if_failed()
 
     def _learn_canonical(self, module: Any, values: Mapping[str, Any]) -> None:
         """Record the canonical names (``blocks.6.resid_post``) of sites not seen before, so

@@ -89,6 +89,7 @@ class RowSampler(Sampler[list[int]]):
         self.world_size = world_size
         self.epoch = 0
         self._next = 0  # batches of this epoch already handed out
+        self._resumed = False  # a load_state_dict's place, not yet iterated from
 
     def _mine(self) -> int:
         """Rows per rank: the same on every rank (padded, or with ``drop_last`` cut)."""
@@ -101,9 +102,13 @@ class RowSampler(Sampler[list[int]]):
         return mine // self.batch_size if self.drop_last else -(-mine // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its beginning at the next iteration."""
+        """Start epoch ``epoch`` from its beginning at the next iteration; after
+        :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps its place (the
+        ``DistributedSampler`` loop calls it before each epoch, the resumed one too)."""
+        if not (self._resumed and int(epoch) == self.epoch):
+            self._next = 0
         self.epoch = int(epoch)
-        self._next = 0
+        self._resumed = False
 
     def order(self) -> torch.Tensor:
         """This rank's rows of the current epoch, in the order they are handed out."""
@@ -119,6 +124,7 @@ class RowSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()
+        self._resumed = False
         for b in range(self._next, len(self)):
             self._next = b + 1
             yield order[b * self.batch_size:(b + 1) * self.batch_size].tolist()
@@ -144,6 +150,7 @@ class RowSampler(Sampler[list[int]]):
                     "over the same rows, batch size, seed and split")
         self.epoch = int(state["epoch"])
         self._next = int(state["next"])
+        self._resumed = True
 
     def __repr__(self) -> str:
         return (f"RowSampler({self.rows} rows, batch_size={self.batch_size}, rank={self.rank}/"

@@ -240,6 +240,25 @@ class _Parent(nn.Module):
         return y
 
 
+class _ReadsAfterWrite(nn.Module):
+    """Reads its output after writing it through a view, inside the call (into its input):
+    an edit of its site must not reach that read (a forward hook's edit does not)."""
+
+    def __init__(self, copy: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.copy = copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y.view(-1)[:2].mul_(3)
+        if self.copy:
+            x.copy_(y * 2)
+        else:
+            x.add_(y.sum())
+        return y
+
+
 class _Caller(nn.Module):
     def __init__(self, w: nn.Module, width: int = 4, after: bool = False) -> None:
         super().__init__()
@@ -261,6 +280,8 @@ _WRITERS: dict[str, tuple[Any, int, list[str]]] = {
     "returns_input_view": (_ReturnsInputView, 2, ["pre", "w"]),
     "no_grad": (_NoGrad, 4, ["pre", "w"]),
     "parent": (_Parent, 4, ["pre", "w"]),
+    "reads_after_write": (lambda: _ReadsAfterWrite(False), 4, ["pre", "w"]),
+    "copies_after_write": (lambda: _ReadsAfterWrite(True), 4, ["pre", "w"]),
 }
 
 

@@ -303,6 +303,41 @@ def test_an_edit_of_a_module_that_writes_through_views(tracer: str, case: str) -
     _edit_check(_Caller(make(), width).eval(), tracer, "w", {"w": lambda v: v * 10 - 1})
 
 
+class _WritesItself(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.how == "copy_":
+            y.copy_(y * 2 - 1)
+        else:
+            y.add_(1.0).mul_(3.0)
+        return y
+
+
+@pytest.mark.parametrize("how", ["copy_", "add_mul"])
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_an_edit_at_tap_of_a_module_that_writes_its_output_in_place(tracer: str, how: str
+                                                                    ) -> None:
+    """fn= on the site of a call that writes its output in place (y.copy_(z)): the code after
+    the call reads the edit (under dynamo it read the unedited y: the site is on the point
+    after the write, and no edit was written back into y)."""
+    torch.manual_seed(0)
+    model = _Caller(_WritesItself(how)).eval()
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops="w", tracer=tracer, fn=lambda s, v: v * 3.0)
+    for n in (2, 5, 2):
+        x = torch.randn(n, 4)
+        with torch.no_grad():
+            out = tapped(x.clone())
+        expected, seen = _hooked(model, ["w"], x.clone(), {"w": lambda v: v * 3.0})
+        torch.testing.assert_close(out, expected, msg=f"at {n}")
+        torch.testing.assert_close(tapped.taps["w"], seen["w"], msg=f"site at {n}")
+
+
 class _Lambda(nn.Module):
     """A module called from a lambda defined in the forward, and directly."""
 

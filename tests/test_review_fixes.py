@@ -338,6 +338,17 @@ def test_an_edit_at_tap_of_a_module_that_writes_its_output_in_place(tracer: str,
         torch.testing.assert_close(tapped.taps["w"], seen["w"], msg=f"site at {n}")
 
 
+@pytest.mark.parametrize("how", ["copy_", "add_mul"])
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_per_call_edit_of_a_module_that_writes_its_output_in_place(tracer: str, how: str
+                                                                     ) -> None:
+    """intervene() on that site: y.add_(1).mul_(3) read the unedited y after the call (the
+    point after add_ hid from mul_ that it writes y), then the next call is unedited."""
+    torch.manual_seed(0)
+    _edit_check(_Caller(_WritesItself(how)).eval(), tracer, "w", {"w": lambda v: v * 3.0},
+                lengths=(2, 5))
+
+
 class _Lambda(nn.Module):
     """A module called from a lambda defined in the forward, and directly."""
 

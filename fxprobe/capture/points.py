@@ -38,6 +38,10 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
         escapes: what the graph returns goes to code fxprobe does not see.
     """
     hazards = Hazards(graph, modules, escapes)
+    # Which nodes write their first argument, read on after them: found before any point goes
+    # in (a point after ``y.add_(1)`` would hide from ``.mul_(3)`` that it writes ``y``).
+    writing = {n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")
+               and not n.meta.get(KERNEL_KV) and _writes_first(n, modules)}
     pointed: list[str] = []
     flowing: dict[fx.Node, fx.Node] = {}  # a node with sites: its point
     for node in list(graph.nodes):
@@ -47,8 +51,7 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
         names = tuple(s.name for s in sites)
         risky = hazards.output_at_risk(node)
         kept = unedited(node)  # a kernel's keys or values: the cache keeps what was computed
-        writes = (node.op != "placeholder" and not node.meta.get(KERNEL_KV)
-                  and _writes_first(node, modules))
+        writes = node in writing
         anchor = node
         if node.op == "placeholder":
             anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]

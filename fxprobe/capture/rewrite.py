@@ -257,8 +257,13 @@ def insert_taps(graph: fx.Graph, modules: Callable[[str], nn.Module], selected: 
                             flow, delete_user_cb=lambda user, r=res, k=kept_out:
                             user is not r and not (k is not None and k(user)))
                         flowing[node] = flow
-                    if pipeline.fn is not None and _writes_first(node, modules) \
-                            and not node.meta.get(KERNEL_KV):
+                    # An in-place write (or the point after one, capture.points, which
+                    # knows whether code after it reads the written argument): the edit goes
+                    # into the written tensor too.
+                    writes = (node.args[3] if node.op == "call_function"
+                              and node.target == pipeline.point and len(node.args) > 3
+                              else _writes_first(node, modules))
+                    if pipeline.fn is not None and writes and not node.meta.get(KERNEL_KV):
                         with graph.inserting_after(kept):
                             graph.call_function(write_back, (current, flow))
                     if node.op == "placeholder":
@@ -309,11 +314,17 @@ def _writes_first(node: fx.Node, modules: Callable[[str], nn.Module]) -> bool:
     first = node.args[0] if node.args else None
     if not (isinstance(first, fx.Node) and first in effects(node, modules)[1]):
         return False
+    # The tensor written: the first argument, and through a chain of in-place writes on it
+    # (``y.add_(1).mul_(3)`` writes ``y``, which code after it reads), the tensor it started at.
+    chain, at = {first}, first
+    while at.args and isinstance(at.args[0], fx.Node) and at.args[0] in effects(at, modules)[1]:
+        at = at.args[0]
+        chain.add(at)
     later = False
     for n in node.graph.nodes:
         if n is node:
             later = True
-        elif later and n.op != "output" and first in n.all_input_nodes:
+        elif later and n.op != "output" and chain.intersection(n.all_input_nodes):
             return True
     return False
 

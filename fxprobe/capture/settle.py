@@ -10,7 +10,9 @@ node of the graph holds the written value::
     before:  y -> v = view(y) -> add_(v) -> head(y)
     after:   y -> v = view(y) -> add_(v) -> s = as_returned(y) -> head(s)
 
-Only the call's own nodes count: code after the call that writes what it returned is not the
+The call's own nodes after ``s`` (``y.sum()`` written into the call's input) go on reading
+``y``: an edit of the site reaches the code after the call, as a forward hook's does. Only the
+call's own nodes count: code after the call that writes what it returned is not the
 module's (a forward hook that clones the output does not see it either).
 """
 
@@ -74,11 +76,14 @@ def settle(value: fx.Node, nodes: Sequence[fx.Node],
     for key in _COPIED_META:
         if key in last.meta:
             node.meta[key] = last.meta[key]
-    after = False
-    for n in graph.nodes:  # the readers after the new node read it
+    # The readers after the call read the new node (an edit of the site reaches them); the
+    # call's own nodes after it go on reading ``last``: a forward hook's edit reaches only
+    # the code the call hands its output to.
+    own, after = set(nodes), False
+    for n in graph.nodes:
         if n is node:
             after = True
-        elif after and last in n.all_input_nodes:
+        elif after and n not in own and last in n.all_input_nodes:
             n.replace_input_with(last, node)
     return node
 

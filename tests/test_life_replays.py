@@ -1,0 +1,59 @@
+"""Sequences tests/test_life.py's long mode found, shrunk, against hooks on an untapped copy.
+
+- GPT-2 under dynamo: a generation step's graph, which the canonical pass does not recognise,
+  named ``lm_head`` again without its canonical name, and the region forgot that ``logits``
+  is ``lm_head``: a later per-call block on ``logits`` said it matched no site.
+- A deferred module past dynamo's recompile limit (``tracer="auto"``) runs as written from
+  then on, said once (a warning, and ``DynamoError`` in a per-call run): the sites only dynamo
+  reached are gone, and every later call says so instead of leaving them out silently.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from life_models import SPECS
+from life_reference import edit_fn, run
+
+import fxprobe
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    torch._dynamo.reset()  # dynamo caches per code object: each test starts afresh
+
+
+def _ids(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 100, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_after_generate_per_call() -> None:
+    """forward, generate(), then a block on ``logits`` and a cache of it (r0, shrunk)."""
+    spec = SPECS["gpt2"]
+    model = spec.build()
+    reference = spec.build()
+    tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+    try:
+        ids = _ids((1, 5))
+        tapped(input_ids=ids, use_cache=False)
+        prompt = _ids((1, 4), 4)
+        kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False)
+        tokens = tapped.generate(prompt, **kw)
+        assert torch.equal(tokens, reference.generate(prompt, **kw))
+        point = spec.points["logits"]
+        fn = edit_fn(-4.0, None)
+        ids = _ids((2, 5), 1)
+        with tapped.intervene({"logits": fn}):  # raised: 'logits' matches no site
+            out = tapped(input_ids=ids, use_cache=False)
+        ref, _ = run(reference, lambda: reference(input_ids=ids, use_cache=False),
+                     [(point, fn)], {})
+        assert torch.equal(out.logits, ref.logits)
+        out, cache = tapped.run_with_cache(input_ids=ids, use_cache=False, names="logits")
+        ref, seen = run(reference, lambda: reference(input_ids=ids, use_cache=False), [],
+                        {"logits": point})
+        assert torch.equal(cache["logits"], seen["logits"][0])
+        assert torch.equal(out.logits, ref.logits)
+    finally:
+        tapped.remove()

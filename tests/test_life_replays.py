@@ -57,3 +57,31 @@ def test_logits_after_generate_per_call() -> None:
         assert torch.equal(out.logits, ref.logits)
     finally:
         tapped.remove()
+
+
+def test_tap_selectors_after_the_recompile_limit_name_it() -> None:
+    """Llama under "auto" (recompile limit 2): edits that raise at the first calls, in two
+    dtypes, use up the limit before any forward ran to its end; the next forward runs as
+    written, where tap()'s canonical selectors name no site. It says that dynamo's limit is
+    why (r1, shrunk), not that the model has no ``blocks.1.resid_post``."""
+    spec = SPECS["llama"]
+    model = spec.build()
+
+    def fails(site: object, value: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the edit failed")
+
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+        try:
+            for dtype, shape in [(torch.float32, (1, 5)), (torch.float64, (1, 3))]:
+                tapped.to(dtype)
+                with pytest.raises(ValueError, match="the edit failed"):
+                    with tapped.intervene({"blocks.0.resid_post": fails}):
+                        tapped(input_ids=_ids(shape), use_cache=False)
+            with pytest.raises(fxprobe.DynamoError, match="recompile_limit") as info:
+                tapped(input_ids=_ids((2, 7)), use_cache=False)
+            assert "blocks.1.resid_post" in str(info.value)
+            assert isinstance(info.value.__cause__, fxprobe.SelectorError)
+        finally:
+            tapped.remove()

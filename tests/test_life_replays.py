@@ -85,3 +85,43 @@ def test_tap_selectors_after_the_recompile_limit_name_it() -> None:
             assert isinstance(info.value.__cause__, fxprobe.SelectorError)
         finally:
             tapped.remove()
+
+
+def test_a_module_past_the_recompile_limit_runs_as_written_and_says_so() -> None:
+    """A second tap of the Twice model (tracer "auto") meets the recompile limit that the
+    first tap used up (r2-r4, shrunk): Inner runs as written, said once by a warning. Every
+    site (names=None) is then its module calls, equal to hooks; a block on a site only dynamo
+    captured (inner.relu_1) raises DynamoError naming the limit, not 'matches no site'."""
+    spec = SPECS["twice-auto"]
+    model = spec.build()
+    reference = spec.build()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+            first(x)
+            first.remove()
+        tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tapped(x)
+            said = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+            assert len(said) == 1, [str(w.message) for w in caught]
+            assert {f.path for f in tapped.fallbacks} == {"inner"}
+            out, cache = tapped.run_with_cache(x)
+            calls = ["inner.fc", "inner.fc_1", "inner.fc_2", "inner.fc_3"]
+            ref, seen = run(reference, lambda: reference(x), [],
+                            {n: spec.points[n] for n in [*calls, "head"]})
+            assert torch.equal(out, ref)
+            assert "inner.relu" not in cache and "inner.relu_1" not in cache
+            for name in [*calls, "head"]:
+                assert torch.equal(cache[name], seen[name][0]), name
+            with pytest.raises(fxprobe.DynamoError, match="recompile_limit") as info:
+                with tapped.intervene({"inner.relu_1": edit_fn(2.0, None)}):
+                    tapped(x)
+            assert isinstance(info.value.__cause__, fxprobe.SelectorError)
+            assert "'inner.relu_1'" in str(info.value)
+        finally:
+            tapped.remove()

@@ -20,6 +20,7 @@ keyed by the identity of a parameter it receives, and a new instance gets its ow
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import warnings
@@ -79,6 +80,16 @@ def _positional(forward: Callable[..., Any]) -> tuple[str, ...]:
 def dynamo_failed(e: BaseException) -> bool:
     """Whether ``e`` is torch dynamo's failure (or fxprobe's backend's), not the model's."""
     return isinstance(e, (torch._dynamo.exc.TorchDynamoException, DynamoError))
+
+
+def _known(old: Site | None, site: Site) -> Site:
+    """``site`` as the region lists it, met again in another graph: with the canonical names
+    an earlier graph gave it (a graph the canonical pass does not recognise, as a generation
+    step's, names none; the site keeps ``logits`` for the selectors checked later)."""
+    if old is None or set(old.canonical) <= set(site.canonical):
+        return site
+    return dataclasses.replace(site, canonical=tuple(dict.fromkeys((*site.canonical,
+                                                                    *old.canonical))))
 
 
 class _Captured:
@@ -341,7 +352,7 @@ class DynamoRegion:
         named = sharding.mark(graph, named, self.pipeline.options.gather)  # Site.sharding
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
-        self.sites.update((s.name, s) for s in named.order)
+        self.sites.update((s.name, _known(self.sites.get(s.name), s)) for s in named.order)
         selected = self.choose(named.order)
         chosen = {s.name for s in selected}
         for node, probs in [*named.scores.items(), *named.sdpa.items()]:

@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from ..core.errors import ConfigError, InterventionError, SelectorError, UnknownSiteError
+from ..core.errors import (
+    ConfigError,
+    DynamoError,
+    InterventionError,
+    SelectorError,
+    UnknownSiteError,
+)
 from ..core.names import did_you_mean
 from ..core.select import Selector, as_selector, as_selectors, no_match_message
 from ..core.site import Site
@@ -144,10 +150,31 @@ class Table:
         context = f"{self.model} (its sites, with those torch dynamo captured so far)"
         for i, (sel, _, _) in enumerate(self.entries):
             if i not in self.matched:
-                raise SelectorError(no_match_message(sel, sites, context))
+                raise self._no_match(sel, SelectorError(no_match_message(sel, sites, context)))
         sels = self.cache_selectors
         if sels and not self.cache_matched:
-            raise SelectorError(no_match_message(sels[0], sites, context))
+            raise self._no_match(sels[0],
+                                 SelectorError(no_match_message(sels[0], sites, context)))
+
+    def _no_match(self, sel: Selector, error: SelectorError) -> Exception:
+        """``error``, or where ``sel`` matched sites of a module that dynamo stopped capturing
+        past its recompile limit (it runs as written since, said once; or one that it stopped
+        before capturing anything), a ``DynamoError`` that says so: the sites are gone because
+        of the limit, not absent from the model."""
+        life = self.life
+        gone = [r.what for path, r in life.program.dynamo.items()
+                if life.state.get(path) is State.FALLBACK
+                and "recompile_limit" in life.reasons.get(path, "")
+                and (not r.sites or any(sel(site) for site in r.sites.values()))]
+        if not gone:
+            return error
+        fallen = DynamoError(
+            f"torch dynamo stopped capturing {', '.join(gone)} past "
+            "torch._dynamo.config.recompile_limit, so it runs as written, where only its "
+            f"module calls are sites: {error} Raise the limit, or call "
+            "torch._dynamo.reset() and tap again.")
+        fallen.__cause__ = error
+        return fallen
 
 
 def _literal(key: Any) -> str | None:

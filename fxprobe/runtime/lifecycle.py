@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..core.errors import DynamoError
+from ..core.errors import DynamoError, SelectorError
 from ..core.names import one_line, some
 from ..core.record import Frame, Recording
 from ..core.select import Selector, select
@@ -235,11 +235,26 @@ class Lifecycle:
         """After a forward: the selectors, against every site found so far (``select``'s
         rules: a union may leave a type or function unmatched); checked once."""
         mode = "train" if self.program.training else "eval"
-        select(self.known_sites(), self.unchecked, fallbacks=self.fallbacks,
-               context=f"{model_name} ({mode} mode; sites found by the first forward: dynamo "
-               "captures graphs as the model runs; a module call that a graph break splits, "
-               "or that returns several values, is no site under dynamo: select the ops "
-               "inside it, or use tracer='hooks')")
+        try:
+            select(self.known_sites(), self.unchecked, fallbacks=self.fallbacks,
+                   context=f"{model_name} ({mode} mode; sites found by the first forward: "
+                   "dynamo captures graphs as the model runs; a module call that a graph "
+                   "break splits, or that returns several values, is no site under dynamo: "
+                   "select the ops inside it, or use tracer='hooks')")
+        except SelectorError as e:
+            limited = [self.program.dynamo[p].what for p, why in self.reasons.items()
+                       if "recompile_limit" in why and self.state[p] is State.FALLBACK]
+            if not limited:
+                raise
+            # Not the model's lack of that site: dynamo stopped before its first forward ran
+            # to its end (earlier calls that raised, other taps, dtypes used up the limit).
+            raise DynamoError(
+                f"the selectors of tap() are checked at the first forward that runs to its "
+                f"end, and torch dynamo had stopped capturing {', '.join(limited)} before it "
+                "(past torch._dynamo.config.recompile_limit: calls that raised, earlier taps "
+                "of this model and other dtypes count too), so it ran as written, where "
+                f"this fails: {e} Raise the limit, or call torch._dynamo.reset() and tap "
+                "again.") from e
         self.unchecked = None
 
     # -- what stands now --------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""Sequences tests/test_life.py's long mode found, shrunk, against hooks on an untapped copy.
+
+- GPT-2 under dynamo: a generation step's graph, which the canonical pass does not recognise,
+  named ``lm_head`` again without its canonical name, and the region forgot that ``logits``
+  is ``lm_head``: a later per-call block on ``logits`` said it matched no site.
+- A deferred module past dynamo's recompile limit (``tracer="auto"``) runs as written from
+  then on, said once (a warning, and ``DynamoError`` in a per-call run): the sites only dynamo
+  reached are gone, and every later call says so instead of leaving them out silently.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from life_models import SPECS
+from life_reference import edit_fn, run
+
+import fxprobe
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    torch._dynamo.reset()  # dynamo caches per code object: each test starts afresh
+
+
+def _ids(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 100, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_after_generate_per_call() -> None:
+    """forward, generate(), then a block on ``logits`` and a cache of it (r0, shrunk)."""
+    spec = SPECS["gpt2"]
+    model = spec.build()
+    reference = spec.build()
+    tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+    try:
+        ids = _ids((1, 5))
+        tapped(input_ids=ids, use_cache=False)
+        prompt = _ids((1, 4), 4)
+        kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False)
+        tokens = tapped.generate(prompt, **kw)
+        assert torch.equal(tokens, reference.generate(prompt, **kw))
+        point = spec.points["logits"]
+        fn = edit_fn(-4.0, None)
+        ids = _ids((2, 5), 1)
+        with tapped.intervene({"logits": fn}):  # raised: 'logits' matches no site
+            out = tapped(input_ids=ids, use_cache=False)
+        ref, _ = run(reference, lambda: reference(input_ids=ids, use_cache=False),
+                     [(point, fn)], {})
+        assert torch.equal(out.logits, ref.logits)
+        out, cache = tapped.run_with_cache(input_ids=ids, use_cache=False, names="logits")
+        ref, seen = run(reference, lambda: reference(input_ids=ids, use_cache=False), [],
+                        {"logits": point})
+        assert torch.equal(cache["logits"], seen["logits"][0])
+        assert torch.equal(out.logits, ref.logits)
+    finally:
+        tapped.remove()
+
+
+def test_tap_selectors_after_the_recompile_limit_name_it() -> None:
+    """Llama under "auto" (recompile limit 2): edits that raise at the first calls, in two
+    dtypes, use up the limit before any forward ran to its end; the next forward runs as
+    written, where tap()'s canonical selectors name no site. It says that dynamo's limit is
+    why (r1, shrunk), not that the model has no ``blocks.1.resid_post``."""
+    spec = SPECS["llama"]
+    model = spec.build()
+
+    def fails(site: object, value: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the edit failed")
+
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+        try:
+            for dtype, shape in [(torch.float32, (1, 5)), (torch.float64, (1, 3))]:
+                tapped.to(dtype)
+                with pytest.raises(ValueError, match="the edit failed"):
+                    with tapped.intervene({"blocks.0.resid_post": fails}):
+                        tapped(input_ids=_ids(shape), use_cache=False)
+            with pytest.raises(fxprobe.DynamoError, match="recompile_limit") as info:
+                tapped(input_ids=_ids((2, 7)), use_cache=False)
+            assert "blocks.1.resid_post" in str(info.value)
+            assert isinstance(info.value.__cause__, fxprobe.SelectorError)
+        finally:
+            tapped.remove()
+
+
+def test_a_module_past_the_recompile_limit_runs_as_written_and_says_so() -> None:
+    """A second tap of the Twice model (tracer "auto") meets the recompile limit that the
+    first tap used up (r2-r4, shrunk): Inner runs as written, said once by a warning. Every
+    site (names=None) is then its module calls, equal to hooks; a block on a site only dynamo
+    captured (inner.relu_1) raises DynamoError naming the limit, not 'matches no site'."""
+    spec = SPECS["twice-auto"]
+    model = spec.build()
+    reference = spec.build()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+            first(x)
+            first.remove()
+        tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tapped(x)
+            said = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+            assert len(said) == 1, [str(w.message) for w in caught]
+            assert {f.path for f in tapped.fallbacks} == {"inner"}
+            out, cache = tapped.run_with_cache(x)
+            calls = ["inner.fc", "inner.fc_1", "inner.fc_2", "inner.fc_3"]
+            ref, seen = run(reference, lambda: reference(x), [],
+                            {n: spec.points[n] for n in [*calls, "head"]})
+            assert torch.equal(out, ref)
+            assert "inner.relu" not in cache and "inner.relu_1" not in cache
+            for name in [*calls, "head"]:
+                assert torch.equal(cache[name], seen[name][0]), name
+            with pytest.raises(fxprobe.DynamoError, match="recompile_limit") as info:
+                with tapped.intervene({"inner.relu_1": edit_fn(2.0, None)}):
+                    tapped(x)
+            assert isinstance(info.value.__cause__, fxprobe.SelectorError)
+            assert "'inner.relu_1'" in str(info.value)
+        finally:
+            tapped.remove()

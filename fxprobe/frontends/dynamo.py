@@ -196,7 +196,8 @@ class _Captured:
             if not version.serves(table):
                 if version.pointed is None:  # no dynamo: the captured graph, rewritten again
                     version.pointed = region.instrument(self.gm, self.captured_prefix,
-                                                        version.prefix, version.repeat, True)
+                                                        version.prefix, version.repeat,
+                                                        drawn=version.named)
                 version = version.pointed
         result = version.fn(version.holder, *args)
         if self.stamp != region.calls:  # the first run of this graph in this forward
@@ -339,10 +340,13 @@ class DynamoRegion:
             return False
 
     def instrument(self, gm: fx.GraphModule, captured_prefix: str, prefix: str,
-                   repeat: int = 0, points: bool = False) -> Instrumented:
+                   repeat: int = 0, drawn: fx.Graph | None = None) -> Instrumented:
         """Name the graph's nodes for the module instance at ``prefix`` (for its run
-        ``repeat`` in one forward, from 0) and insert its taps (with ``points``, after an
-        intervention point at every site, ``capture.points``)."""
+        ``repeat`` in one forward, from 0) and insert its taps, each selected site behind an
+        intervention point (``capture.points``). Given ``drawn``, the named graph of the version
+        built for ``tap()`` (which the pictures draw), every site gets a point: the version a
+        per-call block on an unselected site runs, whose named graph is that one."""
+        points = drawn is not None
         graph = copy_graph(gm.graph)
         named: NamedGraph = name_graph(
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
@@ -368,17 +372,19 @@ class DynamoRegion:
             self.on_sites(new, selected)
         if self.pipeline.options.gather:  # the full values of sharded sites (tap(gather=True))
             sharding.gather(graph, {s.name for s in named.order} if points else chosen)
-        named_graph = copy_graph(graph)
+        named_graph = drawn if drawn is not None else copy_graph(graph)
+
+        def beside_sdpa(s: Site) -> bool:
+            return s.target in (attention_probs, attention_scores)
+
         if points:  # not beside SDPA where not computed (a pattern not selected at tap())
             pointed = insert_points(graph, gm.get_submodule, self.pipeline,
-                                    lambda s: s.target in (attention_probs, attention_scores)
-                                    and s.name not in chosen)
+                                    lambda s: beside_sdpa(s) and s.name not in chosen)
         elif chosen:  # a point at each selected site: a per-call block on them needs no
             # graph of its own. Not beside SDPA (the pattern, the scores): an edit there must
             # drive the attention's output, which would then no longer be the fused kernel's.
             pointed = insert_points(graph, gm.get_submodule, self.pipeline,
-                                    lambda s: s.name not in chosen
-                                    or s.target in (attention_probs, attention_scores))
+                                    lambda s: s.name not in chosen or beside_sdpa(s))
         else:
             pointed = frozenset()
         self.pointable |= pointed

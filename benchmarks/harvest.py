@@ -181,11 +181,14 @@ def reader_child(kind: str, base: str, batch: int, width: int) -> None:
 
     torch.manual_seed(0)
     start_rss = peak_rss_mib()
+    start_anon = anon_mib()
+    anon = 0.0
     rates = []
     ds = None
     for _ in range(2):
         start = time.perf_counter()
         rows = 0
+        anon = max(anon, anon_mib())
         if kind in ("memmap", "memmap_sorted", "safetensors"):
             if kind.startswith("memmap"):
                 allrows: Any = np.memmap(Path(base, "rows.raw"), dtype=np.float32, mode="r")
@@ -201,6 +204,7 @@ def reader_child(kind: str, base: str, batch: int, width: int) -> None:
                 part = perm[i:i + batch]
                 b = torch.from_numpy(allrows[np.sort(part) if kind == "memmap_sorted" else part])
                 rows += b.shape[0]
+                anon = max(anon, anon_mib())
         else:
             if ds is None:
                 ds = fxprobe.open_captures(Path(base, "racts")).dataset("h")
@@ -214,9 +218,11 @@ def reader_child(kind: str, base: str, batch: int, width: int) -> None:
                                     sampler=BatchSampler(RandomSampler(ds), batch, False))
             for b in loader:
                 rows += b.shape[0]
+                anon = max(anon, anon_mib())
         rates.append(rows / (time.perf_counter() - start))
     print(json.dumps({"first": rates[0], "second": rates[1],
-                      "peak_growth_mib": peak_rss_mib() - start_rss}))
+                      "peak_growth_mib": peak_rss_mib() - start_rss,
+                      "anon_growth_mib": anon - start_anon}))
 
 
 def dd_rate(path: Path) -> float:
@@ -387,6 +393,14 @@ def _order(key: str) -> tuple[int, str]:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def anon_mib() -> float:
+    """This process's resident memory that no file backs (``/proc/self/statm``: resident
+    minus shared pages): the reader's own memory, without the pages of the files it maps."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def read(kind: str, base: Path, name: str, batch: int) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ..core.errors import ConfigError, DiskError
 from .rows import RowFilter, Scale, check_stackable
-from .sampler import Batches, ThreadedBatches
+from .sampler import Batches, BufferedRows, ThreadedBatches, shared_buffers
 
 Rows = Literal["tokens", "samples"]
 Layout = Literal["dict", "stack"]
@@ -302,7 +302,10 @@ class CaptureDataset(Dataset[Any]):
         Each batch is ``ds[rows]``, one gather per shard, with no collation of single rows;
         the rows of a batch are drawn as ``shuffle=True`` draws them (a permutation per
         epoch) and read in file order (a batch holds the same rows in another order, which a
-        training step does not see).
+        training step does not see). Batches are gathered into memory the loaders of this
+        dataset share and reuse once nothing holds a batch made from it (a batch kept, or a
+        tensor made from it, is never written again), so reading adds about two batches to
+        the pages of the files read.
 
         Args:
             batch_size: rows per batch.
@@ -318,7 +321,8 @@ class CaptureDataset(Dataset[Any]):
                 ``prefetch_factor`` (batches ahead per thread, 2).
 
         Returns:
-            ``DataLoader(self, batch_size=None, sampler=...)``, or with threads an iterable
+            ``DataLoader(rows, batch_size=None, sampler=...)`` (``rows.dataset`` is this
+            dataset), or with threads an iterable
             of the same batches (``len()`` is the number of batches): ``[batch_size,
             *row_shape]`` (dicts of them for several names).
 
@@ -336,7 +340,8 @@ class CaptureDataset(Dataset[Any]):
             raise ConfigError(f"ds.loader(num_workers={num_workers!r}): 0 or more threads")
         sampler = Batches(len(self), batch_size, shuffle, drop_last, generator)
         if num_workers == 0:
-            return DataLoader(self, batch_size=None, sampler=sampler, **kwargs)
+            rows = BufferedRows(self, shared_buffers(self, batch_size, 3))
+            return DataLoader(rows, batch_size=None, sampler=sampler, **kwargs)
         unknown = sorted(set(kwargs) - {"pin_memory", "prefetch_factor"})
         if unknown:
             raise ConfigError(f"ds.loader(num_workers={num_workers}) gathers in threads and "

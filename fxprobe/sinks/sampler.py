@@ -13,7 +13,8 @@ not at all), as ``DistributedSampler`` does.
 ``ds.loader`` draws its batches with :class:`Batches` (sorted row numbers of each batch of an
 epoch) and, with ``num_workers``, gathers them ahead in threads of this process
 (:class:`ThreadedBatches`) into batch tensors it reuses once nothing holds them
-(:class:`Buffers`).
+(:class:`Buffers`, one set per dataset and batch size: a new loader for each epoch reuses the
+last one's).
 """
 
 from __future__ import annotations
@@ -201,16 +202,18 @@ class Buffers:
     fresh pages from the allocator, one fault per 4 KiB."""
 
     def __init__(self, ds: Any, rows: int, keep: int) -> None:
-        self.ds, self.rows, self.keep = ds, rows, keep
+        self.rows, self.keep = rows, keep  # ds not held: _SHARED keys it weakly
         self.sizes = {n: int(np.prod(ds.row_shapes[n], dtype=np.int64)) *
                       ds.row_dtypes[n].itemsize for n in ds.names}
+        self.shapes = {n: tuple(ds.row_shapes[n]) for n in ds.names}
+        self.dtypes = {n: ds.row_dtypes[n] for n in ds.names}
         self.sets: list[tuple[dict[str, np.ndarray], list[weakref.ref[np.ndarray]]]] = []
         self.lock = threading.Lock()
 
     def get(self, n: int) -> dict[str, torch.Tensor]:
         """Tensors for ``n <= rows`` rows of every name, held by nothing else."""
         if n > self.rows or not all(self.sizes.values()):
-            return self.ds._empty(n)
+            return self._fresh(n)
         with self.lock:
             free = [s for s in self.sets if all(r() is None for r in s[1])]
             if free:
@@ -221,16 +224,53 @@ class Buffers:
                 held = []
                 self.sets.append((raw, held))
             else:
-                return self.ds._empty(n)
+                return self._fresh(n)
             out: dict[str, torch.Tensor] = {}
             views = []
             for k, buf in raw.items():
                 view = buf[:n * self.sizes[k]]
                 views.append(view)
-                out[k] = torch.from_numpy(view).view(self.ds.row_dtypes[k]).view(
-                    n, *self.ds.row_shapes[k])
+                out[k] = torch.from_numpy(view).view(self.dtypes[k]).view(n, *self.shapes[k])
             held[:] = [weakref.ref(v) for v in views]
             return out
+
+    def _fresh(self, n: int) -> dict[str, torch.Tensor]:
+        return {k: torch.empty(n, *self.shapes[k], dtype=self.dtypes[k]) for k in self.sizes}
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, dict[int, Buffers]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_buffers(ds: Any, rows: int, keep: int) -> Buffers:
+    """The :class:`Buffers` of ``ds``'s batches of ``rows`` rows, kept as long as ``ds`` is:
+    the loaders of one dataset (``ds.loader(...)`` called anew each epoch, as training loops
+    do) share them, so only the first faults in fresh pages. ``keep`` grows to the largest a
+    loader asked for."""
+    with _SHARED_LOCK:
+        per = _SHARED.setdefault(ds, {})
+        buffers = per.get(rows)
+        if buffers is None:
+            buffers = per[rows] = Buffers(ds, rows, keep)
+        buffers.keep = max(buffers.keep, keep)
+        return buffers
+
+
+class BufferedRows(torch.utils.data.Dataset[Any]):
+    """What the ``DataLoader`` of ``ds.loader(num_workers=0)`` reads: ``ds[rows]`` for each
+    batch of row numbers, gathered into the dataset's shared :class:`Buffers` (a batch dropped
+    by the training step is the next one's memory: no heap grown by a fresh 12 MB tensor per
+    batch). ``dataset`` is the :class:`~.dataset.CaptureDataset`."""
+
+    def __init__(self, ds: Any, buffers: Buffers) -> None:
+        self.dataset, self.buffers = ds, buffers
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: np.ndarray) -> Any:
+        ds = self.dataset
+        return ds._pack(ds._read(idx, self.buffers.get(len(idx))))
 
 
 class ThreadedBatches:
@@ -245,7 +285,6 @@ class ThreadedBatches:
                  pin_memory: bool) -> None:
         self.dataset, self.sampler = ds, sampler
         self.workers, self.prefetch, self.pin_memory = workers, max(1, prefetch), pin_memory
-        self._buffers: Buffers | None = None  # pinned batches: torch's own pinned allocator
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -254,9 +293,8 @@ class ThreadedBatches:
         ds, order = self.dataset, iter(self.sampler)  # the epoch's permutation, drawn here
         for name in ds.names:  # each site's row table made here, not by two threads at once
             ds._caps.row_count(name, 2 if ds.rows == "tokens" else 1)
-        if self._buffers is None and not self.pin_memory:
-            self._buffers = Buffers(ds, self.sampler.batch_size, self.workers * self.prefetch + 2)
-        buffers = self._buffers
+        buffers = None if self.pin_memory else shared_buffers(  # pinned: torch's own allocator
+            ds, self.sampler.batch_size, self.workers * self.prefetch + 2)
 
         def gather(idx: np.ndarray, into: dict[str, torch.Tensor]) -> Any:
             batch = ds._pack(ds._read(idx, into))

@@ -22,6 +22,7 @@ import torch
 from ..core.errors import ConfigError, DiskError, SiteNotRunError
 from ..sinks.dataset import Layout, RowOptions, Rows
 from ..sinks.rows import RowFilter, Scale, check_stackable
+from .trail import InputTrail
 
 
 def _call(model: Any, item: Any) -> Any:
@@ -61,7 +62,11 @@ class ActivationStream:
 
     ``state_dict()`` between batches holds where the epoch stands (the inputs consumed, the
     rows in the buffer, the shuffle's generator, the factors); ``load_state_dict`` on a new
-    stream over the same inputs continues with the same batches.
+    stream over the same inputs continues with the same batches. Inputs with a
+    ``state_dict()`` of their own (torchdata's ``StatefulDataLoader``) are restored to theirs;
+    other inputs are iterated again and the inputs the epoch had run skipped, after checking
+    that they are the same ones in the same order (a ``DataLoader(shuffle=True)`` draws a new
+    order each time: ``ConfigError``, never some inputs twice and others not at all).
 
     Example:
         >>> tapped = fxprobe.tap(model, ops=["blocks.6.resid_post", "attention_mask"])
@@ -123,6 +128,7 @@ class ActivationStream:
         self._gen: torch.Generator | None = None
         self._run: object = None
         self._spent: object = None  # the iterator given as inputs, once an epoch began on it
+        self._trail = InputTrail()  # the inputs this epoch ran, in order
 
     # -- one epoch --------------------------------------------------------------------------
     def _fresh(self) -> dict[str, Any]:
@@ -139,11 +145,15 @@ class ActivationStream:
         st = self._fresh()
         store: dict[str, torch.Tensor] = {}
         g = torch.Generator().manual_seed(self.seed + self.epoch)
+        trail = InputTrail()
         if resume is not None:
             st.update(resume["progress"])
             store = {n: t.clone() for n, t in resume["buffer"].items()}
             g.set_state(resume["rng"])
-        self._state, self._store, self._gen = st, store, g
+            if resume["inputs"] is not None:  # the inputs resume themselves
+                self.inputs.load_state_dict(resume["inputs"])  # type: ignore[attr-defined]
+                trail = InputTrail(resume["trail"])
+        self._state, self._store, self._gen, self._trail = st, store, g, trail
         token = self._run = object()  # a later iteration takes the buffer over
         items = iter(self.inputs)
         if items is self.inputs:  # an iterator (a generator): one pass over it, ever
@@ -153,10 +163,8 @@ class ActivationStream:
                     "through: this epoch would have no rows. Pass inputs that can be iterated "
                     "again (a list, a DataLoader), or set stream.inputs to a new iterator")
             self._spent = items
-        for _ in range(st["consumed"]):  # inputs a resumed epoch already ran
-            if next(items, _END) is _END:
-                raise ConfigError(f"load_state_dict: the state consumed {st['consumed']} "
-                                  "inputs of this epoch; these inputs have fewer")
+        if resume is not None and resume["inputs"] is None:
+            self._skip(items, st["consumed"], resume["trail"])
         while True:
             if st["phase"] == "fill":
                 target = self._target()
@@ -165,6 +173,7 @@ class ActivationStream:
                     if item is _END:
                         st["done"] = True
                         break
+                    trail.add(item)
                     self._add(item)
                     st["consumed"] += 1
                     if not st["forwards"] and st["consumed"] >= _NO_SITE_LIMIT:
@@ -191,7 +200,27 @@ class ActivationStream:
         if st["consumed"] and not st["forwards"]:
             self._none_ran()
         self.epoch += 1
-        self._state, self._store = self._fresh(), {}
+        self._state, self._store, self._trail = self._fresh(), {}, InputTrail()
+
+    def _skip(self, items: Iterator[Any], consumed: int, saved: list[int] | None) -> None:
+        """Skip the ``consumed`` inputs a resumed epoch already ran, checking they are the
+        ones the saved epoch ran (``saved``: its :class:`InputTrail`; None in a state saved
+        before fxprobe kept one)."""
+        for _ in range(consumed):
+            item = next(items, _END)
+            if item is _END:
+                raise ConfigError(f"load_state_dict: the state consumed {consumed} "
+                                  "inputs of this epoch; these inputs have fewer")
+            self._trail.add(item)
+        if saved is not None and self._trail.state() != list(saved):
+            raise ConfigError(
+                f"load_state_dict: the first {consumed} inputs of this epoch are not the ones "
+                "the saved stream ran (other items, or another order: a DataLoader with "
+                "shuffle=True draws a new order each time it is iterated), so skipping them "
+                "would run some inputs twice in the epoch and others never. Pass inputs that "
+                "come in the same order each time (a list; a DataLoader whose sampler is "
+                "seeded per epoch), or inputs that resume themselves (torchdata's "
+                "StatefulDataLoader: the stream saves and restores its state_dict())")
 
     def _none_ran(self) -> None:
         raise ConfigError(f"ActivationStream: none of the {self._state['consumed']} forwards "
@@ -304,7 +333,10 @@ class ActivationStream:
                 "progress": dict(st),
                 "rows": {n: s[:st["count"]].cpu().clone() for n, s in store.items()},
                 "rng": rng,
-                "scale": dict(self.scale.factors) if self.scale is not None else None}
+                "scale": dict(self.scale.factors) if self.scale is not None else None,
+                "trail": self._trail.state(),
+                "inputs": self.inputs.state_dict()  # type: ignore[attr-defined]
+                if _resumable(self.inputs) else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` at the next iteration (``ConfigError`` if it is of other
@@ -325,7 +357,13 @@ class ActivationStream:
         # Even after the epoch's last batch: the next iteration then ends that epoch (no
         # batch, as the original's would) and the one after is the next epoch.
         device = self._device()
-        self._resume = {"progress": progress, "rng": state["rng"],
+        inputs = state.get("inputs")
+        if inputs is not None and not _resumable(self.inputs):
+            raise ConfigError("load_state_dict: the state holds its inputs' state_dict() (a "
+                              "StatefulDataLoader's) but this stream's inputs have none: pass "
+                              "the same kind of inputs")
+        self._resume = {"progress": progress, "rng": state["rng"], "inputs": inputs,
+                        "trail": state.get("trail"),
                         "buffer": {n: t.to(device) for n, t in state["rows"].items()}}
 
     def _device(self) -> torch.device:
@@ -352,3 +390,10 @@ def _not_run(taps: Any, name: str) -> bool:
 _END = object()
 _NO_SITE_LIMIT = 256
 """Forwards run without a value at the sites before a stream says so (inputs may be endless)."""
+
+
+def _resumable(inputs: Any) -> bool:
+    """Whether ``inputs`` save and restore their own place (torchdata's
+    ``StatefulDataLoader``): a ``state_dict`` and a ``load_state_dict``."""
+    return callable(getattr(inputs, "state_dict", None)) and \
+        callable(getattr(inputs, "load_state_dict", None))

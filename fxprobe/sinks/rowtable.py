@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..core.errors import ConfigError, DiskError
-from .shardfile import BLOCK, FROM_CODE, ShardReader
+from .shardfile import BLOCK, FROM_CODE, ShardReader, in_a_map
 
 
 @dataclass
@@ -105,6 +105,10 @@ class RowTable:
         result = torch.empty((n, *self.row_shape), dtype=self.dtype) if into is None else into
         if into is not None:
             self._check_into(into, n)
+            if in_a_map(into):  # any shard's, not only this gather's: caps.forward(i) views
+                raise ConfigError(f"rows({self.site!r}, out=...): out is a view of captured "
+                                  "memory (a shard this process maps); pass a tensor of your "
+                                  "own")
         if rb == 0 or n == 0:
             return result
         piece, local = self.locate(idx)
@@ -115,11 +119,6 @@ class RowTable:
         grid = self.grid[piece]
         dest = result.view(-1).view(torch.uint8).view(n, rb).numpy()
         cuts = np.flatnonzero(grid[1:] != grid[:-1]) + 1
-        if into is not None:
-            for g in set(grid[[0, *cuts.tolist()]].tolist()):
-                if np.may_share_memory(dest, self._grid(g, reader)):
-                    raise ConfigError(f"rows({self.site!r}, out=...): out is a view of these "
-                                      "captures' own memory; pass a tensor of your own")
         if not cuts.size:  # one grid (every batch of a site on one grid in one shard)
             np.take(self._grid(int(grid[0]), reader), row, 0, out=dest, mode="clip")
         elif (grid[cuts] > grid[cuts - 1]).all():  # sorted rows: each grid's rows together

@@ -11,10 +11,13 @@ that site's bytes only. Older shards have one CRC-32 of all their data in the in
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
 import os
+import threading
+import weakref
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -75,6 +78,35 @@ def read_journal(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]
     return records[0], records[1:]
 
 
+_MAPS: list[tuple[weakref.ref[mmap.mmap], int, int]] = []  # (map, first address, end)
+_MAPS_LOCK = threading.Lock()
+
+
+def _register(m: mmap.mmap) -> None:
+    """Note where shard map ``m`` lies in this process's memory (see :func:`in_a_map`)."""
+    window = ctypes.c_char.from_buffer(m)  # an export of the map, released right below
+    lo = ctypes.addressof(window)
+    del window
+    with _MAPS_LOCK:
+        _MAPS[:] = [e for e in _MAPS if _open(e[0])]
+        _MAPS.append((weakref.ref(m), lo, lo + len(m)))
+
+
+def _open(ref: weakref.ref[mmap.mmap]) -> bool:
+    m = ref()
+    return m is not None and not m.closed
+
+
+def in_a_map(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie (partly) in a shard map open in this process: the private
+    copy every read of that shard, by any ``Captures``, sees (a ``caps.forward(i)`` tensor is a
+    view of one), so writing into it would change what those reads return."""
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    with _MAPS_LOCK:
+        return any(lo < end and start < hi and _open(ref) for ref, start, end in _MAPS)
+
+
 class ShardReader:
     """A shard, memory-mapped; tensors are views of the map (read on access).
 
@@ -125,6 +157,7 @@ class ShardReader:
             # ACCESS_COPY: a private, writable map (torch wants writable buffers); the file
             # itself is never changed.
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            _register(self.map)
         self.start = start
         self.crc: int | None = listed.get("crc32") if verify else None
         """The data's CRC-32 still to check (:meth:`check_data`, older shards), or None."""

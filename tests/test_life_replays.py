@@ -125,3 +125,30 @@ def test_a_module_past_the_recompile_limit_runs_as_written_and_says_so() -> None
             assert "'inner.relu_1'" in str(info.value)
         finally:
             tapped.remove()
+
+
+@pytest.mark.parametrize("edited", ["transformer.h.0", "blocks.0.resid_post"])
+def test_a_cache_under_an_edit_of_a_block_reads_what_the_next_block_gets(edited: str) -> None:
+    """A per-call edit of block 0's output by its module's name, then ``run_with_cache`` of
+    ``blocks.1.*`` (long mode, shrunk): ``blocks.1.resid_pre`` is the same value as the
+    module's output, one node with both names, and read the value before the module's edit,
+    which block 1 never got. Every name of a node now reads what flows on."""
+    spec = SPECS["gpt2"]
+    model, reference = spec.build(), spec.build()
+    tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+    try:
+        ids = _ids((1, 3))
+        fn = edit_fn(2.0, 0)
+        names = ("blocks.1.resid_pre", "blocks.0.resid_post", "transformer.h.0")
+        points = {n: spec.points[n] for n in names}
+        ref, seen = run(reference, lambda: reference(input_ids=ids, use_cache=False),
+                        [(spec.points[edited], fn)], points)
+        for selector in ("blocks.1.*", list(names)):
+            with tapped.intervene({edited: fn}):
+                out, cache = tapped.run_with_cache(input_ids=ids, use_cache=False,
+                                                   names=selector)
+            assert torch.equal(out.logits, ref.logits)
+            for n in (names[:1] if selector == "blocks.1.*" else names):
+                assert torch.equal(cache[n], seen[n][0]), (selector, n)
+    finally:
+        tapped.remove()

@@ -211,9 +211,12 @@ class Pipeline:
                         state = self.rec.state
                         if state.active:
                             state.frame.replaced.add(name)
+        kept = None  # every name of the node reads what flows on, after all its edits: a
+        for name in names:  # block's output (an op's and its module's) is what the next reads
             if name in table.cache:
-                kept = clone_tree(flow) if risky else flow
-                table.values[name] = detach_tree(kept)
+                if kept is None:
+                    kept = detach_tree(clone_tree(flow) if risky else flow)
+                table.values[name] = kept
         if writes and flow is not value:
             write_back(value, flow)
         return flow

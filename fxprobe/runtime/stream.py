@@ -212,6 +212,13 @@ class ActivationStream:
                 raise ConfigError(f"load_state_dict: the state consumed {consumed} "
                                   "inputs of this epoch; these inputs have fewer")
             self._trail.add(item)
+        if saved is not None and self._trail.opaque:
+            raise ConfigError(
+                f"load_state_dict: the inputs hold {self._trail.opaque} objects, which fxprobe "
+                "cannot compare by value, so it cannot check that the inputs it would skip are "
+                "the ones the saved stream ran. Pass inputs of tensors (in dicts, lists, "
+                "tuples, dataclasses), or inputs that resume themselves (torchdata's "
+                "StatefulDataLoader: the stream saves and restores its state_dict())")
         if saved is not None and self._trail.state() != list(saved):
             raise ConfigError(
                 f"load_state_dict: the first {consumed} inputs of this epoch are not the ones "

@@ -11,6 +11,7 @@ and must never raise on an input the model takes (conjugate, sparse, negative-bi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,3 +172,71 @@ def test_inputs_with_objects_that_cannot_be_compared_are_refused_by_name() -> No
     resumed.load_state_dict(state)
     with pytest.raises(fxprobe.ConfigError, match="hold Note objects.*cannot compare"):
         list(resumed)
+
+
+# -- what a resumed stream restores -------------------------------------------------------
+
+def tagged_inputs(n: int) -> list[torch.Tensor]:
+    """Inputs [1, 2, 3]: every row holds its input's number first."""
+    out = []
+    for f in range(n):
+        x = torch.zeros(1, 2, 3)
+        x[..., 0] = float(f)
+        x[0, :, 1] = torch.arange(2.0)
+        out.append(x)
+    return out
+
+
+def every_row(inputs: list[torch.Tensor]) -> list[tuple[float, ...]]:
+    return as_sorted(torch.cat([x.flatten(0, 1) for x in inputs]))
+
+
+def test_a_capture_dataset_as_inputs_is_skipped_not_taken_for_a_stateful_loader(
+        tmp_path: Path) -> None:
+    # A CaptureDataset has a state_dict()/load_state_dict() (its sites and factors), not a
+    # place in an iteration: the resumed epoch must skip the inputs the saved one ran.
+    inputs = tagged_inputs(10)
+    with fxprobe.Disk(tmp_path, fsync=False) as d:
+        for x in inputs:
+            d.write({"x": x[None]})  # [1, 1, 2, 3]: one sample row per forward, [1, 2, 3]
+    ds = fxprobe.open_captures(tmp_path).dataset("x", rows="samples")
+    assert torch.equal(ds[3], inputs[3])
+    head, state = saved_after(ds, 2)
+    resumed = stream(fxprobe.open_captures(tmp_path).dataset("x", rows="samples"))
+    resumed.load_state_dict(state)
+    assert as_sorted(torch.cat(head + list(resumed))) == every_row(inputs)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_state_saved_right_after_loading_one_is_that_state(k: int) -> None:
+    # A checkpoint written before the resumed stream hands out its first batch.
+    inputs = tagged_inputs(12)
+    head, state = saved_after(inputs, k)
+    resumed = stream(inputs)
+    resumed.load_state_dict(state)
+    again = resumed.state_dict()
+    third = stream(inputs)
+    third.load_state_dict(again)
+    assert as_sorted(torch.cat(head + list(third))) == every_row(inputs)
+    assert as_sorted(torch.cat(head + list(resumed))) == every_row(inputs)
+
+
+def test_set_epoch_of_the_restored_epoch_keeps_the_place() -> None:
+    # The DistributedSampler loop: set_epoch(epoch) before each epoch, the resumed one too.
+    inputs = tagged_inputs(12)
+    s = stream(inputs)
+    list(s)  # epoch 0
+    s.set_epoch(1)
+    it = iter(s)
+    head = [next(it), next(it)]
+    state = s.state_dict()
+    resumed = stream(inputs)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert as_sorted(torch.cat(head + list(resumed))) == every_row(inputs)
+    resumed.set_epoch(2)
+    assert as_sorted(torch.cat(list(resumed))) == every_row(inputs)
+    fresh = stream(inputs)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(2)  # another epoch: from its beginning
+    assert as_sorted(torch.cat(list(fresh))) == every_row(inputs)

@@ -240,3 +240,83 @@ def test_set_epoch_of_the_restored_epoch_keeps_the_place() -> None:
     fresh.load_state_dict(state)
     fresh.set_epoch(2)  # another epoch: from its beginning
     assert as_sorted(torch.cat(list(fresh))) == every_row(inputs)
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * 1
+
+
+def test_tuple_and_dict_items_resume_and_one_item_differing_deep_in_the_skip_is_refused(
+        tmp_path: Path) -> None:
+    base = tagged_inputs(12)
+    kinds = {"tuple": [(x, torch.tensor([f], dtype=torch.bfloat16)) for f, x in enumerate(base)],
+             "list": [[x, torch.tensor([f % 2 == 0])] for f, x in enumerate(base)],
+             "dict": [{"x": x, "y": torch.tensor([f], dtype=torch.int32)}
+                      for f, x in enumerate(base)]}
+    for kind, inputs in kinds.items():
+        s = stream(inputs, Pair())
+        it = iter(s)
+        head = [next(it), next(it)]
+        s.state_dict()  # saved twice in one epoch: the second is the one used
+        torch.save(s.state_dict(), tmp_path / "state.pt")
+        state = torch.load(tmp_path / "state.pt", weights_only=False)
+        consumed = state["progress"]["consumed"]
+        assert consumed >= 2, kind
+        resumed = stream([type(i)(i) if kind != "dict" else dict(i) for i in inputs], Pair())
+        resumed.load_state_dict(state)
+        assert as_sorted(torch.cat(head + list(resumed))) == every_row(base), kind
+        for where in (0, consumed - 1):  # one item differing in one element, in the skip
+            other = [dict(i) if kind == "dict" else type(i)(i) for i in inputs]
+            second = other[where][1 if kind != "dict" else "y"]
+            changed = ~second if second.dtype == torch.bool else second + 1
+            if kind == "dict":
+                other[where]["y"] = changed
+            elif kind == "tuple":
+                other[where] = (other[where][0], changed)
+            else:
+                other[where][1] = changed
+            refused = stream(other, Pair())
+            refused.load_state_dict(state)
+            with pytest.raises(fxprobe.ConfigError, match="not the ones"):
+                list(refused)
+
+
+def test_a_stateful_loader_with_workers_resumes_mid_epoch_after_an_epoch_and_at_its_end(
+        ) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader",
+                                   reason="torchdata is not installed")
+    data = torch.stack(tagged_inputs(12))[:, 0]  # [12, 2, 3]: loader batches of 1
+
+    def loader() -> Any:
+        return stateful.StatefulDataLoader(data, batch_size=1, shuffle=True, num_workers=2,
+                                           generator=torch.Generator().manual_seed(5))
+
+    def epochs(s: ActivationStream, n: int) -> list[list[tuple[float, ...]]]:
+        return [as_sorted(torch.cat(list(s))) for _ in range(n)]
+
+    ref = stream(loader())
+    whole = [torch.cat(list(ref)) for _ in range(2)]
+    every = as_sorted(data.flatten(0, 1))
+    assert all(as_sorted(w) == every for w in whole)
+    s = stream(loader())
+    list(s)  # epoch 0
+    it = iter(s)  # epoch 1, the loader's second permutation
+    head = [next(it), next(it)]
+    state = s.state_dict()
+    resumed = stream(loader())
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert as_sorted(torch.cat(head + rest)) == every
+    assert torch.equal(torch.cat(head + rest), whole[1])  # exactly the uninterrupted epoch
+    assert epochs(resumed, 1) == [every]
+    batches = len(whole[0]) // KW["batch_size"] + bool(len(whole[0]) % KW["batch_size"])
+    end2 = stream(loader())  # saved after the epoch's last batch
+    it2 = iter(end2)
+    for _ in range(batches):
+        next(it2)
+    state = end2.state_dict()
+    after = stream(loader())
+    after.load_state_dict(state)
+    assert list(after) == []  # that epoch ends with no batch
+    assert epochs(after, 1) == [every]

@@ -438,3 +438,68 @@ def test_a_dataloader_with_worker_processes_over_a_dataset_with_buffers(
     sampler = BatchSampler(SequentialSampler(range(len(ds))), 4, drop_last=False)
     got = torch.cat(list(DataLoader(ds, batch_size=None, sampler=sampler, num_workers=2)))
     assert torch.equal(got, ref) and torch.equal(torch.cat(kept), ref)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_interleavings_of_loaders_with_batches_held_dropped_and_written(
+        tmp_path: Path, seed: int) -> None:
+    written = write(tmp_path, 6, 3000)
+    ref = flat(written, "h", 2)
+    ds = fxprobe.open_captures(tmp_path).dataset("h")
+    rng = np.random.default_rng(seed)
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+    live: list[Any] = []  # open iterators: (iterator, batch size, batches taken)
+    for _ in range(300):
+        if len(live) < 3 and rng.random() < 0.3:
+            size, workers = int(rng.choice([3, 4, 7])), int(rng.choice([0, 1, 2]))
+            live.append([iter(ds.loader(size, shuffle=False, num_workers=workers)), size, 0])
+        if not live:
+            continue
+        slot = live[int(rng.integers(len(live)))]
+        batch = next(slot[0], None)
+        if batch is None:
+            live.remove(slot)
+            continue
+        size, i = slot[1], slot[2]
+        slot[2] += 1
+        assert torch.equal(batch, ref[size * i:size * (i + 1)])
+        what = rng.random()
+        if what < 0.3:
+            held.append((batch, ref[size * i:size * (i + 1)]))
+        elif what < 0.5:
+            batch.fill_(float("nan"))
+        if held and rng.random() < 0.2:
+            held.pop(int(rng.integers(len(held))))
+    assert held
+    for batch, want in held:
+        assert torch.equal(batch, want)
+
+
+def test_a_resumed_stream_saved_and_resumed_again_and_a_seeded_loaders_second_epoch(
+        ) -> None:
+    from torch.utils.data import DataLoader
+
+    inputs = tagged_inputs(14)
+    head, state = saved_after(inputs, 1)
+    first = stream(inputs)
+    first.load_state_dict(state)
+    it = iter(first)
+    head += [next(it), next(it)]
+    second = stream([x.clone() for x in inputs])
+    second.load_state_dict(first.state_dict())
+    assert as_sorted(torch.cat(head + list(second))) == every_row(inputs)
+    data = torch.stack(inputs)[:, 0]
+
+    def loader() -> Any:
+        return DataLoader(data, batch_size=1, shuffle=True,
+                          generator=torch.Generator().manual_seed(11))
+
+    s = stream(loader())
+    list(s)  # epoch 0: the generator's first permutation
+    it = iter(s)
+    next(it)
+    state = s.state_dict()  # epoch 1: its second
+    fresh = stream(loader())  # a new process: its first permutation again
+    fresh.load_state_dict(state)
+    with pytest.raises(fxprobe.ConfigError, match="not the ones"):
+        list(fresh)

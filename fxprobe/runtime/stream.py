@@ -409,9 +409,10 @@ _NO_SITE_LIMIT = 256
 
 def _resumable(inputs: Any) -> bool:
     """Whether ``inputs`` save and restore their own place (torchdata's
-    ``StatefulDataLoader``): a ``state_dict`` and a ``load_state_dict``, on an iterable that
-    is not indexed (a map-style dataset, ``CaptureDataset`` among them, is iterated from its
-    first item each time: its state_dict is its settings, not a place) nor a module."""
+    ``StatefulDataLoader``, Hugging Face's ``IterableDataset``): a ``state_dict`` and a
+    ``load_state_dict`` on an object with its own ``__iter__``. One without (a map-style
+    dataset, ``CaptureDataset`` among them) is iterated by index from its first item each
+    time: its state_dict is its settings, not a place; nor is a module's."""
     return callable(getattr(inputs, "state_dict", None)) and \
         callable(getattr(inputs, "load_state_dict", None)) and \
-        not hasattr(type(inputs), "__getitem__") and not isinstance(inputs, torch.nn.Module)
+        hasattr(type(inputs), "__iter__") and not isinstance(inputs, torch.nn.Module)

@@ -503,3 +503,17 @@ def test_a_resumed_stream_saved_and_resumed_again_and_a_seeded_loaders_second_ep
     fresh.load_state_dict(state)
     with pytest.raises(fxprobe.ConfigError, match="not the ones"):
         list(fresh)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pin_memory_reads_the_rows_with_or_without_an_accelerator(tmp_path: Path,
+                                                                  workers: int) -> None:
+    written = write(tmp_path, 3, 3000)
+    ds = fxprobe.open_captures(tmp_path).dataset("h")
+    if torch.accelerator.is_available():
+        got = list(ds.loader(4, shuffle=False, num_workers=workers, pin_memory=True))
+        assert all(b.is_pinned() for b in got)
+    else:  # DataLoader's way: a warning, batches not pinned (threads raised before)
+        with pytest.warns(UserWarning, match="pin"):
+            got = list(ds.loader(4, shuffle=False, num_workers=workers, pin_memory=True))
+    assert torch.equal(torch.cat(got), flat(written, "h", 2))

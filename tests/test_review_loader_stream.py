@@ -517,3 +517,19 @@ def test_pin_memory_reads_the_rows_with_or_without_an_accelerator(tmp_path: Path
         with pytest.warns(UserWarning, match="pin"):
             got = list(ds.loader(4, shuffle=False, num_workers=workers, pin_memory=True))
     assert torch.equal(torch.cat(got), flat(written, "h", 2))
+
+
+def test_an_accelerate_prepared_dataloader_saves_and_resumes() -> None:
+    # accelerate's DataLoaderShard has state_dict()/load_state_dict() methods, which raise
+    # unless it wraps a StatefulDataLoader: the stream skips and checks its inputs instead.
+    shard = pytest.importorskip("accelerate.data_loader", reason="accelerate is not installed")
+    inputs = tagged_inputs(12)
+    data = torch.stack(inputs)[:, 0]
+    s = stream(shard.DataLoaderShard(data, batch_size=1))
+    it = iter(s)
+    head = [next(it), next(it)]
+    state = s.state_dict()
+    assert state["inputs"] is None
+    resumed = stream(shard.DataLoaderShard(data, batch_size=1))
+    resumed.load_state_dict(state)
+    assert as_sorted(torch.cat(head + list(resumed))) == every_row(inputs)

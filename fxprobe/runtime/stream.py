@@ -412,7 +412,9 @@ def _resumable(inputs: Any) -> bool:
     ``StatefulDataLoader``, Hugging Face's ``IterableDataset``): a ``state_dict`` and a
     ``load_state_dict`` on an object with its own ``__iter__``. One without (a map-style
     dataset, ``CaptureDataset`` among them) is iterated by index from its first item each
-    time: its state_dict is its settings, not a place; nor is a module's."""
+    time: its state_dict is its settings, not a place; nor is a module's. accelerate's
+    ``DataLoaderShard`` has the methods, which raise unless ``use_stateful_dataloader``."""
     return callable(getattr(inputs, "state_dict", None)) and \
         callable(getattr(inputs, "load_state_dict", None)) and \
-        hasattr(type(inputs), "__iter__") and not isinstance(inputs, torch.nn.Module)
+        hasattr(type(inputs), "__iter__") and not isinstance(inputs, torch.nn.Module) and \
+        getattr(inputs, "use_stateful_dataloader", True) is not False

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from test_sae_stream import Tag, as_sorted
@@ -138,6 +139,10 @@ def test_the_checksum_never_raises_and_tells_odd_tensors_apart() -> None:
         tags([torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)]), None, "s",
               {"k": [1, [2, (3,)]]}])
     assert tags([1, [2, 3]]) != tags([1, [2, 4]])
+    big = np.arange(6, dtype=">f4")  # not the machine's byte order: torch.from_numpy refuses
+    assert tags({"a": big}) == tags({"a": big.astype("<f4")}) != tags({"a": big[::-1]})
+    assert tags(np.array(["x", None, 2], dtype=object)) != tags(np.array(["y", None, 2],
+                                                                         dtype=object))
 
 
 def test_a_stream_over_odd_inputs_runs_and_resumes() -> None:

@@ -74,7 +74,11 @@ class InputTrail:
     def add(self, item: Any) -> None:
         desc: list[str] = []
         tensors: list[torch.Tensor] = []
-        self._walk(item, desc, tensors)
+        try:
+            self._walk(item, desc, tensors)
+        except Exception:  # an input part that cannot be read: never fail a forward
+            desc.append("unreadable")
+            self.opaque = self.opaque or type(item).__qualname__
         self._py = (self._py * _MUL + zlib.crc32("\x1f".join(desc).encode())) % _MOD
         for x in tensors:
             try:
@@ -108,8 +112,9 @@ class InputTrail:
         elif isinstance(x, _PLAIN):
             desc.append(f"{type(x).__name__} {x!r}")
         elif isinstance(x, np.ndarray) and x.dtype.kind in "biufc":
-            desc.append(f"ndarray {x.dtype}")
-            self._walk(torch.from_numpy(np.ascontiguousarray(x)), desc, tensors)
+            native = x.astype(x.dtype.newbyteorder("="), copy=False)
+            desc.append(f"ndarray {native.dtype}")
+            self._walk(torch.from_numpy(np.ascontiguousarray(native)), desc, tensors)
         elif isinstance(x, (np.ndarray, np.generic)):
             desc.append(f"numpy {x.dtype}")
             self._walk(x.tolist(), desc, tensors)

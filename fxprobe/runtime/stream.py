@@ -123,6 +123,7 @@ class ActivationStream:
         """Each site's normalization factor (batches are multiplied by it), or None."""
         self.epoch = 0
         self._resume: dict[str, Any] | None = None
+        self._loaded: dict[str, Any] | None = None  # a state loaded, not yet iterated from
         self._state: dict[str, Any] = self._fresh()
         self._store: dict[str, torch.Tensor] = {}
         self._gen: torch.Generator | None = None
@@ -136,12 +137,15 @@ class ActivationStream:
                 "phase": "fill"}
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its beginning at the next iteration."""
+        """Start epoch ``epoch`` from its beginning at the next iteration; after
+        :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps its place (the
+        ``DistributedSampler`` loop calls it before each epoch, the resumed one too)."""
+        if int(epoch) != self.epoch:
+            self._resume = self._loaded = None
         self.epoch = int(epoch)
-        self._resume = None
 
     def __iter__(self) -> Iterator[Any]:
-        resume, self._resume = self._resume, None
+        resume, self._resume, self._loaded = self._resume, None, None
         st = self._fresh()
         store: dict[str, torch.Tensor] = {}
         g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -212,6 +216,13 @@ class ActivationStream:
                 raise ConfigError(f"load_state_dict: the state consumed {consumed} "
                                   "inputs of this epoch; these inputs have fewer")
             self._trail.add(item)
+        if saved is not None and self._trail.opaque:
+            raise ConfigError(
+                f"load_state_dict: the inputs hold {self._trail.opaque} objects, which fxprobe "
+                "cannot compare by value, so it cannot check that the inputs it would skip are "
+                "the ones the saved stream ran. Pass inputs of tensors (in dicts, lists, "
+                "tuples, dataclasses), or inputs that resume themselves (torchdata's "
+                "StatefulDataLoader: the stream saves and restores its state_dict())")
         if saved is not None and self._trail.state() != list(saved):
             raise ConfigError(
                 f"load_state_dict: the first {consumed} inputs of this epoch are not the ones "
@@ -325,6 +336,8 @@ class ActivationStream:
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands: epoch, inputs consumed in it, the buffer's rows (on the
         CPU), the shuffle's generator and the normalization factors."""
+        if self._loaded is not None:  # loaded, not iterated yet: still that place
+            return dict(self._loaded)
         st = self._state
         store = self._store
         rng = self._gen.get_state() if self._gen is not None else None
@@ -353,6 +366,7 @@ class ActivationStream:
         progress = dict(state["progress"])
         if state["rng"] is None or not progress["consumed"]:
             self._resume = None  # at an epoch's start
+            self._loaded = dict(state)  # what state_dict() gives until the next iteration
             return
         # Even after the epoch's last batch: the next iteration then ends that epoch (no
         # batch, as the original's would) and the one after is the next epoch.
@@ -365,6 +379,7 @@ class ActivationStream:
         self._resume = {"progress": progress, "rng": state["rng"], "inputs": inputs,
                         "trail": state.get("trail"),
                         "buffer": {n: t.to(device) for n, t in state["rows"].items()}}
+        self._loaded = dict(state)
 
     def _device(self) -> torch.device:
         p = next(iter(getattr(self.tapped, "parameters", lambda: iter(()))()), None)
@@ -394,6 +409,12 @@ _NO_SITE_LIMIT = 256
 
 def _resumable(inputs: Any) -> bool:
     """Whether ``inputs`` save and restore their own place (torchdata's
-    ``StatefulDataLoader``): a ``state_dict`` and a ``load_state_dict``."""
+    ``StatefulDataLoader``, Hugging Face's ``IterableDataset``): a ``state_dict`` and a
+    ``load_state_dict`` on an object with its own ``__iter__``. One without (a map-style
+    dataset, ``CaptureDataset`` among them) is iterated by index from its first item each
+    time: its state_dict is its settings, not a place; nor is a module's. accelerate's
+    ``DataLoaderShard`` has the methods, which raise unless ``use_stateful_dataloader``."""
     return callable(getattr(inputs, "state_dict", None)) and \
-        callable(getattr(inputs, "load_state_dict", None))
+        callable(getattr(inputs, "load_state_dict", None)) and \
+        hasattr(type(inputs), "__iter__") and not isinstance(inputs, torch.nn.Module) and \
+        getattr(inputs, "use_stateful_dataloader", True) is not False

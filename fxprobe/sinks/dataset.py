@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict
@@ -348,8 +349,13 @@ class CaptureDataset(Dataset[Any]):
                               f"takes pin_memory= and prefetch_factor=, not {unknown}; pass "
                               "DataLoader(ds, batch_size=None, sampler=...) for worker "
                               "processes")
+        pin = bool(kwargs.get("pin_memory", False))
+        if pin and not torch.accelerator.is_available():  # as DataLoader: a warning, unpinned
+            warnings.warn("ds.loader(pin_memory=True): no accelerator is found, so batches are "
+                          "not pinned", UserWarning, stacklevel=2)
+            pin = False
         return ThreadedBatches(self, sampler, num_workers, int(kwargs.get("prefetch_factor", 2)),
-                               bool(kwargs.get("pin_memory", False)))
+                               pin)
 
     def __repr__(self) -> str:
         what = self.names[0] if self._single else list(self.names)

@@ -67,7 +67,7 @@ def _crc(t: torch.Tensor) -> int:
     t = t.resolve_conj().resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)
-    return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class InputTrail:

@@ -573,8 +573,8 @@ def readers_markdown(t: dict[str, Any]) -> str:
         f"(commit {t['commit']}; torch {t['machine']['torch']}, {t['machine']['cpus']} CPUs)",
         "",
         "| reader | warm: 1st epoch rows/s | warm: 2nd epoch | x memmap (2nd) | x sorted memmap "
-        "(2nd) | cold: 1st epoch rows/s (MB/s) | peak RSS growth, warm |",
-        "|---|---|---|---|---|---|---|",
+        "(2nd) | cold: 1st epoch rows/s (MB/s) | peak RSS growth, warm | of it anonymous |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     mm2 = med(x["second"] for x in t["readers"]["memmap"]["warm"])
     ms2 = med(x["second"] for x in t["readers"]["memmap_sorted"]["warm"])
@@ -583,9 +583,12 @@ def readers_markdown(t: dict[str, Any]) -> str:
         w1, w2 = med(x["first"] for x in warm), med(x["second"] for x in warm)
         c1 = med(x["first"] for x in cold)
         rss = med(x["peak_growth_mib"] for x in warm)
+        anon = [x["anon_growth_mib"] for x in warm if "anon_growth_mib" in x]
+        own = f"{med(anon):.0f} MiB" if anon else "-"
         lines.append(f"| {label} | {w1 / 1e3:.0f}k | {w2 / 1e3:.0f}k | {w2 / mm2:.2f} | "
                      f"{w2 / ms2:.2f} | "
-                     f"{c1 / 1e3:.0f}k ({c1 * t['width'] * 4 / 1e6:.0f}) | {rss:.0f} MiB |")
+                     f"{c1 / 1e3:.0f}k ({c1 * t['width'] * 4 / 1e6:.0f}) | {rss:.0f} MiB | "
+                     f"{own} |")
     sae = {k: med(v) for k, v in t["sae_rows_per_s"].items()}
     lines += ["", f"A tiny SAE ({t['width']} -> {4 * t['width']} -> {t['width']}, ReLU, Adam; "
               f"`benchmarks.stream.SAE`) trained on {t['sae_steps']} batches of {t['batch']} "
@@ -598,7 +601,10 @@ def readers_markdown(t: dict[str, Any]) -> str:
         "",
         f"Disk sequential read (`dd bs=4M` of the shard, cache dropped): {dd:.0f} MB/s "
         f"(per round: {', '.join(f'{x:.0f}' for x in t['dd_mb_s'])}). Memmap floor, 2nd epoch: "
-        f"warm {floor['warm'] / 1e3:.0f}k rows/s. Medians of {len(t['dd_mb_s'])} interleaved "
+        f"warm {floor['warm'] / 1e3:.0f}k rows/s. Peak RSS counts the pages of the files a "
+        "reader maps (the site's bytes, once read); \"of it anonymous\" is the reader's own "
+        "memory, the largest seen after any batch (`/proc/self/statm`: resident - shared). "
+        f"Medians of {len(t['dd_mb_s'])} interleaved "
         "rounds, each reader in a fresh process; cold = its files dropped from the page cache "
         "(`posix_fadvise(DONTNEED)`) before its first epoch; the 2nd epoch is warm in both. "
         f"Load average before/after {t['loadavg_before_after'][0]:.1f}/"

@@ -152,3 +152,34 @@ def test_a_cache_under_an_edit_of_a_block_reads_what_the_next_block_gets(edited:
                 assert torch.equal(cache[n], seen[n][0]), (selector, n)
     finally:
         tapped.remove()
+
+
+def test_a_block_open_when_dynamo_stops_never_runs_its_forwards_unedited() -> None:
+    """A block edits an op inside a module (``inner.relu_1``); dynamo stops capturing the
+    module past its recompile limit inside the block (that forward raises, as documented).
+    The next forward in the same block ran the module as written without the edit, silently
+    (long mode, shrunk): it raises too. Edits of the module's calls (hook sites) still work."""
+    spec = SPECS["twice-auto"]
+    model, reference = spec.build(), spec.build()
+    x = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in
+         enumerate([(2, 3, 4), (2, 2, 2, 4), (4,)])]
+    fn = edit_fn(-4.0, None)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+        try:
+            tapped.run_with_cache(x[0], names="inner.*")
+            with tapped.intervene({"inner.relu_1": fn}):
+                with pytest.raises(fxprobe.DynamoError, match="recompile_limit"):
+                    tapped.run_with_cache(x[1])  # dynamo stops here
+                with pytest.raises(fxprobe.DynamoError, match="inner.relu_1"):
+                    tapped(x[2])  # ran unedited
+            assert torch.equal(tapped(x[2]), reference(x[2]))  # outside: as written
+            hook = edit_fn(0.5, 1)
+            with tapped.intervene({"inner.fc_3": hook}):  # a module call: a hook site
+                out = tapped(x[2])
+            ref, _ = run(reference, lambda: reference(x[2]), [(spec.points["inner.fc_3"], hook)],
+                         {})
+            assert torch.equal(out, ref)
+        finally:
+            tapped.remove()

@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -124,6 +124,9 @@ class Lifecycle:
         region = self.program.dynamo[path]
         state = self.state[path]
         if state is State.FALLBACK:
+            table = region.pipeline.per_call.table
+            if table is not None:
+                self._refuse_lost_edits(path, table.fns)
             return own(*args, **kwargs)
         if state is State.PENDING:
             self._move(path, State.DYNAMO)
@@ -171,6 +174,23 @@ class Lifecycle:
             if state is State.PENDING:  # fails as written too: not dynamo's failure
                 self._move(path, State.PENDING)
             raise
+
+    def _refuse_lost_edits(self, path: str, edited: Iterable[str]) -> None:
+        """Raise where a per-call block edits sites of the module at ``path`` that only
+        dynamo's graphs reached: run as written, it would silently go unedited (a block
+        entered before dynamo stopped capturing it, or one made since from its old sites)."""
+        region = self.program.dynamo[path]
+        covers = self.program.deferred[path].sites
+        hooked = re.compile("|".join(re.escape(k) + r"(_\d+)?" for k in covers) or "(?!)")
+        lost = [n for n in edited if n in region.sites and not hooked.fullmatch(n)]
+        if lost:
+            raise DynamoError(
+                f"{region.what} runs as written since torch dynamo stopped capturing it "
+                f"({self.reasons.get(path, 'failed')}), and this block edits {some(lost, 5)}, "
+                "which only dynamo's graphs reached: the forward is not run without the "
+                "edit. Edit the module's calls instead (its hook sites), or raise "
+                "torch._dynamo.config.recompile_limit / call torch._dynamo.reset() and tap "
+                "again.")
 
     def _warn_fallen(self, path: str, what: str, reason: str,
                      before: Sequence[Site], earlier: bool) -> None:

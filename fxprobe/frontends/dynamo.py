@@ -41,6 +41,7 @@ from ..core.view import CapturedGraph, DynamoInfo
 from . import sharding
 from .attention import attention_probs, attention_scores, drive_output
 from .canonical import annotate
+from .dynamo_inline import ENABLED, carries_cache, inline_calls, marked, repeated_blocks
 from .dynamo_names import (
     FILE_LINE,
     INPUT,
@@ -266,6 +267,8 @@ class DynamoRegion:
         capture: a new size there is captured again (``dynamo_shapes``)."""
         self.offloaded = offloaded(module)
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
+        self.blocks = repeated_blocks(module) if ENABLED else []
+        """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
 
     @property
     def what(self) -> str:
@@ -310,6 +313,7 @@ class DynamoRegion:
     def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """The torch.compile backend: each captured graph is tapped and runs eagerly."""
         self.graphs += 1
+        inline_calls(gm, self.module_ids, self.module)  # blocks dynamo traced once
         captured = _Captured(self, gm, example_inputs)  # marks the forward's inputs
         if self.graphs == 1:
             self.static = static_inputs(gm, INPUT, {n for t in self.state for n in t.shape})
@@ -432,7 +436,8 @@ class DynamoRegion:
             config.fail_on_recompile_limit_hit = True
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
-                with weights_loaded(self.offloaded):
+                with weights_loaded(self.offloaded), marked(
+                        [] if carries_cache(self.module, kwargs) else self.blocks):
                     if self.calls == 1:  # dynamo compiles now: its pages of messages made one
                         result = self._first(*args, **kwargs)
                     else:

@@ -1,0 +1,234 @@
+"""Repeated blocks traced once by torch dynamo, then inlined back into one flat graph.
+
+Dynamo's symbolic tracing of a deep model costs about the same for every decoder layer. torch's
+``nested_compile_region`` (``torch.compiler``) lets dynamo trace a marked function once and
+reuse the traced body for every later call whose inputs match: the captured graph then holds
+one ``invoke_subgraph`` call per layer, all sharing one body graph. fxprobe marks, on its own
+copy of the model (never the model), the forward of each module of a ``ModuleList`` of two or
+more modules of one class (the outermost such lists: a model's layers), for the calls that carry
+no cache (:func:`carries_cache`: a cache update mutates Python objects, dynamo then traces every
+layer anyway, and the marking only costs). The backend then :func:`inline_calls` every
+``invoke_subgraph`` call before anything names the graph: the body's nodes are copied at each
+call, each copy's ``nn_module_stack`` and ``stack_trace`` rewritten from the traced instance to
+the called one (``layers.0`` -> ``layers.7``), so that naming, the canonical pass, the taps and
+the intervention points see the graph dynamo captures without the marking, node for node::
+
+    getitem(invoke_subgraph(body, "subgraph_0", x, w7...), 0)  ->  body's nodes on (x, w7...)
+
+``FXPROBE_DYNAMO_REGIONS=0`` turns the marking off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..core.errors import DynamoError
+
+ENABLED = os.environ.get("FXPROBE_DYNAMO_REGIONS", "1") != "0"
+_OVERRIDE = "_fxprobe_override"  # frontends.mirror's mark of a forward fxprobe installed
+
+
+def repeated_blocks(root: nn.Module) -> list[nn.Module]:
+    """The modules whose forward is marked: the children of each outermost ``ModuleList`` of
+    two or more modules of one class, none with a forward of its own on the instance."""
+    found: list[nn.Module] = []
+    taken: set[int] = set()
+    for _name, m in root.named_modules():
+        if id(m) in taken or not isinstance(m, nn.ModuleList):
+            continue
+        children = list(m)
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        if any("forward" in c.__dict__ for c in children):
+            continue  # a forward replaced on the instance (a wrapper, fxprobe's dispatcher)
+        if len({id(c) for c in children}) != len(children):
+            continue  # one module listed twice
+        found.extend(children)
+        taken.update(id(x) for c in children for x in c.modules())
+    return found
+
+
+def carries_cache(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call will carry a key/value cache: ``past_key_values`` given, or ``use_cache``
+    (the argument, else the module's ``config.use_cache``) true in a model that is no encoder
+    (``config.is_decoder`` false: BERT's layers ignore ``use_cache``)."""
+    if kwargs.get("past_key_values") is not None:
+        return True
+    config = getattr(module, "config", None)
+    use = kwargs.get("use_cache", getattr(config, "use_cache", None))
+    return bool(use) and bool(getattr(config, "is_decoder", True))
+
+
+@contextlib.contextmanager
+def marked(blocks: list[nn.Module]) -> Iterator[None]:
+    """Each block's forward marked as a nested compile region for the duration of the call
+    (dynamo guards on it; code run as written sees the same function)."""
+    if not blocks:
+        yield
+        return
+    fn = _marked(type(blocks[0]).forward)
+    try:
+        for b in blocks:
+            object.__setattr__(b, "forward", types.MethodType(fn, b))
+        yield
+    finally:
+        for b in blocks:
+            b.__dict__.pop("forward", None)
+
+
+_MARKED: dict[Any, Any] = {}
+
+
+def _marked(forward: Any) -> Any:
+    """One marked function per forward (dynamo reuses a body per marked function)."""
+    fn = _MARKED.get(forward)
+    if fn is None:
+        fn = torch.compiler.nested_compile_region(forward)
+        setattr(fn, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
+        fn = _MARKED[forward] = fn
+    return fn
+
+
+def _is_call(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+
+
+def _fail(node: fx.Node, why: str) -> DynamoError:
+    return DynamoError(
+        f"fxprobe could not inline the block dynamo captured once ({node.format_node()}): "
+        f"{why}. Set FXPROBE_DYNAMO_REGIONS=0 to capture every block on its own.")
+
+
+def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Module) -> int:
+    """Inline every ``invoke_subgraph`` call of ``gm`` (see the module docstring); the number
+    of calls inlined. ``module_ids``: the path of every module of ``root`` (the region's module,
+    which dynamo's ``nn_module_stack`` keys by ``id``)."""
+    graph = gm.graph
+    calls = [n for n in graph.nodes if _is_call(n)]
+    if not calls:
+        return 0
+    traced: dict[str, fx.Node] = {}  # the first call of each body: the one dynamo traced
+    for call in calls:
+        traced.setdefault(str(call.args[0].target), call)  # type: ignore[union-attr]
+    for call in calls:
+        attr = call.args[0]
+        if not isinstance(attr, fx.Node) or attr.op != "get_attr":
+            raise _fail(call, "its body is not a submodule of the graph")
+        body = gm.get_submodule(str(attr.target))
+        if not isinstance(body, fx.GraphModule):
+            raise _fail(call, "its body is not a graph")
+        inline_calls(body, module_ids, root)  # a marked block inside a marked block
+        _inline(graph, call, body.graph, traced[str(attr.target)], module_ids, root)
+        if not attr.users:
+            graph.erase_node(attr)
+    graph.lint()
+    gm.recompile()
+    return len(calls)
+
+
+def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph, first: fx.Node,
+            module_ids: Mapping[int, str], root: nn.Module) -> None:
+    operands = list(call.args[2:])
+    holders = [n for n in body.nodes if n.op == "placeholder"]
+    if len(holders) != len(operands) or call.kwargs:
+        raise _fail(call, f"{len(operands)} operands for {len(holders)} inputs")
+    env: dict[fx.Node, Any] = {}
+    for holder, operand in zip(holders, operands):
+        env[holder] = operand
+        want = holder.meta.get("example_value")
+        got = operand.meta.get("example_value") if isinstance(operand, fx.Node) else operand
+        if isinstance(want, torch.Tensor) and not isinstance(got, torch.Tensor):
+            # A float attribute (an epsilon) lifted as a tensor at the traced call and handed
+            # over as its ``.item()`` at the later ones: the body reads it through ``.item()``.
+            if not all(u.op == "call_method" and u.target == "item" for u in holder.users):
+                raise _fail(call, f"input {holder.name} is a tensor in the body, not here")
+            env.update((u, operand) for u in holder.users)
+    retarget = _Retarget(call, first, module_ids, root)
+    out: Any = None
+    with graph.inserting_before(call):
+        for node in body.nodes:
+            if node.op == "placeholder" or node in env:
+                continue
+            if node.op == "output":
+                out = node.args[0]
+                continue
+            copy = graph.node_copy(node, lambda n: env[n])
+            copy.meta = retarget(node.meta)
+            env[node] = copy
+    if not isinstance(out, (tuple, list)):
+        raise _fail(call, "its body returns no tuple")
+    for user in list(call.users):
+        if user.op != "call_function" or user.target.__name__ != "getitem" or not isinstance(
+                user.args[1], int):
+            raise _fail(call, f"its result is read by {user.format_node()}, not an index")
+        value = out[user.args[1]]
+        user.replace_all_uses_with(env[value] if isinstance(value, fx.Node) else value)
+        graph.erase_node(user)
+    graph.erase_node(call)
+    # Sizes the body reads of its inputs (``x.shape[0]``) and never uses: dynamo records no
+    # node for them when it traces the block in place, where the inputs' sizes are known.
+    copies = [n for n in env.values() if isinstance(n, fx.Node) and n.graph is graph
+              and n.op != "placeholder"]
+    for node in reversed(copies):
+        if not node.users and not isinstance(node.meta.get("example_value"), torch.Tensor):
+            graph.erase_node(node)
+
+
+class _Retarget:
+    """A body node's metadata, moved from the instance dynamo traced to the one called: its
+    ``nn_module_stack`` below the block and its ``stack_trace`` below the call line."""
+
+    def __init__(self, call: fx.Node, first: fx.Node, module_ids: Mapping[int, str],
+                 root: nn.Module) -> None:
+        self.stack = list((call.meta.get("nn_module_stack") or {}).items())
+        first_stack = list((first.meta.get("nn_module_stack") or {}).items())
+        if not self.stack or len(first_stack) != len(self.stack):
+            raise _fail(call, "its module stack is not that of the block dynamo traced")
+        self.call, self.root, self.module_ids = call, root, module_ids
+        self.block = self._rel(call, self.stack[-1][0])
+        self.traced = self._rel(call, first_stack[-1][0])
+        self.keys = [k for k, _ in first_stack]
+        self.trace = (first.meta.get("stack_trace") or "").rstrip("\n").splitlines()
+        self.new_trace = (call.meta.get("stack_trace") or "").rstrip("\n").splitlines()
+
+    def _rel(self, node: fx.Node, key: str) -> str:
+        ident = str(key).split("@", 1)[0]
+        rel = self.module_ids.get(int(ident)) if ident.isdigit() else None
+        if rel is None:
+            raise _fail(node, f"module stack entry {key!r} is no module of the region")
+        return rel
+
+    def __call__(self, meta: dict[str, Any]) -> dict[str, Any]:
+        meta = dict(meta)
+        stack = list((meta.get("nn_module_stack") or {}).items())
+        d = len(self.stack)
+        if [k for k, _ in stack[:d]] != self.keys:
+            raise _fail(self.call, "a node of its body runs outside the block")
+        new = dict(self.stack)
+        for key, (_path, cls) in stack[d:]:
+            rel = self._rel(self.call, key)
+            if not rel.startswith(self.traced + "."):
+                raise _fail(self.call, f"{rel!r} is not inside {self.traced!r}")
+            suffix = rel[len(self.traced):]
+            module = self.root.get_submodule(self.block + suffix)
+            if type(module) is not cls:
+                raise _fail(self.call, f"{self.block + suffix!r} is no {cls.__name__}")
+            tail = str(key)[len(str(key).split("@", 1)[0]):]
+            new[f"{id(module)}{tail}"] = (self.stack[-1][1][0] + suffix, cls)
+        meta["nn_module_stack"] = new
+        trace = (meta.get("stack_trace") or "").rstrip("\n").splitlines()
+        if trace:
+            if trace[: len(self.trace)] != self.trace:
+                raise _fail(self.call, "the body's stack trace does not start at the call")
+            meta["stack_trace"] = "\n".join([*self.new_trace, *trace[len(self.trace):]]) + "\n"
+        fns = meta.get("source_fn_stack")
+        if fns and fns[0][0].startswith("invoke_subgraph"):
+            meta["source_fn_stack"] = fns[1:]
+        return meta

@@ -21,9 +21,10 @@ the intervention points see the graph dynamo captures without the marking, node 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import os
-import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,11 @@ from torch import fx, nn
 
 from ..core.errors import DynamoError
 
-ENABLED = os.environ.get("FXPROBE_DYNAMO_REGIONS", "1") != "0"
+
+def enabled() -> bool:
+    """Whether repeated blocks are marked (``FXPROBE_DYNAMO_REGIONS=0`` turns it off; read as
+    each tapped module is built)."""
+    return os.environ.get("FXPROBE_DYNAMO_REGIONS", "1") != "0"
 _OVERRIDE = "_fxprobe_override"  # frontends.mirror's mark of a forward fxprobe installed
 
 
@@ -66,21 +71,50 @@ def carries_cache(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
     return bool(use) and bool(getattr(config, "is_decoder", True))
 
 
+def marks(blocks: list[nn.Module]) -> list[tuple[nn.Module, Any]]:
+    """Each block with its forward marked as a nested compile region, bound once (dynamo
+    guards on the forward it finds: the same object at every call)."""
+    out = []
+    for block in blocks:
+        # A partial, not a bound method: torch 2.13 stamps out the first instance's weights
+        # for every later call of a marked bound method on an instance (a wrong answer).
+        forward = functools.partial(_marked(type(block).forward), block)
+        setattr(forward, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
+        out.append((block, forward))
+    return out
+
+
 @contextlib.contextmanager
-def marked(blocks: list[nn.Module]) -> Iterator[None]:
-    """Each block's forward marked as a nested compile region for the duration of the call
-    (dynamo guards on it; code run as written sees the same function)."""
-    if not blocks:
-        yield
-        return
-    fn = _marked(type(blocks[0]).forward)
+def marked(blocks: list[tuple[nn.Module, Any]]) -> Iterator[None]:
+    """The marked forwards (:func:`marks`) installed on fxprobe's copy for the duration of a
+    call; code run as written inside it runs the same function."""
     try:
-        for b in blocks:
-            object.__setattr__(b, "forward", types.MethodType(fn, b))
+        for block, forward in blocks:
+            object.__setattr__(block, "forward", forward)
         yield
     finally:
-        for b in blocks:
-            b.__dict__.pop("forward", None)
+        for block, _forward in blocks:
+            block.__dict__.pop("forward", None)
+
+
+def run_marked(blocks: list[tuple[nn.Module, Any]], run: Callable[[], Any],
+               ran: Callable[[], bool], unmark: Callable[[], None]) -> Any:
+    """``run()`` with ``blocks`` marked; where dynamo fails on the marked blocks (a graph break
+    inside one, which a nested compile region cannot hold; a reuse limit) before any of
+    fxprobe's graphs ran (``ran()``), ``unmark()`` (for good: each block is then traced on its
+    own, as without the marking) and ``run()`` again."""
+    if not blocks:
+        return run()
+    try:
+        with marked(blocks), torch._dynamo.config.patch(specialize_float=True):
+            return run()
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        raise
+    except torch._dynamo.exc.TorchDynamoException:
+        if ran():
+            raise
+    unmark()
+    return run()
 
 
 _MARKED: dict[Any, Any] = {}
@@ -90,9 +124,8 @@ def _marked(forward: Any) -> Any:
     """One marked function per forward (dynamo reuses a body per marked function)."""
     fn = _MARKED.get(forward)
     if fn is None:
-        fn = torch.compiler.nested_compile_region(forward)
+        fn = _MARKED[forward] = torch.compiler.nested_compile_region(forward)
         setattr(fn, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
-        fn = _MARKED[forward] = fn
     return fn
 
 
@@ -106,17 +139,34 @@ def _fail(node: fx.Node, why: str) -> DynamoError:
         f"{why}. Set FXPROBE_DYNAMO_REGIONS=0 to capture every block on its own.")
 
 
-def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Module) -> int:
+def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Module,
+                 example_inputs: Sequence[Any]) -> tuple[int, int]:
     """Inline every ``invoke_subgraph`` call of ``gm`` (see the module docstring); the number
-    of calls inlined. ``module_ids``: the path of every module of ``root`` (the region's module,
-    which dynamo's ``nn_module_stack`` keys by ``id``)."""
+    of calls inlined and of the bodies dynamo traced for them. ``module_ids``: the path of
+    every module of ``root`` (the region's module; dynamo's ``nn_module_stack`` keys by
+    ``id``); ``example_inputs``: the graph's inputs (its first placeholders), to check that
+    each call reads the parameters and buffers of its own instance."""
     graph = gm.graph
     calls = [n for n in graph.nodes if _is_call(n)]
     if not calls:
-        return 0
-    traced: dict[str, fx.Node] = {}  # the first call of each body: the one dynamo traced
+        return 0, 0
+    values = dict(zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs,
+                      strict=False))
+    state: dict[int, list[str]] = {}
+    for name, t in [*root.named_parameters(remove_duplicate=False),
+                    *root.named_buffers(remove_duplicate=False)]:
+        state.setdefault(id(t), []).append(name)
+
+    def names(node: Any) -> list[str]:
+        value = values.get(node) if isinstance(node, fx.Node) else None
+        return state.get(id(value), []) if value is not None else []
+
+    # The first call of each body (the one dynamo traced): its operands and metadata, read
+    # before any call is inlined (an inlined call is erased).
+    traced: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     for call in calls:
-        traced.setdefault(str(call.args[0].target), call)  # type: ignore[union-attr]
+        traced.setdefault(str(call.args[0].target),  # type: ignore[union-attr]
+                          (tuple(call.args[2:]), dict(call.meta)))
     for call in calls:
         attr = call.args[0]
         if not isinstance(attr, fx.Node) or attr.op != "get_attr":
@@ -124,23 +174,35 @@ def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Mod
         body = gm.get_submodule(str(attr.target))
         if not isinstance(body, fx.GraphModule):
             raise _fail(call, "its body is not a graph")
-        inline_calls(body, module_ids, root)  # a marked block inside a marked block
-        _inline(graph, call, body.graph, traced[str(attr.target)], module_ids, root)
+        if any(_is_call(n) for n in body.graph.nodes):
+            raise _fail(call, "its body calls another marked block")
+        _inline(graph, call, body.graph, traced[str(attr.target)], module_ids, root, names)
         if not attr.users:
             graph.erase_node(attr)
     graph.lint()
     gm.recompile()
-    return len(calls)
+    return len(calls), len(traced)
 
 
-def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph, first: fx.Node,
-            module_ids: Mapping[int, str], root: nn.Module) -> None:
+def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph,
+            first: tuple[tuple[Any, ...], dict[str, Any]], module_ids: Mapping[int, str],
+            root: nn.Module, names: Callable[[Any], list[str]]) -> None:
     operands = list(call.args[2:])
     holders = [n for n in body.nodes if n.op == "placeholder"]
     if len(holders) != len(operands) or call.kwargs:
         raise _fail(call, f"{len(operands)} operands for {len(holders)} inputs")
+    retarget = _Retarget(call, first[1], module_ids, root)
+    for theirs, ours in zip(first[0], operands, strict=True):
+        # The traced instance's own parameter or buffer: this call's must be its twin in the
+        # called instance; any other (shared) one: the very same.
+        own = [n[len(retarget.traced):] for n in names(theirs)
+               if n.startswith(retarget.traced + ".")]
+        if own and not any(retarget.block + o in names(ours) for o in own):
+            raise _fail(call, f"it reads {names(ours) or ours} for {retarget.block + own[0]!r}")
+        if names(theirs) and not own and ours is not theirs:
+            raise _fail(call, f"it reads {names(ours) or ours} for {names(theirs)[0]!r}")
     env: dict[fx.Node, Any] = {}
-    for holder, operand in zip(holders, operands):
+    for holder, operand in zip(holders, operands, strict=True):
         env[holder] = operand
         want = holder.meta.get("example_value")
         got = operand.meta.get("example_value") if isinstance(operand, fx.Node) else operand
@@ -150,7 +212,6 @@ def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph, first: fx.Node,
             if not all(u.op == "call_method" and u.target == "item" for u in holder.users):
                 raise _fail(call, f"input {holder.name} is a tensor in the body, not here")
             env.update((u, operand) for u in holder.users)
-    retarget = _Retarget(call, first, module_ids, root)
     out: Any = None
     with graph.inserting_before(call):
         for node in body.nodes:
@@ -165,7 +226,7 @@ def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph, first: fx.Node,
     if not isinstance(out, (tuple, list)):
         raise _fail(call, "its body returns no tuple")
     for user in list(call.users):
-        if user.op != "call_function" or user.target.__name__ != "getitem" or not isinstance(
+        if user.op != "call_function" or user.target is not operator.getitem or not isinstance(
                 user.args[1], int):
             raise _fail(call, f"its result is read by {user.format_node()}, not an index")
         value = out[user.args[1]]
@@ -185,17 +246,17 @@ class _Retarget:
     """A body node's metadata, moved from the instance dynamo traced to the one called: its
     ``nn_module_stack`` below the block and its ``stack_trace`` below the call line."""
 
-    def __init__(self, call: fx.Node, first: fx.Node, module_ids: Mapping[int, str],
+    def __init__(self, call: fx.Node, first: dict[str, Any], module_ids: Mapping[int, str],
                  root: nn.Module) -> None:
         self.stack = list((call.meta.get("nn_module_stack") or {}).items())
-        first_stack = list((first.meta.get("nn_module_stack") or {}).items())
+        first_stack = list((first.get("nn_module_stack") or {}).items())
         if not self.stack or len(first_stack) != len(self.stack):
             raise _fail(call, "its module stack is not that of the block dynamo traced")
         self.call, self.root, self.module_ids = call, root, module_ids
         self.block = self._rel(call, self.stack[-1][0])
         self.traced = self._rel(call, first_stack[-1][0])
         self.keys = [k for k, _ in first_stack]
-        self.trace = (first.meta.get("stack_trace") or "").rstrip("\n").splitlines()
+        self.trace = (first.get("stack_trace") or "").rstrip("\n").splitlines()
         self.new_trace = (call.meta.get("stack_trace") or "").rstrip("\n").splitlines()
 
     def _rel(self, node: fx.Node, key: str) -> str:

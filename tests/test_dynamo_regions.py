@@ -5,6 +5,7 @@ the model untouched."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -230,6 +231,8 @@ class _Twice(nn.Module):
 
 
 class _Stack(nn.Module):
+    config = types.SimpleNamespace(use_cache=False)  # says it keeps no cache: marked
+
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_Twice() for _ in range(LAYERS))
@@ -316,8 +319,6 @@ def test_a_call_stamped_with_another_instances_weights_is_refused(
     """torch 2.13 stamps the first instance's weights into every later call of a marked
     forward bound as a method (``types.MethodType``): the inlining checks each call's
     parameters, refuses, and the blocks are traced each on its own, with the right values."""
-    import types
-
     from fxprobe.frontends import dynamo_inline
 
     monkeypatch.setattr(dynamo_inline, "marks", lambda blocks: [
@@ -331,3 +332,39 @@ def test_a_call_stamped_with_another_instances_weights_is_refused(
     for L, b in enumerate(model.blocks):
         torch.testing.assert_close(tapped.taps[f"blocks.{L}.lin"], b.lin(x if L == 0 else
                                    tapped.taps[f"blocks.{L - 1}.add"]))
+
+
+def test_marked_blocks_with_a_cache_give_the_right_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marked though the call carries a KV cache (``carries_cache`` guessed wrong): the
+    output and the cache are right. (The sites of the layer dynamo then traces in place are
+    not those of an unmarked trace: why a call that may carry a cache is not marked.)"""
+    from fxprobe.frontends import dynamo_inline
+
+    monkeypatch.setattr(dynamo_inline, "carries_cache", lambda module, kwargs: False)
+    kw = kwargs("Llama", use_cache=True)
+    runs = {}
+    for on in (False, True):
+        _, tapped = tap("Llama", monkeypatch, on)
+        with torch.no_grad():
+            out = tapped(**kw)
+        runs[on] = ([s.name for s in tapped.known_sites()], dict(tapped.taps), out.logits,
+                    out.past_key_values)
+    assert region(tapped).inlined[0] >= LAYERS - 1
+    torch.testing.assert_close(runs[True][2], references("Llama", kw)["out"])
+    assert torch.equal(runs[True][3].layers[3].keys, runs[False][3].layers[3].keys)
+
+
+def test_dropout_in_training_draws_as_without_regions(monkeypatch: pytest.MonkeyPatch) -> None:
+    kw = kwargs("GPT-2")
+    runs = {}
+    for on in (False, True):
+        _, tapped = tap("GPT-2", monkeypatch, on, ops="blocks.*.resid_post")
+        tapped.train()
+        torch.manual_seed(5)
+        out = tapped(**kw)
+        runs[on] = dict(tapped.taps), out.logits
+    assert runs[True][0].keys() == runs[False][0].keys() and len(runs[True][0]) == LAYERS
+    for name, value in runs[False][0].items():
+        assert torch.equal(runs[True][0][name], value), name
+    assert torch.equal(runs[True][1], runs[False][1])

@@ -61,14 +61,19 @@ def repeated_blocks(root: nn.Module) -> list[nn.Module]:
 
 
 def carries_cache(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call will carry a key/value cache: ``past_key_values`` given, or ``use_cache``
-    (the argument, else the module's ``config.use_cache``) true in a model that is no encoder
-    (``config.is_decoder`` false: BERT's layers ignore ``use_cache``)."""
-    if kwargs.get("past_key_values") is not None:
-        return True
+    """Whether a call may carry a key/value cache (the blocks are then not marked): a module
+    without a ``config`` (a model of the user's own, whose blocks may keep state), or
+    ``past_key_values`` given, or ``use_cache`` (the argument, else ``config.use_cache``) true
+    in a model that is no encoder (``config.is_decoder`` false and no encoder-decoder: BERT's
+    layers ignore ``use_cache``). On a wrong guess the output stays right but the sites of a
+    marked block that updates a cache and that dynamo traces in place (the first) are not
+    those of an unmarked trace (size reads named as sites, no module-call sites)."""
     config = getattr(module, "config", None)
+    if config is None or kwargs.get("past_key_values") is not None:
+        return True
     use = kwargs.get("use_cache", getattr(config, "use_cache", None))
-    return bool(use) and bool(getattr(config, "is_decoder", True))
+    return bool(use) and (bool(getattr(config, "is_decoder", True))
+                          or bool(getattr(config, "is_encoder_decoder", False)))
 
 
 def marks(blocks: list[nn.Module]) -> list[tuple[nn.Module, Any]]:
@@ -99,10 +104,13 @@ def marked(blocks: list[tuple[nn.Module, Any]]) -> Iterator[None]:
 
 def run_marked(blocks: list[tuple[nn.Module, Any]], run: Callable[[], Any],
                ran: Callable[[], bool], unmark: Callable[[], None]) -> Any:
-    """``run()`` with ``blocks`` marked; where dynamo fails on the marked blocks (a graph break
-    inside one, which a nested compile region cannot hold; a reuse limit) before any of
-    fxprobe's graphs ran (``ran()``), ``unmark()`` (for good: each block is then traced on its
-    own, as without the marking) and ``run()`` again."""
+    """``run()`` with ``blocks`` marked; where it fails before any of fxprobe's graphs ran
+    (``ran()``), ``run()`` again unmarked, and where that succeeds the failure was the
+    marking's (a graph break inside a block, which a nested compile region cannot hold;
+    dynamo's own assertions stamping a block; fxprobe's checks of the stamped calls):
+    ``unmark()`` for good (each block is then traced on its own, as without the marking).
+    Floats are specialized while marked: torch 2.13 fails to stamp a block that reads a
+    float attribute (an epsilon) lifted as an input."""
     if not blocks:
         return run()
     try:
@@ -110,11 +118,12 @@ def run_marked(blocks: list[tuple[nn.Module, Any]], run: Callable[[], Any],
             return run()
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         raise
-    except torch._dynamo.exc.TorchDynamoException:
+    except Exception:
         if ran():
             raise
+    result = run()  # the model's own error raises here too, and the marking stays
     unmark()
-    return run()
+    return result
 
 
 _MARKED: dict[Any, Any] = {}
@@ -174,8 +183,8 @@ def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Mod
         body = gm.get_submodule(str(attr.target))
         if not isinstance(body, fx.GraphModule):
             raise _fail(call, "its body is not a graph")
-        if any(_is_call(n) for n in body.graph.nodes):
-            raise _fail(call, "its body calls another marked block")
+        if any(_is_call(n) or n.op in ("get_attr", "call_module") for n in body.graph.nodes):
+            raise _fail(call, "its body calls another marked block or reads an attribute")
         _inline(graph, call, body.graph, traced[str(attr.target)], module_ids, root, names)
         if not attr.users:
             graph.erase_node(attr)
@@ -233,13 +242,23 @@ def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph,
         user.replace_all_uses_with(env[value] if isinstance(value, fx.Node) else value)
         graph.erase_node(user)
     graph.erase_node(call)
-    # Sizes the body reads of its inputs (``x.shape[0]``) and never uses: dynamo records no
-    # node for them when it traces the block in place, where the inputs' sizes are known.
-    copies = [n for n in env.values() if isinstance(n, fx.Node) and n.graph is graph
-              and n.op != "placeholder"]
-    for node in reversed(copies):
+    _fold_sizes(graph, [n for n in env.values() if isinstance(n, fx.Node)
+                        and n.graph is graph and n.op != "placeholder"])
+
+
+def _fold_sizes(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """What a stamped body computes of its inputs other than tensors (``x.shape[0]``) that
+    nothing uses: dynamo's trace of an unmarked block records no node for them."""
+    for node in reversed(nodes):
         if not node.users and not isinstance(node.meta.get("example_value"), torch.Tensor):
             graph.erase_node(node)
+
+
+def _constant(value: Any) -> bool:
+    """A size dynamo knows: a plain int or bool, or a shape of them (no symbol)."""
+    if isinstance(value, (tuple, list)):  # torch.Size included
+        return bool(value) and all(_constant(v) for v in value)
+    return type(value) in (int, bool)
 
 
 class _Retarget:

@@ -368,3 +368,42 @@ def test_dropout_in_training_draws_as_without_regions(monkeypatch: pytest.Monkey
     for name, value in runs[False][0].items():
         assert torch.equal(runs[True][0][name], value), name
     assert torch.equal(runs[True][1], runs[False][1])
+
+
+def test_a_per_call_edit_of_a_site_not_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edit of ``blocks.1.mlp_out`` while only the streams are selected runs the version
+    with a point at every site (``dynamo_versions``): the streams after it change as a hook
+    making the same edit on an untapped copy changes them."""
+    kw = kwargs("Llama")
+    _, tapped = tap("Llama", monkeypatch, True, ops="blocks.*.resid_post")
+    with torch.no_grad():
+        tapped(**kw)
+        with tapped.intervene({"blocks.1.mlp_out": lambda s, v: v * -2}):
+            out = tapped(**kw)
+    model = build("Llama")
+    model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: o * -2)
+    ref: dict[int, torch.Tensor] = {}
+    for L, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda m, a, o, L=L: ref.setdefault(L, _first(o).clone()))
+    with torch.no_grad():
+        expect = model(**kw)
+    names = {s.canonical[0]: s.name for s in tapped.known_sites() if s.canonical}
+    for L in range(LAYERS):
+        torch.testing.assert_close(tapped.taps[names[f"blocks.{L}.resid_post"]], ref[L])
+    torch.testing.assert_close(out.logits, expect.logits)
+
+
+def test_an_edit_that_raises_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error raised while a marked graph runs (the model's, an edit's) is not taken for
+    dynamo's failure on the marking: the call is not run again unmarked."""
+    _, tapped = tap("Llama", monkeypatch, True, ops="blocks.*.resid_post")
+    calls = []
+
+    def fails(site: object, value: torch.Tensor) -> torch.Tensor:
+        calls.append(site)
+        raise ValueError("the edit failed")
+
+    with torch.no_grad(), tapped.intervene({"blocks.2.resid_post": fails}):
+        with pytest.raises(ValueError, match="the edit failed"):
+            tapped(**kwargs("Llama"))
+    assert len(calls) == 1 and region(tapped).blocks

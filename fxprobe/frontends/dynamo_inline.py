@@ -118,12 +118,24 @@ def run_marked(blocks: list[tuple[nn.Module, Any]], run: Callable[[], Any],
             return run()
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         raise
-    except Exception:
-        if ran():
+    except Exception as e:
+        if ran() or not _compiling(e):
             raise
     result = run()  # the model's own error raises here too, and the marking stays
     unmark()
     return result
+
+
+def _compiling(e: BaseException) -> bool:
+    """Whether ``e`` is dynamo's, raised while it traced (not the model's or an edit's, raised
+    while a graph ran: that code must not run twice)."""
+    if isinstance(e, torch._dynamo.exc.TorchDynamoException):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename.replace("\\", "/") if tb is not None else ""
+    return "/torch/_dynamo/" in where or "/torch/_higher_order_ops/" in where
 
 
 _MARKED: dict[Any, Any] = {}

@@ -336,9 +336,9 @@ def test_a_call_stamped_with_another_instances_weights_is_refused(
 
 def test_marked_blocks_with_a_cache_give_the_right_values(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Marked though the call carries a KV cache (``carries_cache`` guessed wrong): the
-    output and the cache are right. (The sites of the layer dynamo then traces in place are
-    not those of an unmarked trace: why a call that may carry a cache is not marked.)"""
+    """Marked though the call carries a KV cache (``carries_cache`` guessed wrong; dynamo
+    traces the first layer in place): every site, name and value, the output and the cache
+    as without the marking."""
     from fxprobe.frontends import dynamo_inline
 
     monkeypatch.setattr(dynamo_inline, "carries_cache", lambda module, kwargs: False)
@@ -351,6 +351,11 @@ def test_marked_blocks_with_a_cache_give_the_right_values(
         runs[on] = ([s.name for s in tapped.known_sites()], dict(tapped.taps), out.logits,
                     out.past_key_values)
     assert region(tapped).inlined[0] >= LAYERS - 1
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].keys() == runs[False][1].keys()
+    for name, value in runs[False][1].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(runs[True][1][name], value), name
     torch.testing.assert_close(runs[True][2], references("Llama", kw)["out"])
     assert torch.equal(runs[True][3].layers[3].keys, runs[False][3].layers[3].keys)
 
@@ -407,3 +412,36 @@ def test_an_edit_that_raises_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match="the edit failed"):
             tapped(**kwargs("Llama"))
     assert len(calls) == 1 and region(tapped).blocks
+
+
+class _Permutes(nn.Module):
+    """A write that returns nothing (``inv[perm] = ...``), as a mixture of experts' routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        perm = torch.argsort(x[:, 0])
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.shape[0])
+        return self.lin(x[perm])[inv] + x
+
+
+def test_a_write_that_returns_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(5, 8)
+    seen = {}
+    for on in (False, True):
+        monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "1" if on else "0")
+        torch.manual_seed(0)
+        model = _Stack()
+        model.blocks = nn.ModuleList(_Permutes() for _ in range(LAYERS))
+        tapped = fxprobe.tap(model, ops=fxprobe.where(lambda s: True), tracer="dynamo")
+        out = tapped(x)
+        assert region(tapped).inlined[1] == (1 if on else 0)
+        torch.testing.assert_close(out, model(x))
+        seen[on] = [s.name for s in tapped.known_sites()], dict(tapped.taps)
+    assert seen[True][0] == seen[False][0]
+    for name, value in seen[False][1].items():
+        if "empty_like" not in name:  # memory never written: no value to compare
+            assert torch.equal(seen[True][1][name], value), name

@@ -316,6 +316,7 @@ class DynamoRegion:
         """The torch.compile backend: each captured graph is tapped and runs eagerly."""
         self.graphs += 1
         calls, bodies = inline.inline_calls(gm, self.module_ids, self.module, example_inputs)
+        inline.drop_dead_sizes(gm, bool(self.marking))
         self.inlined = (self.inlined[0] + calls, self.inlined[1] + bodies)
         captured = _Captured(self, gm, example_inputs)  # marks the forward's inputs
         if self.graphs == 1:

@@ -5,13 +5,16 @@ Dynamo's symbolic tracing of a deep model costs about the same for every decoder
 reuse the traced body for every later call whose inputs match: the captured graph then holds
 one ``invoke_subgraph`` call per layer, all sharing one body graph. fxprobe marks, on its own
 copy of the model (never the model), the forward of each module of a ``ModuleList`` of two or
-more modules of one class (the outermost such lists: a model's layers), for the calls that carry
-no cache (:func:`carries_cache`: a cache update mutates Python objects, dynamo then traces every
-layer anyway, and the marking only costs). The backend then :func:`inline_calls` every
+more modules of one class (the outermost such lists: a model's layers), for the calls of a
+model with a ``config`` that carry no cache (:func:`carries_cache`), as a ``functools.partial``
+on the instance (a bound method makes torch 2.13 stamp the first instance's weights into later
+calls). Where dynamo fails on the marked blocks (a graph break inside one), the call runs again
+unmarked, for good (:func:`run_marked`). The backend then :func:`inline_calls` every
 ``invoke_subgraph`` call before anything names the graph: the body's nodes are copied at each
 call, each copy's ``nn_module_stack`` and ``stack_trace`` rewritten from the traced instance to
-the called one (``layers.0`` -> ``layers.7``), so that naming, the canonical pass, the taps and
-the intervention points see the graph dynamo captures without the marking, node for node::
+the called one (``layers.0`` -> ``layers.7``) after checking that the call reads the called
+instance's parameters, so that naming, the canonical pass, the taps and the intervention points
+see the graph dynamo captures without the marking, node for node::
 
     getitem(invoke_subgraph(body, "subgraph_0", x, w7...), 0)  ->  body's nodes on (x, w7...)
 
@@ -29,15 +32,17 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..core.errors import DynamoError
+from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
 
 def enabled() -> bool:
     """Whether repeated blocks are marked (``FXPROBE_DYNAMO_REGIONS=0`` turns it off; read as
     each tapped module is built)."""
     return os.environ.get("FXPROBE_DYNAMO_REGIONS", "1") != "0"
-_OVERRIDE = "_fxprobe_override"  # frontends.mirror's mark of a forward fxprobe installed
+
 
 
 def repeated_blocks(root: nn.Module) -> list[nn.Module]:
@@ -65,9 +70,8 @@ def carries_cache(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
     without a ``config`` (a model of the user's own, whose blocks may keep state), or
     ``past_key_values`` given, or ``use_cache`` (the argument, else ``config.use_cache``) true
     in a model that is no encoder (``config.is_decoder`` false and no encoder-decoder: BERT's
-    layers ignore ``use_cache``). On a wrong guess the output stays right but the sites of a
-    marked block that updates a cache and that dynamo traces in place (the first) are not
-    those of an unmarked trace (size reads named as sites, no module-call sites)."""
+    layers ignore ``use_cache``). A wrong guess costs time: dynamo then traces the blocks
+    that update a cache each on its own (tested: sites and values as unmarked)."""
     config = getattr(module, "config", None)
     if config is None or kwargs.get("past_key_values") is not None:
         return True
@@ -160,6 +164,17 @@ def _fail(node: fx.Node, why: str) -> DynamoError:
         f"{why}. Set FXPROBE_DYNAMO_REGIONS=0 to capture every block on its own.")
 
 
+def drop_dead_sizes(gm: fx.GraphModule, marked: bool) -> None:
+    """The sizes that nothing reads, in a graph dynamo traced with marked blocks (``marked``):
+    its tracer of a marked block it traces in place records them, dynamo's trace of an
+    unmarked block does not (and such a read of a block's value would hide its output)."""
+    if not marked:
+        return
+    _fold_sizes(gm.graph, [n for n in gm.graph.nodes if n.op in ("call_function",
+                                                                  "call_method")])
+    gm.recompile()
+
+
 def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Module,
                  example_inputs: Sequence[Any]) -> tuple[int, int]:
     """Inline every ``invoke_subgraph`` call of ``gm`` (see the module docstring); the number
@@ -197,6 +212,9 @@ def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Mod
             raise _fail(call, "its body is not a graph")
         if any(_is_call(n) or n.op in ("get_attr", "call_module") for n in body.graph.nodes):
             raise _fail(call, "its body calls another marked block or reads an attribute")
+        if any(free_unbacked_symbols(n.meta.get("example_value")) for n in body.graph.nodes):
+            # A size that depends on data (a mixture of experts' routing): not stamped.
+            raise _fail(call, "its body has sizes that depend on the data")
         _inline(graph, call, body.graph, traced[str(attr.target)], module_ids, root, names)
         if not attr.users:
             graph.erase_node(attr)
@@ -259,18 +277,27 @@ def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph,
 
 
 def _fold_sizes(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """What a stamped body computes of its inputs other than tensors (``x.shape[0]``) that
-    nothing uses: dynamo's trace of an unmarked block records no node for them."""
+    """The sizes a stamped body reads of its inputs (``x.shape[0]``, ``s0 == 1``) that nothing
+    uses: dynamo's trace of an unmarked block records no node for them. Only reads: an op
+    that returns nothing (``x[i] = v``, a write) is never dropped."""
     for node in reversed(nodes):
-        if not node.users and not isinstance(node.meta.get("example_value"), torch.Tensor):
+        if node.users or not _size(node.meta.get("example_value")):
+            continue
+        if (node.op == "call_method" and node.target in ("size", "dim", "numel", "stride")) or (
+                node.op == "call_function" and node.target in _READS):
             graph.erase_node(node)
 
 
-def _constant(value: Any) -> bool:
-    """A size dynamo knows: a plain int or bool, or a shape of them (no symbol)."""
+_READS = {operator.getitem, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+          operator.ge, operator.mul, operator.add, operator.sub, operator.floordiv}
+_SIZES = (int, bool, torch.SymInt, torch.SymBool)
+
+
+def _size(value: Any) -> bool:
+    """A size: an int or bool (symbolic or not), or a shape of them."""
     if isinstance(value, (tuple, list)):  # torch.Size included
-        return bool(value) and all(_constant(v) for v in value)
-    return type(value) in (int, bool)
+        return bool(value) and all(isinstance(v, _SIZES) for v in value)
+    return isinstance(value, _SIZES)
 
 
 class _Retarget:

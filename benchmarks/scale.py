@@ -2,7 +2,7 @@
 
     python -m benchmarks.scale [--layers 2,8,32,80] [--seq 32] [--repeats 7]
                                [--approaches fxprobe,hooks,nnsight] [--tracer dynamo]
-                               [--device cpu|cuda] [--size tiny|1b] [--out DIR]
+                               [--device cpu|cuda] [--size tiny|1b] [--no-cache] [--out DIR]
 
 A ``LlamaForCausalLM`` from a config (random weights, seed 0, eval mode, ``torch.no_grad``):
 ``--size tiny`` is the Llama layout with hidden size 64 (4 heads, 2 key/value heads, MLP 128,
@@ -10,7 +10,10 @@ vocabulary 256), ``--size 1b`` a Llama-shaped ~1.2 B model (hidden 2048, 32 head
 heads, MLP 8192, vocabulary 32000, bfloat16) for ``--device cuda``. Each approach records the
 output of every decoder layer (fxprobe: ``ops="blocks.*.resid_post"``; hooks: a forward hook
 per layer keeping a detached reference; nnsight: ``.output.save()`` of every layer in one
-trace) and, as its first edit, doubles layer 0's output.
+trace) and, as its first edit, doubles layer 0's output. ``--no-cache`` builds the model with
+``use_cache=False`` (no KV cache: what training and encoders run; fxprobe's dynamo frontend then
+traces the repeated layers once, ``frontends/dynamo_inline.py``); ``FXPROBE_DYNAMO_REGIONS=0``
+in the environment turns that off, for the comparison.
 
 Per (approach, depth), in a fresh subprocess (so that first-call costs include everything a
 new process pays: dynamo's caches are empty), wall-clock seconds (``time.perf_counter``;
@@ -63,11 +66,12 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def llama(layers: int, size: str, device: str) -> nn.Module:
+def llama(layers: int, size: str, device: str, cache: bool = True) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=512,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0, **SIZES[size])
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=cache,
+                         **SIZES[size])
     torch.manual_seed(0)
     dtype = torch.bfloat16 if size != "tiny" else torch.float32
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
@@ -167,16 +171,17 @@ def _nnsight(model: nn.Module, layers: int) -> dict[str, Callable[..., Any]]:
 
 
 def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, device: str,
-            size: str, new_shapes: bool = True, iters: int = 5) -> dict[str, Any]:
+            size: str, new_shapes: bool = True, iters: int = 5,
+            cache: bool = True) -> dict[str, Any]:
     """One (approach, depth): the costs the module docstring lists."""
-    model = llama(layers, size, device)
+    model = llama(layers, size, device, cache)
     vocab = SIZES[size]["vocab_size"]
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, vocab, (1, seq), generator=gen).to(device)
     longer = torch.randint(1, vocab, (1, seq + 7), generator=gen).to(device)
     batch = torch.randint(1, vocab, (2, seq), generator=gen).to(device)
     clock = _Clock(device)
-    bare = _hooks(llama(layers, size, device), layers)["run"]  # an untapped twin
+    bare = _hooks(llama(layers, size, device, cache), layers)["run"]  # an untapped twin
     with torch.no_grad():
         bare_first = clock(lambda: bare(ids))
         ops = {"fxprobe": lambda: _fxprobe(model, layers, tracer),
@@ -243,7 +248,8 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             config = dict(approach=approach, layers=layers, seq=args.seq, repeats=args.repeats,
                           tracer=args.tracer, device=args.device, size=args.size,
-                          new_shapes=not args.no_new_shapes, iters=args.iters)
+                          new_shapes=not args.no_new_shapes, iters=args.iters,
+                          cache=not args.no_cache)
             if args.in_process:
                 try:
                     row = measure(**config)
@@ -326,6 +332,8 @@ def parser() -> argparse.ArgumentParser:
                    help="no subprocess per configuration (smoke tests: first calls not first)")
     p.add_argument("--no-new-shapes", action="store_true",
                    help="skip the new length and batch (smoke tests)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="config.use_cache=False: every forward runs without a KV cache")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p

@@ -38,6 +38,7 @@ from ..core.names import join, one_line
 from ..core.options import Capture, CopyPolicy
 from ..core.site import SOURCE, STATE, Site, attach, source_name
 from ..core.view import CapturedGraph, DynamoInfo
+from . import dynamo_inline as inline
 from . import sharding
 from .attention import attention_probs, attention_scores, drive_output
 from .canonical import annotate
@@ -266,6 +267,10 @@ class DynamoRegion:
         capture: a new size there is captured again (``dynamo_shapes``)."""
         self.offloaded = offloaded(module)
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
+        self.blocks = inline.marks(inline.repeated_blocks(module)) if inline.enabled() else []
+        """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
+        self.inlined = (0, 0)  # block calls inlined so far, and the bodies dynamo traced
+        self.marking: list[tuple[nn.Module, Any]] = []  # the blocks marked in this call
 
     @property
     def what(self) -> str:
@@ -310,6 +315,9 @@ class DynamoRegion:
     def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """The torch.compile backend: each captured graph is tapped and runs eagerly."""
         self.graphs += 1
+        calls, bodies = inline.inline_calls(gm, self.module_ids, self.module, example_inputs)
+        inline.drop_dead_sizes(gm, bool(self.marking))
+        self.inlined = (self.inlined[0] + calls, self.inlined[1] + bodies)
         captured = _Captured(self, gm, example_inputs)  # marks the forward's inputs
         if self.graphs == 1:
             self.static = static_inputs(gm, INPUT, {n for t in self.state for n in t.shape})
@@ -433,10 +441,11 @@ class DynamoRegion:
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
-                    if self.calls == 1:  # dynamo compiles now: its pages of messages made one
-                        result = self._first(*args, **kwargs)
-                    else:
-                        result = compiled(self.module, *args, **kwargs)
+                    self.marking = [] if inline.carries_cache(self.module, kwargs) else self.blocks
+                    result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
+                        self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1
+                        else compiled(self.module, *args, **kwargs),
+                        lambda: self.runs != before, self._unmark)
             except torch._dynamo.exc.FailOnRecompileLimitHit as e:
                 raise DynamoError(self._limit_hit(
                     "a frame of it (the code after a graph break, or the forward) past "
@@ -459,8 +468,8 @@ class DynamoRegion:
             with quiet_compile(self.what, lambda: self.graphs):
                 result = self._compiled(self.module, *args, **kwargs)  # type: ignore[misc]
         except Exception as e:
-            if not dynamo_failed(e) or self.graphs or isinstance(
-                    e, torch._dynamo.exc.FailOnRecompileLimitHit):
+            if not dynamo_failed(e) or self.graphs or self.marking or isinstance(
+                    e, torch._dynamo.exc.FailOnRecompileLimitHit):  # marked: run_marked
                 raise
             self._compiled = torch.compile(self._run, backend=self.backend, dynamic=False)
             with quiet_compile(self.what, lambda: self.graphs):
@@ -480,6 +489,9 @@ class DynamoRegion:
                 "a branch on a length), so a new size there is captured again (values stay "
                 "right); every other size is dynamic.", stacklevel=5)
         return result
+
+    def _unmark(self) -> None:
+        self.blocks = self.marking = []
 
     def _limit_hit(self, what: str) -> str:
         return (f"torch dynamo on {type(self.module).__name__}"

@@ -175,6 +175,11 @@ def test_a_block_open_when_dynamo_stops_never_runs_its_forwards_unedited() -> No
                 with pytest.raises(fxprobe.DynamoError, match="inner.relu_1"):
                     tapped(x[2])  # ran unedited
             assert torch.equal(tapped(x[2]), reference(x[2]))  # outside: as written
+            late = tapped.intervene({"inner.relu_*": fn})  # a block made since: the same
+            with pytest.raises(fxprobe.DynamoError, match="'inner.relu_\\*' matches no site"):
+                with late:  # leaving says the selector matched nothing, as before
+                    with pytest.raises(fxprobe.DynamoError, match="this block edits 'inner.relu"):
+                        tapped(x[2])  # ran unedited: only leaving the block said so
             hook = edit_fn(0.5, 1)
             with tapped.intervene({"inner.fc_3": hook}):  # a module call: a hook site
                 out = tapped(x[2])

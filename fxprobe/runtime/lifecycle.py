@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -126,7 +126,7 @@ class Lifecycle:
         if state is State.FALLBACK:
             table = region.pipeline.per_call.table
             if table is not None:
-                self._refuse_lost_edits(path, table.fns)
+                self._refuse_lost_edits(path, table)
             return own(*args, **kwargs)
         if state is State.PENDING:
             self._move(path, State.DYNAMO)
@@ -175,14 +175,18 @@ class Lifecycle:
                 self._move(path, State.PENDING)
             raise
 
-    def _refuse_lost_edits(self, path: str, edited: Iterable[str]) -> None:
-        """Raise where a per-call block edits sites of the module at ``path`` that only
-        dynamo's graphs reached: run as written, it would silently go unedited (a block
-        entered before dynamo stopped capturing it, or one made since from its old sites)."""
+    def _refuse_lost_edits(self, path: str, table: Any) -> None:
+        """Raise where the per-call ``table`` edits sites of the module at ``path`` that only
+        dynamo's graphs reached (resolved to them, or a selector matching them): run as
+        written, the module would silently go unedited there (a block entered before dynamo
+        stopped capturing it, or one made since)."""
         region = self.program.dynamo[path]
         covers = self.program.deferred[path].sites
         hooked = re.compile("|".join(re.escape(k) + r"(_\d+)?" for k in covers) or "(?!)")
-        lost = [n for n in edited if n in region.sites and not hooked.fullmatch(n)]
+        gone = [s for n, s in region.sites.items() if not hooked.fullmatch(n)]
+        lost = [n for n in table.fns if n in region.sites and not hooked.fullmatch(n)]
+        lost += [s.name for s in gone if s.name not in lost
+                 and any(sel(s) for sel, _, _ in table.entries)]
         if lost:
             raise DynamoError(
                 f"{region.what} runs as written since torch dynamo stopped capturing it "

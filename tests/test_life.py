@@ -88,7 +88,7 @@ class Life(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for ctx, *_ in reversed(self.blocks):
-            ctx.__exit__(None, None, None)
+            self._exit(ctx)
         if self.tapped is not None and not self.removed:
             self.tapped.remove()
         if self.patch is not None:
@@ -162,7 +162,17 @@ class Life(RuleBasedStateMachine):
             error = RuntimeError("raised inside the block")
             assert not ctx.__exit__(RuntimeError, error, error.__traceback__)
         else:
+            self._exit(ctx)
+
+    def _exit(self, ctx: Any) -> None:
+        """Leave a block; a selector that matched only sites dynamo stopped capturing (past
+        its recompile limit) says so as it leaves (documented)."""
+        try:
             ctx.__exit__(None, None, None)
+        except fxprobe.DynamoError as e:
+            if "recompile_limit" not in str(e):
+                raise
+            self.degraded = True
 
     @precondition(lambda self: not self.removed and not self.tapped.training
                   and not self.degraded and not any(self.entered_training))

@@ -1,0 +1,87 @@
+"""Review of repeated blocks traced once (``frontends/dynamo_inline.py``): models whose layers
+are called in other orders, twice, or per-layer configured; every site name and value as with
+``FXPROBE_DYNAMO_REGIONS=0`` and as forward hooks that clone on an untapped copy."""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fxprobe
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.lin2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.relu(self.lin(x)))
+
+
+class _Ordered(nn.Module):
+    config = types.SimpleNamespace(use_cache=False)  # says it keeps no cache: marked
+
+    def __init__(self, order: list[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(4))
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = self.layers[i](x)
+        return x * 2
+
+
+def _run(order: list[int], on: bool, monkeypatch: pytest.MonkeyPatch,
+         xs: list[torch.Tensor]) -> tuple[list[str], list[dict[str, Any]], Any]:
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "1" if on else "0")
+    torch.manual_seed(0)
+    tapped = fxprobe.tap(_Ordered(order), ops=fxprobe.where(lambda s: True), tracer="dynamo")
+    taps = []
+    for x in xs:
+        tapped(x)
+        taps.append({k: v.detach().clone() for k, v in tapped.taps.items()})
+    return ([s.name for s in tapped.known_sites()], taps,
+            tapped._lifecycle().program.dynamo[""].inlined)
+
+
+def _hooks(order: list[int], x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = copy.deepcopy(_Ordered(order))
+    seen: dict[str, list[torch.Tensor]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(
+                lambda m, a, o, name=name: seen.setdefault(name, []).append(o.detach().clone()))
+    model(x)
+    return seen
+
+
+@pytest.mark.parametrize("order", [[3, 2, 1, 0], [2, 0, 3, 1], [0, 1, 0, 2, 3, 3]])
+def test_layers_called_out_of_order_or_twice(order: list[int],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer called twice (``layers[0]`` twice) was inlined with the second call's sites
+    named as the first's (``layers.0.lin`` held the second call's value, the first call's
+    named ``layers.0.lin.linear``): such a block is now traced on its own."""
+    xs = [torch.randn(5, 8), torch.randn(7, 8), torch.randn(5, 8)]
+    off = _run(order, False, monkeypatch, xs)
+    on = _run(order, True, monkeypatch, xs)
+    assert on[0] == off[0]
+    twice = len(set(order)) != len(order)
+    assert on[2][1] == (0 if twice else 1)
+    for got, want in zip(on[1], off[1], strict=True):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, msg=name)
+    for x, taps in zip(xs, on[1], strict=True):
+        ref = _hooks(order, x)
+        for name, values in ref.items():
+            for i, value in enumerate(values):
+                torch.testing.assert_close(taps[name if i == 0 else f"{name}_{i}"], value)

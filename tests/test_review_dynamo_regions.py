@@ -85,3 +85,84 @@ def test_layers_called_out_of_order_or_twice(order: list[int],
         for name, values in ref.items():
             for i, value in enumerate(values):
                 torch.testing.assert_close(taps[name if i == 0 else f"{name}_{i}"], value)
+
+
+class _Varied(nn.Module):
+    """A layer that differs per instance in ways no parameter shows."""
+
+    def __init__(self, i: int, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.kind, self.layer_idx, self.scale = kind, i, 1.0 + i
+        self.window = 2 if i % 2 else None
+        self.t = torch.full((8,), float(i))  # a tensor attribute, no buffer
+        self.act = torch.relu if i % 2 else torch.tanh
+        self.drop = nn.Dropout(0.2 if i % 2 else 0.5)
+        self.eps = [1e-3, 1e-1][i % 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.kind == "idx" and self.layer_idx % 2:
+            h = h * 2
+        elif self.kind == "scale":
+            h = h * self.scale
+        elif self.kind == "window" and self.window is not None:
+            h = h[-self.window:].sum(0, keepdim=True) + h
+        elif self.kind == "training" and self.training:
+            h = h + 100
+        elif self.kind == "tensor":
+            h = h + self.t
+        elif self.kind == "act":
+            h = self.act(h)
+        elif self.kind == "drop":
+            h = self.drop(h)
+        elif self.kind == "eps":
+            h = h / (h.abs().mean() + self.eps)
+        return x + h
+
+
+class _VariedStack(nn.Module):
+    config = types.SimpleNamespace(use_cache=False)
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Varied(i, kind) for i in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x * 2
+
+
+@pytest.mark.parametrize("kind", ["idx", "scale", "window", "training", "tensor", "act", "drop",
+                                  "eps", "shared"])
+def test_layers_that_differ_per_instance(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-layer branches, floats, windows, training flags, tensor attributes, activations,
+    dropout rates and shared submodules: each layer's value as hooks on an untapped copy see
+    it, over two calls (a new shape), dropout drawn under the same seed."""
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "1")
+    torch.manual_seed(0)
+    model = _VariedStack(kind).eval()
+    if kind == "training":
+        model.layers[1].train()
+    elif kind == "drop":
+        model.train()
+    elif kind == "shared":
+        model.layers[2].lin = model.layers[0].lin
+    ref_model = copy.deepcopy(model)
+    tapped = fxprobe.tap(model, ops=fxprobe.where(lambda s: True), tracer="dynamo")
+    for x in (torch.randn(5, 8), torch.randn(7, 8)):
+        ref: dict[int, torch.Tensor] = {}
+        handles = [layer.register_forward_hook(
+            lambda m, a, o, i=i, ref=ref: ref.__setitem__(i, o.detach().clone()))
+            for i, layer in enumerate(ref_model.layers)]
+        torch.manual_seed(5)
+        want = ref_model(x)
+        for h in handles:
+            h.remove()
+        torch.manual_seed(5)
+        got = tapped(x)
+        torch.testing.assert_close(got, want)
+        for i in range(4):
+            torch.testing.assert_close(tapped.taps[f"layers.{i}"], ref[i])
+    assert not any("forward" in m.__dict__ for m in model.modules())

@@ -166,3 +166,51 @@ def test_layers_that_differ_per_instance(kind: str, monkeypatch: pytest.MonkeyPa
         for i in range(4):
             torch.testing.assert_close(tapped.taps[f"layers.{i}"], ref[i])
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def _qwen2_sequence(on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Any]]:
+    import transformers as tf
+
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "1" if on else "0")
+    torch.manual_seed(0)
+    model = tf.Qwen2Model(tf.Qwen2Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=64, num_hidden_layers=4, head_dim=8,
+        use_sliding_window=True, sliding_window=3, max_window_layers=0,
+        layer_types=["full_attention", "sliding_attention"] * 2,
+        attn_implementation="eager")).eval()
+    tapped = fxprobe.tap(model, ops=fxprobe.where(lambda s: True), tracer="dynamo")
+    ids = torch.randint(2, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :3] = 0
+    runs = []
+
+    def keep(out: Any) -> None:
+        runs.append((out.last_hidden_state.detach().clone(),
+                     {k: v.detach().clone() for k, v in tapped.taps.items()
+                      if isinstance(v, torch.Tensor)}))
+
+    edits = {"blocks.1.attn.pattern": lambda s, v: v * 0.5,
+             "blocks.3.attn.q": lambda s, v: v + 1,
+             "layers.2.add_1": lambda s, v: v * 2}
+    with tapped.intervene(edits):
+        keep(tapped(input_ids=ids, attention_mask=mask, use_cache=False,
+                    output_hidden_states=True, output_attentions=True))
+    keep(tapped(input_ids=ids, attention_mask=mask, use_cache=False))
+    return tapped._lifecycle().program.dynamo[""].inlined, runs
+
+
+def test_qwen2_alternating_sliding_window_with_padding_and_edits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full and sliding layers alternating (one body stamped for all four), a padded mask,
+    per-call edits of layers 1-3 (a pattern, a query, an op by its dynamo name), hidden
+    states and attentions returned: every value as with the marking off."""
+    off_inlined, off = _qwen2_sequence(False, monkeypatch)
+    on_inlined, on = _qwen2_sequence(True, monkeypatch)
+    assert off_inlined == (0, 0) and on_inlined[1] >= 1
+    assert not torch.equal(off[0][0], off[1][0])  # the edits applied
+    for (out_on, taps_on), (out_off, taps_off) in zip(on, off, strict=True):
+        torch.testing.assert_close(out_on, out_off)
+        assert taps_on.keys() == taps_off.keys()
+        for name, value in taps_off.items():
+            torch.testing.assert_close(taps_on[name], value, msg=name)

@@ -203,6 +203,7 @@ def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Mod
     for call in calls:
         traced.setdefault(str(call.args[0].target),  # type: ignore[union-attr]
                           (tuple(call.args[2:]), dict(call.meta)))
+    _called_once(graph, calls)
     for call in calls:
         attr = call.args[0]
         if not isinstance(attr, fx.Node) or attr.op != "get_attr":
@@ -221,6 +222,29 @@ def inline_calls(gm: fx.GraphModule, module_ids: Mapping[int, str], root: nn.Mod
     graph.lint()
     gm.recompile()
     return len(calls), len(traced)
+
+
+def _called_once(graph: fx.Graph, calls: list[fx.Node]) -> None:
+    """Refuse a block instance called more than once in the graph (``layers[0]`` twice):
+    dynamo's keys of a stamped call do not count the calls of the modules below it, as those
+    of a block traced in place do (``lin``, ``lin@1``), so its sites would be misnamed (the
+    second call's value under the first call's name)."""
+    seen: dict[str, fx.Node] = {}
+    for call in calls:
+        stack = list(call.meta.get("nn_module_stack") or {})
+        key = str(stack[-1]).split("@", 1)[0] if stack else ""
+        if key in seen:
+            raise _fail(call, "its block is called more than once")
+        seen[key] = call
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module") or _is_call(
+                node) or (node.target is operator.getitem and isinstance(
+                    node.args[0], fx.Node) and _is_call(node.args[0])):
+            continue  # an input, a body, a call, or an output of one
+        for key in node.meta.get("nn_module_stack") or {}:
+            if str(key).split("@", 1)[0] in seen:
+                raise _fail(seen[str(key).split("@", 1)[0]],
+                            "its block is called more than once")
 
 
 def _inline(graph: fx.Graph, call: fx.Node, body: fx.Graph,

@@ -183,10 +183,8 @@ class Lifecycle:
         region = self.program.dynamo[path]
         covers = self.program.deferred[path].sites
         hooked = re.compile("|".join(re.escape(k) + r"(_\d+)?" for k in covers) or "(?!)")
-        gone = [s for n, s in region.sites.items() if not hooked.fullmatch(n)]
-        lost = [n for n in table.fns if n in region.sites and not hooked.fullmatch(n)]
-        lost += [s.name for s in gone if s.name not in lost
-                 and any(sel(s) for sel, _, _ in table.entries)]
+        lost = [n for n, s in region.sites.items() if not hooked.fullmatch(n)
+                and (n in table.fns or any(sel(s) for sel, _, _ in table.entries))]
         if lost:
             raise DynamoError(
                 f"{region.what} runs as written since torch dynamo stopped capturing it "

@@ -37,13 +37,17 @@ _PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.
           slice, range, enum.Enum)
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its conjugate and negative bits resolved, complex as pairs of reals."""
+    t = t.resolve_conj().resolve_neg()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as int64 (its bits where it is not integer), flat, in order."""
     if t.layout != torch.strided:
         t = t.to_dense()
-    t = t.resolve_conj().resolve_neg()
-    if t.is_complex():
-        t = torch.view_as_real(t)
+    t = _real(t)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     elif t.is_floating_point():
@@ -64,10 +68,7 @@ def _tensor_sum(t: torch.Tensor) -> torch.Tensor:
 
 def _crc(t: torch.Tensor) -> int:
     """The CRC-32 of a CPU tensor's bytes in order (its bits where it is not integer)."""
-    t = t.resolve_conj().resolve_neg()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return zlib.crc32(_real(t).contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class InputTrail:

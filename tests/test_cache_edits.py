@@ -128,11 +128,6 @@ def test_gpt2_keeps_its_cache_as_computed_under_an_edit_of_its_values() -> None:
         assert not torch.allclose(out.logits, expected.logits)  # and the edit applied
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a canonical name resolves to site names once per region: without a cache blocks.1.attn.v "
-    "is the site 'transformer.h.1.attn.transpose_1' (the kernel reads it), with one it is "
-    "'...cat_1'; after a call of each, an edit of it applies at both nodes of the cached graph "
-    "(twice, and into the cache)"))
 @torch.no_grad()
 def test_gpt2_an_edit_of_its_values_with_and_without_a_cache_applies_once() -> None:
     model = _gpt2()

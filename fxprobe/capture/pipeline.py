@@ -32,6 +32,7 @@ from .inplace import OUT_OF_PLACE
 from .stats.cpu import NUMPY_MAX as _CPU_SMALL
 from .stats.cpu import batched_max, host_reads_free
 from .stats.math import _SMALL, _check, checked_vectors, cpu_table, stats_vector
+from .stats.pending import PendingStats, resolve_stats
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -62,6 +63,10 @@ class CallTable(Protocol):
     """The sites to intervene on: their site and the functions to apply, in order."""
     cache: frozenset[str]
     """The sites whose values this call keeps (``run_with_cache``)."""
+    sites: dict[str, Site]
+    """Every site resolved so far, by name (with the canonical names every graph gave it)."""
+    aliases: dict[str, str]
+    """Canonical names of the kept values to their sites, as the graph that ran named them."""
     values: dict[str, Any]
     """The kept values, by site name, in the order the sites ran."""
     replaced: set[str]
@@ -77,6 +82,12 @@ class CallTable(Protocol):
     def see(self, name: str, key: str) -> None:
         """A hooked module's call, named ``key`` (``name``, then ``name_1`` in one forward):
         resolve the selectors against its site if not yet."""
+
+    def here(self, name: str, canonical: tuple[str, ...]
+             ) -> tuple[tuple[Callable[[Site, Any], Any], ...], bool]:
+        """The functions for site ``name``, and whether its value is kept, in a graph where
+        it has the canonical names ``canonical`` (another graph of the same code may give
+        them to another site: with a KV cache, ``attn.v`` is the concatenated values)."""
 
 
 class _PerCall(threading.local):
@@ -108,7 +119,7 @@ class Pipeline:
         """Whether gradients of the inputs are kept too (``grads[name]`` an ``InOut``)."""
         self.arity: dict[str, int] = {}
         """Positional inputs of each such site (the length of its ``grads[name].inputs``)."""
-        self.finalize = _resolve_stats if options.reduce == "stats" else None
+        self.finalize = resolve_stats if options.reduce == "stats" else None
         self.per_call = _PerCall()
         """This thread's per-call table: graphs run with intervention points while it is set."""
 
@@ -141,15 +152,15 @@ class Pipeline:
             return self._stats(value, copy)
         return map_tensors(lambda t: self._stats(t, copy), value)
 
-    def _stats(self, t: torch.Tensor, copy: bool) -> _PendingStats:
+    def _stats(self, t: torch.Tensor, copy: bool) -> PendingStats:
         """Statistics of ``t``: now for a large tensor; for a small one, at the end of the
         forward, together with the forward's other small tensors (a few launches for all)."""
         n = t.numel()
         if n > _SMALL or torch.compiler.is_compiling() or (
                 n > _CPU_SMALL and n > batched_max() and host_reads_free(t)):  # CPU: see there
-            return _PendingStats(t, stats_vector(t))
+            return PendingStats(t, stats_vector(t))
         _check(t)  # here, at its site, as stats_vector would for a large one
-        pending = _PendingStats(t, None, t.detach().clone() if copy else t.detach())
+        pending = PendingStats(t, None, t.detach().clone() if copy else t.detach())
         state = self.rec.state
         if state.active:
             state.frame.deferred.append(pending)
@@ -160,7 +171,7 @@ class Pipeline:
         CPU the rows stay one float64 numpy table until read (this runs in every forward, just
         after the model has evicted fxprobe's code and data from the caches: each step counts)."""
         deferred, frame.deferred = frame.deferred, []
-        by_device: dict[torch.device, list[_PendingStats]] = {}
+        by_device: dict[torch.device, list[PendingStats]] = {}
         for p in deferred:
             if p.tensor is not None:
                 by_device.setdefault(p.tensor.device, []).append(p)
@@ -187,19 +198,30 @@ class Pipeline:
             state.frame.replaced.add(name)
         return new
 
-    def point(self, value: Any, names: tuple[str, ...], risky: bool, writes: bool) -> Any:
+    def point(self, value: Any, names: tuple[str, ...], risky: bool, writes: bool,
+              canonical: tuple[tuple[str, ...], ...] | None = None) -> Any:
         """An intervention point (``capture.points``): the per-call step at a node whose
-        sites are ``names``. Each function of the calling thread's table for a name may
-        replace the value (``fn(site, value)``, a replacement or None, as ``fn=``); what
-        flows on is kept for the cache (copied where a later in-place op would overwrite it,
-        ``risky``). ``writes``: the node wrote its first argument in place, which the code
-        after it reads, so a replacement is written there too."""
+        sites are ``names``, with the canonical names ``canonical`` in this graph (None: a
+        hooked call's, as the table lists its site). Each function of the calling thread's
+        table for a name may replace the value (``fn(site, value)``, a replacement or None,
+        as ``fn=``); what flows on is kept for the cache (copied where a later in-place op
+        would overwrite it, ``risky``). ``writes``: the node wrote its first argument in
+        place, which the code after it reads, so a replacement is written there too."""
         table = self.per_call.table
         if table is None:  # a graph with points runs only under a table; a thread without
             return value
         flow = value
-        for name in names:
+        kept: list[str] | None = None
+        for i, name in enumerate(names):
             hit = table.fns.get(name)
+            keep = name in table.cache
+            if (canonical is not None and (hit is not None or keep)
+                    and table.sites[name].canonical != canonical[i]):
+                fns, here = table.here(name, canonical[i])  # named otherwise in this graph
+                hit = (hit[0], fns) if hit is not None and fns else None
+                keep = keep and here
+            if keep:
+                kept = [name] if kept is None else [*kept, name]
             if hit is not None:
                 site, fns = hit
                 for fn in fns:
@@ -211,12 +233,14 @@ class Pipeline:
                         state = self.rec.state
                         if state.active:
                             state.frame.replaced.add(name)
-        kept = None  # every name of the node reads what flows on, after all its edits: a
-        for name in names:  # block's output (an op's and its module's) is what the next reads
-            if name in table.cache:
-                if kept is None:
-                    kept = detach_tree(clone_tree(flow) if risky else flow)
-                table.values[name] = kept
+        if kept:  # every name of the node reads what flows on, after all its edits: a
+            # block's output (an op's and its module's) is what the next reads
+            value_kept = detach_tree(clone_tree(flow) if risky else flow)
+            for i, name in enumerate(names):
+                if name in kept:
+                    table.values[name] = value_kept
+                    if canonical is not None:
+                        table.aliases.update(dict.fromkeys(canonical[i], name))
         if writes and flow is not value:
             write_back(value, flow)
         return flow
@@ -296,11 +320,15 @@ class Pipeline:
         return new  # type: ignore[no-any-return]
 
     # -- once per region and forward ---------------------------------------------------------
-    def store(self, names: tuple[str, ...], values: tuple[Any, ...]) -> None:
-        """Put one region's kept values into this thread's frame (detached, offloaded)."""
+    def store(self, names: tuple[str, ...], values: tuple[Any, ...],
+              aliases: dict[str, str] | None = None) -> None:
+        """Put one region's kept values into this thread's frame (detached, offloaded);
+        ``aliases``: the canonical names the graph that ran gave them, to their sites."""
         state = self.rec.state
         if not state.active:
             return
+        if aliases:
+            state.frame.aliases.update(aliases)
         if self.options.to is not None:
             values = self.rec.offload(state.frame, names, values)
         if torch.compiler.is_compiling() and _replayed(values) and cudagraphs_in_use():
@@ -324,7 +352,7 @@ emulates a CUDA-graph replay there)."""
 def _replayed(values: tuple[Any, ...]) -> bool:
     """Whether a kept value lives where a CUDA graph would replay it (metadata only)."""
     for leaf in tree_flatten(values)[0]:
-        t = leaf.vector if isinstance(leaf, _PendingStats) else leaf
+        t = leaf.vector if isinstance(leaf, PendingStats) else leaf
         if isinstance(t, torch.Tensor) and t.device.type in CUDAGRAPH_DEVICES:
             return True
     return False
@@ -376,7 +404,7 @@ def _copied_after_graph(values: tuple[Any, ...]) -> tuple[Any, ...]:
     def copy(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf.clone()
-        if isinstance(leaf, _PendingStats) and leaf.vector is not None:
+        if isinstance(leaf, PendingStats) and leaf.vector is not None:
             leaf.vector = leaf.vector.clone()
         return leaf
 
@@ -433,56 +461,3 @@ def _check_replacement(what: str, name: str, old: Any, new: Any) -> None:
             f"{what} returned {type(new).__name__} for site {name!r}, which produced "
             f"{type(old).__name__}; return the same kind of value, or None"
         )
-
-
-class _PendingStats:
-    """A tensor's statistics, still on its device (no host synchronisation yet); or, until the
-    end of the forward, the small tensor to reduce then (``tensor``)."""
-
-    __slots__ = ("vector", "shape", "dtype", "tensor", "table", "index")
-
-    def __init__(self, t: torch.Tensor, vector: torch.Tensor | None,
-                 tensor: torch.Tensor | None = None) -> None:
-        self.vector = vector
-        self.tensor = tensor
-        self.shape = tuple(t.shape)
-        self.dtype = t.dtype  # as a string when read: not in every forward
-        self.table: Any = None
-        """On a CPU, after the forward: the float64 rows of the forward's small tensors ..."""
-        self.index = 0
-        """... and this one's row."""
-
-    def resolved(self) -> torch.Tensor:
-        if self.vector is None:
-            if self.table is not None:  # as stats_vector gives it: float32 unless float64
-                row = torch.from_numpy(self.table[self.index])
-                self.vector = row if self.dtype == torch.float64 else row.float()
-                self.table = None
-            else:  # a forward that raised before its end: reduce it now
-                assert self.tensor is not None
-                self.vector, self.tensor = stats_vector(self.tensor), None
-        return self.vector
-
-
-def _resolve_stats(values: dict[str, Any]) -> dict[str, Any]:
-    """Fetch every site's statistics in one transfer and put :class:`Stats` in their place."""
-    from .stats.batch import StatsBatch
-
-    flat = {name: tree_flatten(v) for name, v in values.items()}
-    keys: list[str] = []
-    pending: list[_PendingStats] = []
-    for name, (leaves, _) in flat.items():
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, _PendingStats):
-                keys.append(f"{name}\0{i}")
-                pending.append(leaf)
-    if not pending:
-        return values
-    fetched = StatsBatch(keys, [p.resolved() for p in pending], [p.shape for p in pending],
-                         [str(p.dtype) for p in pending]).fetch()
-    out = {}
-    for name, (leaves, spec) in flat.items():
-        leaves = [fetched[f"{name}\0{i}"] if isinstance(leaf, _PendingStats) else leaf
-                  for i, leaf in enumerate(leaves)]
-        out[name] = tree_unflatten(leaves, spec)
-    return out

@@ -7,7 +7,7 @@ sites up in the calling thread's table, and every later user of the node reads w
 returns::
 
     before:  prev -> node -> next
-    after:   prev -> node -> pipeline.point(node, names, risky, writes) -> next
+    after:   prev -> node -> pipeline.point(node, names, risky, writes, canonical) -> next
 
 The node's sites move to the point, so the taps of ``tap()`` (inserted after this pass) keep
 the value that flows on, after the per-call functions, as they do after ``fn=``.
@@ -55,8 +55,11 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
         anchor = node
         if node.op == "placeholder":
             anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        # The canonical names as this graph gives them: another graph of the same code may
+        # give one to another node (with a KV cache, ``attn.v`` is the concatenated values).
         with graph.inserting_after(anchor):
-            point = graph.call_function(pipeline.point, (node, names, risky, writes))
+            point = graph.call_function(pipeline.point, (node, names, risky, writes,
+                                                         tuple(s.canonical for s in sites)))
         node.replace_all_uses_with(
             point, delete_user_cb=lambda user, p=point, kept=kept: user is not p and not kept(user))
         for key in ("nn_module_stack", "stack_trace"):

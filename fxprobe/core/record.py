@@ -66,7 +66,7 @@ class Frame:
     """The values captured during one forward (and the gradients of its backward)."""
 
     __slots__ = ("parts", "hook_calls", "events", "replaced", "grads", "deferred", "_cache",
-                 "prev")
+                 "prev", "aliases")
 
     def __init__(self, prev: Frame | None = None) -> None:
         self.prev = prev
@@ -79,6 +79,9 @@ class Frame:
         self.deferred: list[Any] = []
         """Small tensors whose statistics are reduced together at the end of the forward."""
         self._cache: dict[str, Any] | None = None
+        self.aliases: dict[str, str] = {}
+        """Canonical names to the sites that had them in the graphs that ran (with a KV
+        cache, ``blocks.0.attn.k`` is another site than without one)."""
 
 
 class ThreadState:
@@ -243,7 +246,8 @@ class Taps(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         vals = self._values()
-        name = name if name in vals or name in self._order else self._aliases.get(name, name)
+        if name not in vals and name not in self._order:
+            name = self._frame.aliases.get(name) or self._aliases.get(name, name)
         if name in vals:
             event = self._frame.events.get(name)
             if event is not None:
@@ -269,7 +273,8 @@ class Taps(Mapping[str, Any]):
 
     def __contains__(self, name: object) -> bool:
         vals = self._values()
-        return name in vals or (isinstance(name, str) and self._aliases.get(name) in vals)
+        return name in vals or (isinstance(name, str) and (
+            self._frame.aliases.get(name) or self._aliases.get(name)) in vals)
 
     def __repr__(self) -> str:
         items = []

@@ -207,7 +207,7 @@ class _Captured:
         if version.ran[0] != region.calls:
             region.steps += 1
             version.ran = (region.calls, region.steps)
-        region.pipeline.store(version.names, result[1])
+        region.pipeline.store(version.names, result[1], version.aliases)
         return result[0]
 
 

@@ -11,13 +11,15 @@ from torch import fx
 
 from ..capture.pipeline import CallTable
 from ..capture.rewrite import Compiled
+from ..core.site import sites_of
 
 
 class Instrumented:
     """One captured graph rewritten for one instance of its frame's module."""
 
     __slots__ = ("fn", "holder", "names", "graph", "copied", "outplaced", "prefix", "named",
-                 "ran", "repeat", "count", "pointed", "points", "sites", "served")
+                 "ran", "repeat", "count", "pointed", "points", "sites", "served",
+                 "aliases")
 
     def __init__(self, compiled: Compiled, prefix: str, named: fx.Graph, repeat: int = 0,
                  points: frozenset[str] = frozenset(), sites: frozenset[str] = frozenset()
@@ -51,6 +53,11 @@ class Instrumented:
         on those runs it as it is, with no graph built."""
         self.sites = sites
         """The names of every site of the graph."""
+        kept = set(self.names)
+        self.aliases = {c: s.name for node in named.nodes for s in sites_of(node)
+                        if s.name in kept for c in s.canonical}
+        """The canonical names this graph gives the sites it keeps (another graph of the same
+        code may give them to others: ``Frame.aliases``)."""
         self.served: tuple[int, int, int, bool] = (0, -1, -1, False)
         """(table serial, its sizes, whether this version serves it): :meth:`serves`, once
         per table and resolution (a serial, not an ``id``, which a later table may reuse)."""

@@ -84,6 +84,10 @@ class Table:
         """The thread's table this one was composed with (told of the hooked calls met)."""
         self.matched: set[int] = set()
         self.cache_matched: set[int] = set()
+        self.aliases: dict[str, str] = {}
+        """The canonical names of the kept values, to their sites, as the graph that ran
+        named them (:meth:`Pipeline.point`)."""
+        self._here: dict[tuple[str, tuple[str, ...]], tuple[tuple[Fn, ...], bool]] = {}
 
     def check(self, region: DynamoRegion) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones since."""
@@ -113,7 +117,7 @@ class Table:
         cached = set(self.cache)
         sels = self.cache_selectors
         for site in sites:
-            self.sites.setdefault(site.name, site)
+            self.sites[site.name] = site  # with the canonical names every graph gave it
             hits = [i for i, (sel, _, _) in enumerate(self.entries) if sel(site)]
             keeps = [] if sels is None else [i for i, sel in enumerate(sels) if sel(site)]
             why = self._reason(site)
@@ -130,6 +134,20 @@ class Table:
                 self.cache_matched.update(keeps)
                 cached.add(site.name)
         self.cache = frozenset(cached)
+
+    def here(self, name: str, canonical: tuple[str, ...]) -> tuple[tuple[Fn, ...], bool]:
+        """The functions that apply to site ``name``, and whether a cache keeps it, where a
+        graph gives it the canonical names ``canonical`` (:meth:`Pipeline.point`; another
+        graph may give them to another site: with a KV cache ``blocks.1.attn.v`` is the
+        concatenated values, without one the layer's own)."""
+        got = self._here.get((name, canonical))
+        if got is None:
+            site = dataclasses.replace(self.sites[name], canonical=canonical)
+            sels = self.cache_selectors
+            got = self._here[(name, canonical)] = (
+                tuple(fn for sel, fn, _ in self.entries if sel(site)),
+                sels is None or any(sel(site) for sel in sels))
+        return got
 
     def _reason(self, site: Site) -> str | None:
         if site.kind == "get_attr":
@@ -305,6 +323,7 @@ def run_with_cache(state: TapState, call: Callable[..., Any], args: tuple[Any, .
             values[name] = value
     aliases = {c: n for n in [*values, *calls, *others] if n in sites
                for c in sites[n].canonical}
+    aliases.update(table.aliases)  # as the graph that ran named them
     return out, Cache(values, aliases, others, calls)
 
 

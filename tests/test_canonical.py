@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from canonical_support import DECODER, TOKENS, _close, tf
+from canonical_support import DECODER, TOKENS, _close, check_documented_shapes, tf
 from torch import nn
 
 import fxprobe
@@ -334,6 +334,7 @@ def test_canonical_names_equal_the_reference_values(family: str, attn: str) -> N
     assert not missing, f"the reference has {missing}, the tapped model not"
     for name in sorted(found):
         _close(name, tapped.taps[name], ref[name])
+    check_documented_shapes(family, model, tapped, inputs(family))  # docs/transformers.md
 
 
 def test_glob_selects_canonical_names_under_auto_before_dynamo_ran() -> None:

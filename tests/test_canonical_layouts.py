@@ -5,7 +5,8 @@
 heads, head dim), the stream and what is added to it (batch, positions, width). A value in
 another layout with the same number of elements (Bloom's (batch * heads, ...), a view taken
 before the heads were moved) would read and edit other numbers than the name says: checked
-here by shape on every family the suite builds, and by value and by edit against the model
+by shape on every family the suite builds (here for those test_canonical does not build, there
+on its own tapped models: ``canonical_support.check_documented_shapes``), and by value and by edit against the model
 itself (forward hooks on the projections of an untapped copy, the heads sliced by hand as the
 model's own code lays them out).
 """
@@ -22,6 +23,8 @@ from torch import nn
 import fxprobe
 
 tf = pytest.importorskip("transformers")
+from canonical_support import _heads, check_documented_shapes  # noqa: E402
+
 from tests.test_canonical import CONFIGS, DECODER, EAGER_ONLY, TOKENS, inputs  # noqa: E402
 
 MORE: dict[str, Callable[[], tuple[Any, Any]]] = {
@@ -64,71 +67,15 @@ def tap_canonical(model: nn.Module, family: str) -> Any:
     return tapped
 
 
-def _heads(config: Any) -> tuple[int, int, int]:
-    """(heads, key/value heads, head dim) as the config declares them."""
-    heads = getattr(config, "num_heads", None) if isinstance(config, tf.T5Config) else None
-    heads = heads or config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if isinstance(config, tf.FalconConfig) and not config.new_decoder_architecture:
-        kv = 1 if config.multi_query else heads
-    dim = getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or \
-        config.hidden_size // heads
-    return heads, kv, dim
-
-
-CASES = [(f, "eager") for f in FAMILIES] + [
-    (f, "sdpa") for f in ("GPT-2", "Llama", "T5", "Falcon-alibi")]
+# The families test_canonical builds have their shapes checked there, on the same tapped model
+# (one capture per family and attention): these are the others.
+CASES = [(f, "eager") for f in MORE] + [("Falcon-alibi", "sdpa")]
 
 
 @pytest.mark.parametrize(("family", "attn"), CASES, ids=[f"{f}-{a}" for f, a in CASES])
 def test_every_canonical_value_has_its_documented_shape(family: str, attn: str) -> None:
     model = build(family, attn)
-    tapped = tap_canonical(model, family)
-    kw = kwargs(family)
-    heads, kv, dim = _heads(model.config)
-    width = model.config.hidden_size if not isinstance(model.config, tf.T5Config) \
-        else model.config.d_model
-    batch = kw["input_ids"].shape[0]
-    found = {c for s in tapped.sites for c in s.canonical}
-    assert any(".attn.q" in n for n in found) and any(".attn.z" in n for n in found)
-    for name in sorted(found):
-        value = tapped.taps[name]
-        role = name.split(".", 2)[-1] if ".blocks." in f".{name}" else name
-        role = role.split(".", 1)[1] if role[:1].isdigit() else role
-        t = (kw["decoder_input_ids"] if name.startswith("decoder.") or name == "logits"
-             and "decoder_input_ids" in kw else kw["input_ids"]).shape[1]
-        src = kw["input_ids"].shape[1] if role.startswith("cross_attn.") else t
-        expected = {
-            "attn.q": (batch, heads, t, dim), "attn.k": (batch, kv, t, dim),
-            "attn.v": (batch, kv, t, dim), "attn.scores": (batch, heads, t, t),
-            "attn.pattern": (batch, heads, t, t), "attn.z": (batch, t, heads, dim),
-            "cross_attn.q": (batch, heads, t, dim), "cross_attn.k": (batch, heads, src, dim),
-            "cross_attn.v": (batch, heads, src, dim),
-            "cross_attn.scores": (batch, heads, t, src),
-            "cross_attn.pattern": (batch, heads, t, src),
-            "cross_attn.z": (batch, t, heads, dim), "logits": (batch, t, 100),
-        }.get(role)
-        if role in ("mlp.pre", "mlp.post"):
-            expected = (*((batch * t,) if family == "OPT" else (batch, t)), value.shape[-1])
-        elif role == "pos_embed":
-            expected = ((1 if family in ("GPT-2", "GPT-2-reorder", "BERT") else batch), t,
-                        width)
-        elif expected is None:  # the stream and what is added to it
-            expected = (batch * t, width) if family == "OPT" and role == "mlp_out" \
-                else (batch, t, width)
-        assert tuple(value.shape) == expected, f"{family} {name}: {tuple(value.shape)}"
-    if family in ROLES:  # what docs/transformers.md says these families have
-        roles = {n.split(".", 2)[2] if n.startswith("blocks.") else n for n in found}
-        assert roles == ROLES[family], family
-
-
-_GPT2_ROLES = {"embed", "pos_embed", "resid_pre", "attn.q", "attn.k", "attn.v", "attn.scores",
-               "attn.pattern", "attn.z", "attn_out", "resid_mid", "mlp.pre", "mlp.post",
-               "mlp_out", "resid_post", "ln_final", "logits"}
-ROLES = {"Bloom": _GPT2_ROLES - {"pos_embed"}, "GPT-2-reorder": _GPT2_ROLES,
-         "Falcon-alibi": _GPT2_ROLES - {"pos_embed", "resid_mid"},
-         "Cohere": _GPT2_ROLES - {"pos_embed", "resid_mid"},
-         "Granite": _GPT2_ROLES - {"pos_embed"}}
+    check_documented_shapes(family, model, tap_canonical(model, family), kwargs(family))
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -6,9 +6,9 @@ heads, head dim), the stream and what is added to it (batch, positions, width). 
 another layout with the same number of elements (Bloom's (batch * heads, ...), a view taken
 before the heads were moved) would read and edit other numbers than the name says: checked
 by shape on every family the suite builds (here for those test_canonical does not build, there
-on its own tapped models: ``canonical_support.check_documented_shapes``), and by value and by edit against the model
-itself (forward hooks on the projections of an untapped copy, the heads sliced by hand as the
-model's own code lays them out).
+on its own tapped models: ``canonical_support.check_documented_shapes``), and by value and by
+edit against the model itself (forward hooks on the projections of an untapped copy, the heads
+sliced by hand as the model's own code lays them out).
 """
 
 from __future__ import annotations

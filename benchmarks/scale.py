@@ -1,7 +1,8 @@
 """First-call and warm costs against depth: fxprobe, hand-written hooks and nnsight.
 
     python -m benchmarks.scale [--layers 2,8,32,80] [--seq 32] [--repeats 7]
-                               [--approaches fxprobe,hooks,nnsight] [--tracer dynamo]
+                               [--approaches fxprobe,hooks,nnsight[,compile,regional]]
+                               [--tracer dynamo]
                                [--device cpu|cuda] [--size tiny|1b] [--no-cache] [--out DIR]
 
 A ``LlamaForCausalLM`` from a config (random weights, seed 0, eval mode, ``torch.no_grad``):
@@ -58,6 +59,11 @@ from .timing import gc_paused
 
 _ROOT = Path(__file__).resolve().parent
 APPROACHES = ("fxprobe", "hooks", "nnsight")
+REFERENCES = ("compile", "regional")
+"""torch alone, hooks recording as ``hooks`` does: ``torch.compile`` of the whole model, and of
+each decoder layer on its own (regional compilation), both with a backend that runs dynamo's
+graph as it is. What capturing costs without fxprobe: the floor of a whole-model capture, and
+of one that captures a layer once for every instance. Named with ``--approaches``."""
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=256),
@@ -140,6 +146,26 @@ def _hooks(model: nn.Module, layers: int) -> dict[str, Callable[..., Any]]:
                 last=lambda: kept[layers - 1])
 
 
+def _compiled(model: nn.Module, layers: int, regional: bool) -> dict[str, Callable[..., Any]]:
+    """``_hooks`` on a model torch compiles whole, or layer by layer (``REFERENCES``)."""
+    ops = _hooks(model, layers)
+    record = ops["setup"]
+    compiled: list[Any] = [model]
+
+    def graph_as_is(gm: Any, example_inputs: Any) -> Any:
+        return gm.forward
+
+    def setup() -> None:
+        record()
+        if regional:
+            for block in model.model.layers:
+                block.compile(backend=graph_as_is)
+        else:
+            compiled[0] = torch.compile(model, backend=graph_as_is)
+
+    return dict(ops, setup=setup, run=lambda ids: compiled[0](ids))
+
+
 def _nnsight(model: nn.Module, layers: int) -> dict[str, Callable[..., Any]]:
     from nnsight import NNsight
 
@@ -186,7 +212,9 @@ def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, 
         bare_first = clock(lambda: bare(ids))
         ops = {"fxprobe": lambda: _fxprobe(model, layers, tracer),
                "hooks": lambda: _hooks(model, layers),
-               "nnsight": lambda: _nnsight(model, layers)}[approach]()
+               "nnsight": lambda: _nnsight(model, layers),
+               "compile": lambda: _compiled(model, layers, regional=False),
+               "regional": lambda: _compiled(model, layers, regional=True)}[approach]()
         row: dict[str, Any] = {"approach": approach, "layers": layers, "status": "ok",
                                "bare_first_s": bare_first}
         row["first_s"] = clock(lambda: (ops["setup"](), ops["run"](ids)))
@@ -345,9 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         print(json.dumps(measure(**json.loads(args.child))), flush=True)
         return 0
-    unknown = sorted(set(args.approaches) - set(APPROACHES))
+    unknown = sorted(set(args.approaches) - set(APPROACHES) - set(REFERENCES))
     if unknown:
-        raise SystemExit(f"unknown approach(es) {unknown}: choose from {list(APPROACHES)}")
+        raise SystemExit(f"unknown approach(es) {unknown}: choose from "
+                         f"{[*APPROACHES, *REFERENCES]}")
     args.size = args.size or ("tiny" if args.device == "cpu" else "1b")
     env = {**environment(), "device": args.device}
     rows = run_all(args)

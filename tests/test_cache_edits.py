@@ -143,10 +143,11 @@ def test_gpt2_an_edit_of_its_values_with_and_without_a_cache_applies_once() -> N
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "with a StaticCache, canonical names the kernel's keys and values cross_attn (they come "
-    "from a graph input, the cache buffer, not from the stream), and the point on that input "
-    "runs before index_copy_ writes this step's positions into it: the edited value the "
-    "kernel reads lacks them"))
+    "with a StaticCache under eager attention the kernel reads the cache buffer itself, "
+    "written in place with this step's positions after the node that holds it: no node holds "
+    "what the kernel reads without being the cache, so attn.k/.v are not named there and "
+    "selecting them raises (tests/test_canonical_static_cache.py); an edit needs a point after "
+    "the write whose value only the kernel reads"))
 @torch.no_grad()
 def test_an_edit_of_the_values_of_a_static_cache_applies_once_per_step() -> None:
     model = _model()

@@ -55,3 +55,15 @@ def test_scale_benchmark_child_command_is_what_measure_takes(monkeypatch) -> Non
     (row,) = scale.run_all(args)
     assert row["status"] == "timed out"
     inspect.signature(scale.measure).bind(**sent[0])
+
+
+def test_the_torch_references_record_what_hooks_record(tmp_path: Path) -> None:
+    """``compile`` and ``regional`` (torch alone, compiled whole or layer by layer) record the
+    layers' outputs and make the edit as the hooks do."""
+    assert scale.main(["--layers", "2", "--repeats", "1", "--seq", "8", "--no-new-shapes",
+                       "--in-process", "--quiet", "--approaches", "hooks,compile,regional",
+                       "--out", str(tmp_path)]) == 0
+    rows = {r["approach"]: r for r in json.loads((tmp_path / "scale.json").read_text())["rows"]}
+    for name in ("compile", "regional"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["agrees_with_hooks"] is True, rows[name]

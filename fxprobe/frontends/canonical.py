@@ -75,6 +75,7 @@ from .canonical_graph import (
     norms_after,
     numel_of,
     reduced,
+    writes_into,
 )
 from .canonical_layout import per_head, z_of
 from .dynamo_names import NamedGraph
@@ -157,10 +158,14 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
                 target = named.sdpa[node]
             elif n.endswith((".scores", ".pattern")) and node in fused:
                 continue  # an SDPA call with no such site beside it: its value is no pattern
+            read = written if node_site(written) else node
+            if n.endswith((".k", ".v")) and any(writes_into(u, read) for u in read.users):
+                continue  # a static cache's buffer, this step written into it after: no node
+                # holds what the kernel reads without also being the cache
             if target is not None and (n not in own or n == target.name):
                 chosen[(id(target), n)] = target
                 if n.endswith((".k", ".v")):  # what the kernel reads, and the KV cache
-                    kv[(id(target), n)] = written if node_site(written) else node
+                    kv[(id(target), n)] = read
     # One name, one value: a name found on two sites (roles confused) is neither's.
     sites_of_name = Counter(n for _, n in chosen)
     for (key, n), target in chosen.items():

@@ -392,8 +392,18 @@ def data_of(x: fx.Node, inside: set[fx.Node] | None = None) -> set[fx.Node]:
 
 
 def data_inputs(n: fx.Node) -> list[fx.Node]:
-    """The inputs of ``n`` but the sizes it reads."""
-    return [a for a in n.all_input_nodes if not _is_size(a.meta.get("example_value"))]
+    """The inputs of ``n`` but the sizes it reads, and what is written into ``n`` in place (a
+    static KV cache: ``keys = zeros(...)``, ``keys.index_copy_(2, positions, k)``)."""
+    written = [a for u in n.users if writes_into(u, n) for a in u.all_input_nodes if a is not n]
+    return [a for a in (*n.all_input_nodes, *written)
+            if not _is_size(a.meta.get("example_value"))]
+
+
+def writes_into(u: fx.Node, n: fx.Node) -> bool:
+    """Whether ``u`` writes its first argument ``n`` in place (``n.index_copy_(...)``)."""
+    name = getattr(u.target, "__name__", u.target) if u.op == "call_function" else u.target
+    return (u.op in ("call_method", "call_function") and bool(u.args) and u.args[0] is n
+            and isinstance(name, str) and name.endswith("_") and not name.startswith("_"))
 
 
 def _is_size(v: Any) -> bool:

@@ -1,0 +1,59 @@
+"""A static KV cache: the layer's keys and values are written in place into a buffer
+(``keys.index_copy_(2, positions, k)``, the buffer made by ``torch.zeros`` at the first step),
+which the attention kernel then reads. The keys are still the block's own: its attention is
+``attn.*`` (not ``cross_attn.*``, as when keys come from outside the block). Where the kernel
+reads a slice of the buffer taken after the write (SDPA), that slice is ``attn.k``/``.v``,
+with this step's positions; where it reads the buffer itself (eager), no node holds what the
+kernel reads without also being the cache, so ``attn.k``/``.v`` are not named and selecting
+them raises, never edits the buffer before this step's positions are written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxprobe
+
+tf = pytest.importorskip("transformers")
+
+_ROLES = {"resid_pre", "attn.q", "attn.scores", "attn.pattern", "attn.z", "attn_out",
+          "resid_mid", "mlp.pre", "mlp.post", "mlp_out", "resid_post"}
+
+
+def _llama(attn: str) -> object:
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=50, bos_token_id=0, eos_token_id=0)).eval()
+    model.config._attn_implementation = attn
+    return model
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@torch.no_grad()
+def test_a_static_caches_blocks_have_self_attention_names(attn: str) -> None:
+    model = _llama(attn)
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops="blocks.1.*", tracer="dynamo")
+    cache = tf.StaticCache(config=model.config, max_cache_len=8)
+    ids = torch.tensor([[5, 6, 7]])
+    out = tapped(input_ids=ids, past_key_values=cache, cache_position=torch.arange(3))
+    roles = {c.split(".", 2)[2] for s in tapped.sites for c in s.canonical
+             if c.startswith("blocks.1.")}
+    assert not any("cross" in r for r in roles), roles
+    if attn == "sdpa":
+        assert roles == _ROLES | {"attn.k", "attn.v"}
+        # What the kernel read: the buffer with this step's positions, as the cache has it.
+        torch.testing.assert_close(tapped.taps["blocks.1.attn.k"],
+                                   cache.layers[1].keys[:, :, :3])
+        torch.testing.assert_close(tapped.taps["blocks.1.attn.v"],
+                                   cache.layers[1].values[:, :, :3])
+    else:
+        assert roles == _ROLES
+        with pytest.raises(fxprobe.SelectorError, match="blocks.1.attn.v"):
+            with tapped.intervene({"blocks.1.attn.v": lambda s, v: v + 1}):
+                tapped(input_ids=torch.tensor([[9]]), past_key_values=cache,
+                       cache_position=torch.tensor([3]))
+    torch.testing.assert_close(out.logits, _llama(attn)(
+        input_ids=ids, past_key_values=tf.StaticCache(config=model.config, max_cache_len=8),
+        cache_position=torch.arange(3)).logits)

@@ -57,3 +57,31 @@ def test_a_static_caches_blocks_have_self_attention_names(attn: str) -> None:
     torch.testing.assert_close(out.logits, _llama(attn)(
         input_ids=ids, past_key_values=tf.StaticCache(config=model.config, max_cache_len=8),
         cache_position=torch.arange(3)).logits)
+
+
+@torch.no_grad()
+def test_a_cache_written_by_indexing_is_read_as_one_written_by_index_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keys[:, :, positions] = k`` (transformers' fallback where ``index_copy_`` is missing)
+    is a write into the buffer too."""
+    def update(self: object, key_states: torch.Tensor, value_states: torch.Tensor,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        at = torch.arange(n, device=self.device) + self.cumulative_length
+        self.cumulative_length.add_(n)
+        self.keys[:, :, at] = key_states
+        self.values[:, :, at] = value_states
+        return self.keys, self.values
+
+    monkeypatch.setattr(tf.cache_utils.StaticLayer, "update", update)
+    model = _llama("eager")
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops="blocks.1.*", tracer="dynamo")
+    cache = tf.StaticCache(config=model.config, max_cache_len=8)
+    tapped(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache,
+           cache_position=torch.arange(3))
+    roles = {c.split(".", 2)[2] for s in tapped.sites for c in s.canonical
+             if c.startswith("blocks.1.")}
+    assert roles == _ROLES

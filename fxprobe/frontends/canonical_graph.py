@@ -400,10 +400,12 @@ def data_inputs(n: fx.Node) -> list[fx.Node]:
 
 
 def writes_into(u: fx.Node, n: fx.Node) -> bool:
-    """Whether ``u`` writes its first argument ``n`` in place (``n.index_copy_(...)``)."""
+    """Whether ``u`` writes its first argument ``n`` in place (``n.index_copy_(...)``,
+    ``n[:, :, positions] = k``)."""
     name = getattr(u.target, "__name__", u.target) if u.op == "call_function" else u.target
     return (u.op in ("call_method", "call_function") and bool(u.args) and u.args[0] is n
-            and isinstance(name, str) and name.endswith("_") and not name.startswith("_"))
+            and isinstance(name, str) and (name == "setitem" or (
+                name.endswith("_") and not name.startswith("_"))))
 
 
 def _is_size(v: Any) -> bool:

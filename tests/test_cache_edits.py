@@ -142,12 +142,6 @@ def test_gpt2_an_edit_of_its_values_with_and_without_a_cache_applies_once() -> N
     torch.testing.assert_close(out.logits, whole[:, -1:], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "with a StaticCache under eager attention the kernel reads the cache buffer itself, "
-    "written in place with this step's positions after the node that holds it: no node holds "
-    "what the kernel reads without being the cache, so attn.k/.v are not named there and "
-    "selecting them raises (tests/test_canonical_static_cache.py); an edit needs a point after "
-    "the write whose value only the kernel reads"))
 @torch.no_grad()
 def test_an_edit_of_the_values_of_a_static_cache_applies_once_per_step() -> None:
     model = _model()

@@ -1,11 +1,11 @@
 """A static KV cache: the layer's keys and values are written in place into a buffer
-(``keys.index_copy_(2, positions, k)``, the buffer made by ``torch.zeros`` at the first step),
-which the attention kernel then reads. The keys are still the block's own: its attention is
-``attn.*`` (not ``cross_attn.*``, as when keys come from outside the block). Where the kernel
-reads a slice of the buffer taken after the write (SDPA), that slice is ``attn.k``/``.v``,
-with this step's positions; where it reads the buffer itself (eager), no node holds what the
-kernel reads without also being the cache, so ``attn.k``/``.v`` are not named and selecting
-them raises, never edits the buffer before this step's positions are written."""
+(``keys.index_copy_(2, positions, k)``, the buffer made by ``torch.zeros`` at the first step,
+a graph input after it), which the attention kernel then reads. The keys are still the block's
+own: its attention is ``attn.*`` (not ``cross_attn.*``, as when keys come from outside the
+block), at the first step and at the later ones, whose one-position steps have the same shape
+as the cache's length counter. ``attn.k``/``.v`` are what the kernel reads: a slice of the
+buffer taken after the write (SDPA), or the buffer itself after the write (eager), with this
+step's positions (an edit of them: tests/test_cache_edits.py)."""
 
 from __future__ import annotations
 
@@ -41,19 +41,21 @@ def test_a_static_caches_blocks_have_self_attention_names(attn: str) -> None:
     roles = {c.split(".", 2)[2] for s in tapped.sites for c in s.canonical
              if c.startswith("blocks.1.")}
     assert not any("cross" in r for r in roles), roles
-    if attn == "sdpa":
-        assert roles == _ROLES | {"attn.k", "attn.v"}
-        # What the kernel read: the buffer with this step's positions, as the cache has it.
-        torch.testing.assert_close(tapped.taps["blocks.1.attn.k"],
-                                   cache.layers[1].keys[:, :, :3])
-        torch.testing.assert_close(tapped.taps["blocks.1.attn.v"],
-                                   cache.layers[1].values[:, :, :3])
-    else:
-        assert roles == _ROLES
-        with pytest.raises(fxprobe.SelectorError, match="blocks.1.attn.v"):
-            with tapped.intervene({"blocks.1.attn.v": lambda s, v: v + 1}):
-                tapped(input_ids=torch.tensor([[9]]), past_key_values=cache,
-                       cache_position=torch.tensor([3]))
+    assert roles == _ROLES | {"attn.k", "attn.v"}
+    for step in (0, 1):
+        if step:  # a one-position step: the buffers are graph inputs now
+            tapped(input_ids=torch.tensor([[9]]), past_key_values=cache,
+                   cache_position=torch.tensor([3]))
+        for role, buffer in (("k", cache.layers[1].keys), ("v", cache.layers[1].values)):
+            got = tapped.taps[f"blocks.1.attn.{role}"]  # the positions so far, or the buffer
+            n = got.shape[2]
+            assert n in (3 + step, 8), got.shape
+            torch.testing.assert_close(got, buffer[:, :, :n])
+        # This step's graph named the roles (a one-position step's names once went astray:
+        # the length counter's update read as the stream, an arange as mlp_out).
+        for role in ("resid_mid", "attn.pattern", "mlp_out", "attn_out"):
+            assert tapped.taps[f"blocks.1.{role}"].shape[-2:] in ((3 - 2 * step, 32),
+                                                                   (3 - 2 * step, n)), role
     torch.testing.assert_close(out.logits, _llama(attn)(
         input_ids=ids, past_key_values=tf.StaticCache(config=model.config, max_cache_len=8),
         cache_position=torch.arange(3)).logits)
@@ -84,4 +86,4 @@ def test_a_cache_written_by_indexing_is_read_as_one_written_by_index_copy(
            cache_position=torch.arange(3))
     roles = {c.split(".", 2)[2] for s in tapped.sites for c in s.canonical
              if c.startswith("blocks.1.")}
-    assert roles == _ROLES
+    assert roles == _ROLES | {"attn.k", "attn.v"}

@@ -28,7 +28,8 @@ module tree:
   second add's branch reads it (``x + attn(x) + mlp(x)`` as two adds is parallel: none);
   **resid_post**: the stream that leaves the block.
 - **attn.q/k/v**: the kernel's arguments, walked back through views and head repeats (so the
-  model's own key/value heads, after rotary); **attn.scores**: the softmax's input, or beside
+  model's own key/value heads, after rotary; a static KV cache's buffer as the kernel reads
+  it, after this step's writes into it); **attn.scores**: the softmax's input, or beside
   SDPA the ``attention_scores`` site computed from its arguments; **attn.pattern**: the softmax,
   or beside SDPA the ``attention_probs`` site; **attn.z**: the last value shaped per head
   between the kernel and the output projection (the first op after it that reads a weight).
@@ -56,6 +57,7 @@ from torch import fx, nn
 
 from ..core.site import KERNEL, KERNEL_KV, SITES, Site, node_site
 from .attention import attention_scores
+from .canonical_data import after_writes, computed_from, data_inputs, data_of, not_residual, reduced
 from .canonical_graph import (
     ADDS,
     PASS,
@@ -64,8 +66,6 @@ from .canonical_graph import (
     GraphIndex,
     Kernel,
     closure,
-    data_inputs,
-    data_of,
     descendants,
     find_kernels,
     flat_nodes,
@@ -74,8 +74,6 @@ from .canonical_graph import (
     mlp_points,
     norms_after,
     numel_of,
-    reduced,
-    writes_into,
 )
 from .canonical_layout import per_head, z_of
 from .dynamo_names import NamedGraph
@@ -159,9 +157,8 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
             elif n.endswith((".scores", ".pattern")) and node in fused:
                 continue  # an SDPA call with no such site beside it: its value is no pattern
             read = written if node_site(written) else node
-            if n.endswith((".k", ".v")) and any(writes_into(u, read) for u in read.users):
-                continue  # a static cache's buffer, this step written into it after: no node
-                # holds what the kernel reads without also being the cache
+            if n.endswith((".k", ".v")) and read is not (read := after_writes(g, read)):
+                target = node_site(read)  # a static cache's buffer, this step written into it
             if target is not None and (n not in own or n == target.name):
                 chosen[(id(target), n)] = target
                 if n.endswith((".k", ".v")):  # what the kernel reads, and the KV cache
@@ -327,7 +324,7 @@ def _block(g: GraphIndex, inside: set[fx.Node], kernels: list[Kernel],
     external = {a for n in order for a in n.all_input_nodes if a not in inside}
     adds = [n for n in order if g.key(n) in ADDS]
     first = min((k.node for k in kernels), key=g.index.__getitem__)
-    feeding = g.ancestors(first, inside, set())  # masks, biases, rotary: not residual adds
+    feeding = not_residual(g, first, inside)
     start = None
     for a in adds:
         if a in feeding:
@@ -434,7 +431,7 @@ def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops
     k = kernel.k
     # What the keys are computed from, not their sizes (``k.view(x.size(0), ...)`` in fx's
     # graph reads the stream's size: cross-attention keys are no less the encoder's).
-    data = data_of(k, inside) if k is not None else set()
+    data = computed_from(k, inside) if k is not None else set()
     own = k is not None and (k in stream_nodes or any(
         a in stream_nodes for x in data for a in data_inputs(x)))
     if not own and (k is None or data_of(k) & foreign):

@@ -13,7 +13,6 @@ import sympy
 import torch
 from torch import fx, nn
 
-from ..capture.inplace import settled
 from ..core.ops import VIEW_OPS, module_key
 from ..core.site import CALL_ARGS, SITES, Site, node_site, reach, source_name
 from .dynamo_names import NamedGraph, dynamo_op_key, is_state
@@ -385,35 +384,6 @@ def norms_after(g: GraphIndex, x: fx.Node) -> list[fx.Node]:
     return found
 
 
-def data_of(x: fx.Node, inside: set[fx.Node] | None = None) -> set[fx.Node]:
-    """What ``x`` is computed from (``x`` too; within ``inside`` where given), not through the
-    sizes it reads: a key shaped by ``k.view(x.size(0), ...)`` is not computed from ``x``."""
-    return reach([x], data_inputs, where=None if inside is None else inside.__contains__)
-
-
-def data_inputs(n: fx.Node) -> list[fx.Node]:
-    """The inputs of ``n`` but the sizes it reads, and what is written into ``n`` in place (a
-    static KV cache: ``keys = zeros(...)``, ``keys.index_copy_(2, positions, k)``)."""
-    written = [a for u in n.users if writes_into(u, n) for a in u.all_input_nodes if a is not n]
-    return [a for a in (*n.all_input_nodes, *written)
-            if not _is_size(a.meta.get("example_value"))]
-
-
-def writes_into(u: fx.Node, n: fx.Node) -> bool:
-    """Whether ``u`` writes its first argument ``n`` in place (``n.index_copy_(...)``,
-    ``n[:, :, positions] = k``)."""
-    name = getattr(u.target, "__name__", u.target) if u.op == "call_function" else u.target
-    return (u.op in ("call_method", "call_function") and bool(u.args) and u.args[0] is n
-            and isinstance(name, str) and (name == "setitem" or (
-                name.endswith("_") and not name.startswith("_"))))
-
-
-def _is_size(v: Any) -> bool:
-    if isinstance(v, (tuple, list)):
-        return bool(v) and all(isinstance(d, (int, torch.SymInt)) for d in v)
-    return isinstance(v, (int, torch.SymInt))
-
-
 def closure(g: GraphIndex, x: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
     """The stream ``x`` as the block reads it: ``x``, its views, and its norms."""
     return reach([x], lambda n: [*(u for u in n.users if g.key(u) in VIEWS and not (
@@ -479,22 +449,3 @@ def mlp_points(g: GraphIndex, out: fx.Node, inside: set[fx.Node], stops: set[fx.
     if numel_of((g.shape(pre) or ())[:-1]) != positions:
         return None, post
     return pre, post
-
-
-def reduced(g: GraphIndex, node: fx.Node) -> fx.Node:
-    """``node``'s value as its readers read it: after the copies into it that follow it when
-    nothing reads it before them but what computes the copy (a row-parallel projection's
-    partial sum, reduced in place: ``all_reduce(y)``, ``y.copy_(reduced)``), else ``node``
-    (an update such as ``y += a`` makes another value: Falcon's MLP output + attention)."""
-    written = settled(node, g.nodes[g.index[node] + 1:], replaced=True)
-    if written is node:
-        return node
-    feeding, todo = set(), [written]
-    while todo:
-        x = todo.pop()
-        for a in x.all_input_nodes:
-            if a not in feeding and g.index.get(a, -1) > g.index[node]:
-                feeding.add(a)
-                todo.append(a)
-    early = [u for u in node.users if g.index.get(u, -1) < g.index[written]]
-    return written if all(u in feeding or u is written for u in early) else node

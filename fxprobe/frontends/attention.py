@@ -15,7 +15,7 @@ from torch import fx
 
 from ..capture.inplace import OUT_OF_PLACE
 from ..core.errors import InterventionError
-from ..core.site import CALL_ARGS, SITES, Site
+from ..core.site import CALL_ARGS, KERNEL, SITES, Site
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None,
@@ -153,6 +153,16 @@ setattr(_attend, OUT_OF_PLACE, True)
 setattr(_attend_scores, OUT_OF_PLACE, True)
 
 
+def beside(graph: fx.Graph, sdpa: fx.Node, probs: Site) -> fx.Node:
+    """The pattern (or the scores, ``probs.target``) beside the SDPA call ``sdpa``, computed
+    from its arguments: what the kernel computes, so it reads what an edit gives the kernel
+    (``core.site.KERNEL``: an edited ``attn.k``, not the keys the cache keeps)."""
+    with graph.inserting_after(sdpa):
+        node = graph.call_function(probs.target, sdpa.args, dict(sdpa.kwargs))
+    node.meta[KERNEL] = True
+    return node
+
+
 def drive_output(graph: fx.Graph, sdpa: fx.Node, probs: Site) -> fx.Node:
     """With ``fn=``: insert the pattern (or the scores) beside the SDPA call so that the code
     after the call reads :func:`_attend`'s (:func:`_attend_scores`') output, which follows an
@@ -175,6 +185,7 @@ def drive_output(graph: fx.Graph, sdpa: fx.Node, probs: Site) -> fx.Node:
     flowing = next((u for u in sdpa.users if u.target in (_attend, _attend_scores)), sdpa)
     with graph.inserting_after(sdpa):
         pair = graph.call_function(_twice(probs.target), sdpa.args, dict(sdpa.kwargs))
+    pair.meta[KERNEL] = True  # what the kernel computes: from the keys an edit gives it
     with graph.inserting_after(pair):
         pattern = graph.call_function(operator.getitem, (pair, 0))
     pattern.meta[CALL_ARGS] = {site: (tuple(sdpa.args), pair)}

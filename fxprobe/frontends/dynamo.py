@@ -40,7 +40,7 @@ from ..core.site import SOURCE, STATE, Site, attach, source_name
 from ..core.view import CapturedGraph, DynamoInfo
 from . import dynamo_inline as inline
 from . import sharding
-from .attention import attention_probs, attention_scores, drive_output
+from .attention import attention_probs, attention_scores, beside, drive_output
 from .canonical import annotate
 from .dynamo_names import (
     FILE_LINE,
@@ -370,12 +370,9 @@ class DynamoRegion:
         for node, probs in [*named.scores.items(), *named.sdpa.items()]:
             if probs.name not in chosen:
                 continue  # computed only where selected: the model keeps its fused attention
-            if self.pipeline.fn is not None or points:  # an edit must reach the output
-                extra = drive_output(graph, node, probs)
-            else:
-                with graph.inserting_after(node):
-                    extra = graph.call_function(probs.target, node.args, dict(node.kwargs))
-            attach(extra, probs)
+            edits = self.pipeline.fn is not None or points  # an edit must reach the output
+            attach(drive_output(graph, node, probs) if edits else beside(graph, node, probs),
+                   probs)
         if self.on_sites is not None:
             self.on_sites(new, selected)
         if self.pipeline.options.gather:  # the full values of sharded sites (tap(gather=True))

@@ -16,17 +16,10 @@ import fxprobe
 
 tf = pytest.importorskip("transformers")
 
+from test_cache_edits import _model as _llama  # noqa: E402
+
 _ROLES = {"resid_pre", "attn.q", "attn.scores", "attn.pattern", "attn.z", "attn_out",
           "resid_mid", "mlp.pre", "mlp.post", "mlp_out", "resid_post"}
-
-
-def _llama(attn: str) -> object:
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=50, bos_token_id=0, eos_token_id=0)).eval()
-    model.config._attn_implementation = attn
-    return model
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

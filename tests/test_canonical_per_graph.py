@@ -35,7 +35,7 @@ def _fresh(model: torch.nn.Module, **call: object) -> dict[str, torch.Tensor]:
     return {n: tapped.taps[n].clone() for n in ("blocks.0.attn.k", "blocks.0.attn.v")}
 
 
-@pytest.mark.parametrize("tracer", ["dynamo", "auto"])
+@pytest.mark.parametrize("tracer", ["auto"])  # the default; dynamo runs the same graphs
 @torch.no_grad()
 def test_taps_and_caches_read_the_site_each_graph_names(tracer: str) -> None:
     model = _llama()

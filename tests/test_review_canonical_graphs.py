@@ -1,0 +1,59 @@
+"""Canonical names resolved per captured graph, driven through sequences of calls of several
+kinds (no cache, a cache, ``generate()``): each call edits and reads the site its own graph gave
+the name, and a name its graph gives no node (the canonical pass recognises only part of some
+graphs) still names the site the other graphs gave it. References: an untapped copy with
+forward hooks, run through the same sequence."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxprobe
+
+tf = pytest.importorskip("transformers")
+
+_IDS = torch.tensor([[5, 6, 7, 8]])
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50,
+                           bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(config).eval()
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=50, bos_token_id=0, eos_token_id=0)).eval()
+
+
+def _generate(model: torch.nn.Module) -> torch.Tensor:
+    return model.generate(_IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+@torch.no_grad()
+def test_an_edit_of_the_logits_applies_at_every_step_of_generate(build: object) -> None:
+    """generate()'s first forward keeps only the last position's logits, a graph in which the
+    canonical pass names no ``logits``: the site the plain forward named keeps the name, and
+    the edit applies there too (it was dropped at the first token)."""
+    model = build()  # type: ignore[operator]
+    bias = torch.zeros(50)
+    bias[7] = 100.0
+    ref = copy.deepcopy(model)
+    ref.lm_head.register_forward_hook(lambda mod, args, out: out + bias)
+    want = _generate(ref)
+    assert want[0, 4:].tolist() == [7, 7, 7]
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops="blocks.0.resid_post", tracer="dynamo")
+    tapped(input_ids=_IDS)  # the plain forward names the logits
+    _generate(tapped)  # a generate() without the block
+    with tapped.intervene({"logits": lambda site, v: v + bias}):
+        got = _generate(tapped)
+    assert got.tolist() == want.tolist()
+    assert _generate(tapped).tolist() == _generate(copy.deepcopy(model)).tolist()  # and off

@@ -72,16 +72,15 @@ def _t5() -> torch.nn.Module:
     "recognises no attention: no node there is decoder.blocks.L.attn.v or cross_attn.v, so an "
     "edit of either silently does nothing at that step (tapped.taps raises SiteNotRunError "
     "there); the same before per-graph names, where the cached prefill was edited twice"))
-@pytest.mark.parametrize("name", ["decoder.blocks.1.attn.v", "decoder.blocks.1.cross_attn.v"])
 @torch.no_grad()
-def test_t5_an_edit_of_the_values_applies_at_a_cached_decoder_step(name: str) -> None:
+def test_t5_an_edit_of_the_values_applies_at_a_cached_decoder_step() -> None:
     model = _t5()
     ref = copy.deepcopy(model)
     layer = ref.decoder.block[1].layer
-    attention = layer[1].EncDecAttention if "cross" in name else layer[0].SelfAttention
-    # The reference: the value projection steered; a cache then keeps the steered values,
+    # The reference: the value projections steered; a cache then keeps the steered values,
     # which reads as the kernel reading every position steered once.
-    attention.v.register_forward_hook(lambda mod, args, out: out + 0.5)
+    for attention in (layer[0].SelfAttention, layer[1].EncDecAttention):
+        attention.v.register_forward_hook(lambda mod, args, out: out + 0.5)
     enc, dec, nxt = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 3, 4]]), torch.tensor([[6]])
 
     def steps(call: object) -> list[torch.Tensor]:
@@ -96,8 +95,45 @@ def test_t5_an_edit_of_the_values_applies_at_a_cached_decoder_step(name: str) ->
     tapped = fxprobe.tap(model, ops=torch.nn.Embedding, tracer="dynamo")
 
     def edited(**kwargs: object) -> object:
-        with tapped.intervene({name: lambda site, v: v + 0.5}):
+        with tapped.intervene({"decoder.blocks.1.*attn.v": lambda site, v: v + 0.5}):
             return tapped(**kwargs)
 
     for i, (got, expected) in enumerate(zip(steps(edited), want, strict=True)):
         torch.testing.assert_close(got, expected, msg=f"call {i}")
+
+
+@torch.no_grad()
+def test_llama_an_edit_of_the_kernels_values_applies_once_in_every_graph_of_generate() -> None:
+    """After calls of every kind (no cache, a cache, a step), an edit of ``blocks.1.attn.v``
+    around generate() applies once per forward, at the site each graph gives the name: never
+    also at a site another graph gave it (a graph that names it elsewhere keeps it there).
+    The reference: the eager kernel written out with the edit inside it."""
+    from test_review_percall import _attention
+
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    model = _llama()
+    model.config._attn_implementation = "eager"
+    steer = {"blocks.1.attn.v": lambda v: v + 0.5}
+    ref = copy.deepcopy(model)
+    original = llama.eager_attention_forward
+    llama.eager_attention_forward = _attention(steer, {})
+    try:
+        want = ref.generate(_IDS, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                            output_logits=True, return_dict_in_generate=True)
+    finally:
+        llama.eager_attention_forward = original
+    torch._dynamo.reset()
+    tapped = fxprobe.tap(model, ops="blocks.1.attn.[kv]", tracer="dynamo", keep="all")
+    tapped(input_ids=_IDS, use_cache=False)
+    past = tapped(input_ids=_IDS, use_cache=True).past_key_values
+    tapped(input_ids=torch.tensor([[9]]), past_key_values=past)
+    with tapped.intervene({"blocks.1.attn.v": lambda site, v: steer["blocks.1.attn.v"](v)}):
+        got = tapped.generate(_IDS, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for i, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(a, b, msg=f"token {i}")
+    # Each kept forward of generate() reads the values its kernel read: the whole cache,
+    # edited, as many positions as that forward's cache held.
+    for i, frame in enumerate(tapped.history[-2:]):
+        assert frame["blocks.1.attn.v"].shape[2] == _IDS.shape[1] + i, f"forward {i}"

@@ -67,6 +67,8 @@ class CallTable(Protocol):
     """Every site resolved so far, by name (with the canonical names every graph gave it)."""
     aliases: dict[str, str]
     """Canonical names of the kept values to their sites, as the graph that ran named them."""
+    owners: dict[str, set[str]]
+    """The sites each canonical name names in some graph."""
     values: dict[str, Any]
     """The kept values, by site name, in the order the sites ran."""
     replaced: set[str]
@@ -199,10 +201,16 @@ class Pipeline:
         return new
 
     def point(self, value: Any, names: tuple[str, ...], risky: bool, writes: bool,
-              canonical: tuple[tuple[str, ...], ...] | None = None) -> Any:
+              canonical: tuple[tuple[str, ...], ...] | None = None,
+              given: tuple[str, ...] = ()) -> Any:
         """An intervention point (``capture.points``): the per-call step at a node whose
         sites are ``names``, with the canonical names ``canonical`` in this graph (None: a
-        hooked call's, as the table lists its site). Each function of the calling thread's
+        hooked call's, as the table lists its site); ``given``: every canonical name this
+        graph gives. A name another graph gave the site, and only it, that this one gives no
+        node still names it (the canonical pass recognises only part of some graphs: a
+        generation prefill's ``logits``); one that names several sites (``attn.v``, with and
+        without a cache) names here only what this graph gives it to: a graph break between
+        two of them must not edit both. Each function of the calling thread's
         table for a name may replace the value (``fn(site, value)``, a replacement or None,
         as ``fn=``); what flows on is kept for the cache (copied where a later in-place op
         would overwrite it, ``risky``). ``writes``: the node wrote its first argument in
@@ -215,11 +223,16 @@ class Pipeline:
         for i, name in enumerate(names):
             hit = table.fns.get(name)
             keep = name in table.cache
-            if (canonical is not None and (hit is not None or keep)
-                    and table.sites[name].canonical != canonical[i]):
-                fns, here = table.here(name, canonical[i])  # named otherwise in this graph
-                hit = (hit[0], fns) if hit is not None and fns else None
-                keep = keep and here
+            if canonical is not None and (hit is not None or keep):
+                listed = table.sites[name].canonical
+                own = canonical[i]
+                if listed != own:
+                    own = (*own, *(c for c in listed if c not in own and c not in given
+                                   and len(table.owners.get(c, ())) == 1))
+                if listed != own:  # named otherwise in this graph
+                    fns, here = table.here(name, own)
+                    hit = (hit[0], fns) if hit is not None and fns else None
+                    keep = keep and here
             if keep:
                 kept = [name] if kept is None else [*kept, name]
             if hit is not None:

@@ -7,7 +7,7 @@ sites up in the calling thread's table, and every later user of the node reads w
 returns::
 
     before:  prev -> node -> next
-    after:   prev -> node -> pipeline.point(node, names, risky, writes, canonical) -> next
+    after:   prev -> node -> pipeline.point(node, names, ..., canonical, given) -> next
 
 The node's sites move to the point, so the taps of ``tap()`` (inserted after this pass) keep
 the value that flows on, after the per-call functions, as they do after ``fn=``.
@@ -43,6 +43,9 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
     writing = {n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")
                and not n.meta.get(KERNEL_KV) and _writes_first(n, modules)}
     pointed: list[str] = []
+    # Every canonical name this graph gives: a name another graph gave a site keeps naming it
+    # here unless this graph gives it to a node of its own (``Pipeline.point``).
+    given = tuple(dict.fromkeys(c for n in graph.nodes for s in sites_of(n) for c in s.canonical))
     flowing: dict[fx.Node, fx.Node] = {}  # a node with sites: its point
     for node in list(graph.nodes):
         sites = [s for s in sites_of(node) if not skip(s)]
@@ -58,8 +61,8 @@ def insert_points(graph: fx.Graph, modules: Callable[[str], nn.Module], pipeline
         # The canonical names as this graph gives them: another graph of the same code may
         # give one to another node (with a KV cache, ``attn.v`` is the concatenated values).
         with graph.inserting_after(anchor):
-            point = graph.call_function(pipeline.point, (node, names, risky, writes,
-                                                         tuple(s.canonical for s in sites)))
+            point = graph.call_function(pipeline.point, (
+                node, names, risky, writes, tuple(s.canonical for s in sites), given))
         node.replace_all_uses_with(
             point, delete_user_cb=lambda user, p=point, kept=kept: user is not p and not kept(user))
         for key in ("nn_module_stack", "stack_trace"):

@@ -88,6 +88,8 @@ class Table:
         """The canonical names of the kept values, to their sites, as the graph that ran
         named them (:meth:`Pipeline.point`)."""
         self._here: dict[tuple[str, tuple[str, ...]], tuple[tuple[Fn, ...], bool]] = {}
+        self.owners: dict[str, set[str]] = {}
+        """The sites each canonical name names in some graph (one: the name is unambiguous)."""
 
     def check(self, region: DynamoRegion) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones since."""
@@ -118,6 +120,8 @@ class Table:
         sels = self.cache_selectors
         for site in sites:
             self.sites[site.name] = site  # with the canonical names every graph gave it
+            for c in site.canonical:
+                self.owners.setdefault(c, set()).add(site.name)
             hits = [i for i, (sel, _, _) in enumerate(self.entries) if sel(site)]
             keeps = [] if sels is None else [i for i, sel in enumerate(sels) if sel(site)]
             why = self._reason(site)

@@ -199,6 +199,7 @@ def drive_output(graph: fx.Graph, sdpa: fx.Node, probs: Site) -> fx.Node:
         else:
             out = graph.call_function(_attend, (flowing, pattern, made, *sdpa.args),
                                       dict(sdpa.kwargs))
+    out.meta[KERNEL] = True  # what the kernel computes, from the values an edit gives it
     flowing.replace_all_uses_with(
         out, delete_user_cb=lambda user: user is not out and user.target not in (
             _attend, _attend_scores))

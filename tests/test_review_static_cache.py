@@ -18,19 +18,11 @@ import fxprobe
 tf = pytest.importorskip("transformers")
 llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
+from test_cache_edits import _model  # noqa: E402
 from test_review_percall import _attention, _flip  # noqa: E402
 
 _STEPS = [torch.tensor([[5, 6, 7]]), torch.tensor([[9]]), torch.tensor([[4]]),
           torch.tensor([[1, 2]])]
-
-
-def _model(attn: str) -> Any:
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=50, bos_token_id=0, eos_token_id=0)).eval()
-    model.config._attn_implementation = attn
-    return model
 
 
 def _run(call: Callable[..., Any], cache: Any, steps: list[torch.Tensor],

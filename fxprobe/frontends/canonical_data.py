@@ -29,13 +29,21 @@ def data_inputs(n: fx.Node) -> list[fx.Node]:
             if not _is_size(a.meta.get("example_value"))]
 
 
-def writes_into(u: fx.Node, n: fx.Node) -> bool:
-    """Whether ``u`` writes its first argument ``n`` in place (``n.index_copy_(...)``,
-    ``n[:, :, positions] = k``)."""
+def written(u: fx.Node) -> fx.Node | None:
+    """What ``u`` writes in place, its first argument (``n.index_copy_(...)``,
+    ``n[:, :, positions] = k``), else None."""
     name = getattr(u.target, "__name__", u.target) if u.op == "call_function" else u.target
-    return (u.op in ("call_method", "call_function") and bool(u.args) and u.args[0] is n
+    first = u.args[0] if u.args else None
+    if (u.op in ("call_method", "call_function") and isinstance(first, fx.Node)
             and isinstance(name, str) and (name == "setitem" or (
-                name.endswith("_") and not name.startswith("_"))))
+                name.endswith("_") and not name.startswith("_")))):
+        return first
+    return None
+
+
+def writes_into(u: fx.Node, n: fx.Node) -> bool:
+    """Whether ``u`` writes ``n`` in place (:func:`written`)."""
+    return written(u) is n
 
 
 def _is_size(v: Any) -> bool:
@@ -47,9 +55,8 @@ def _is_size(v: Any) -> bool:
 def computed_from(k: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
     """:func:`data_of` ``k`` within ``inside`` and the buffers its nodes write in place (a
     static KV cache's, graph inputs: this step's keys are written into them)."""
-    written = {n.args[0] for n in inside
-               if n.args and isinstance(n.args[0], fx.Node) and writes_into(n, n.args[0])}
-    return data_of(k, inside | written)
+    buffers = {w for n in inside if (w := written(n)) is not None}
+    return data_of(k, inside | buffers)
 
 
 def not_residual(g: GraphIndex, first: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
@@ -60,10 +67,9 @@ def not_residual(g: GraphIndex, first: fx.Node, inside: set[fx.Node]) -> set[fx.
     across calls: ``length.add_(n)``)."""
     found = g.ancestors(first, inside, set())
     read = found | {a for n in found for a in n.all_input_nodes}
-    for w in [u for r in read for u in r.users if u in inside and writes_into(u, r)]:
-        found |= g.ancestors(w, inside, set())
-    return found | {n for n in inside if n.args and isinstance(n.args[0], fx.Node)
-                    and n.args[0].op == "placeholder" and writes_into(n, n.args[0])}
+    for u in [u for r in read for u in r.users if u in inside and writes_into(u, r)]:
+        found |= g.ancestors(u, inside, set())
+    return found | {n for n in inside if (w := written(n)) is not None and w.op == "placeholder"}
 
 
 def after_writes(g: GraphIndex, x: fx.Node) -> fx.Node:

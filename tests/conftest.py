@@ -16,9 +16,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    import gloo_job
     import tv_venv
 
     tv_venv.start_batch(session.config, session.items)
+    gloo_job.collected(session.items)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -93,7 +93,8 @@ def _run(d: Path, groups: list[str]) -> None:
     for g in groups:
         prepare = getattr(importlib.import_module(g), "prepare", None)
         (d / g).mkdir(exist_ok=True)
-        paths[g] = str(prepare(d / g) if prepare else d / g)
+        with torch.random.fork_rng():  # the test that runs the job keeps its random state
+            paths[g] = str(prepare(d / g) if prepare else d / g)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -55,9 +55,9 @@ from collections import Counter
 import sympy
 from torch import fx, nn
 
-from ..core.site import KERNEL, KERNEL_KV, SITES, Site, node_site
+from ..core.site import KERNEL, SITES, Site
 from .attention import attention_scores
-from .canonical_data import after_writes, computed_from, data_inputs, data_of, not_residual, reduced
+from .canonical_data import computed_from, data_inputs, data_of, not_residual
 from .canonical_graph import (
     ADDS,
     PASS,
@@ -76,7 +76,8 @@ from .canonical_graph import (
     numel_of,
 )
 from .canonical_layout import per_head, z_of
-from .dynamo_names import NamedGraph
+from .canonical_sites import RoleNames, give
+from .dynamo_names import NamedGraph, StableNamer
 
 VOCABULARY = (
     "embed", "pos_embed", "blocks.{L}.resid_pre", "blocks.{L}.attn.q", "blocks.{L}.attn.k",
@@ -90,21 +91,9 @@ VOCABULARY = (
 """Every canonical name, in the order a forward reaches them (``{L}``: the block's index)."""
 
 
-class _RoleNames:
-    """Collects the canonical names of nodes (and the SDPA scores sites to add)."""
-
-    def __init__(self) -> None:
-        self.names: dict[fx.Node, list[str]] = {}
-
-    def put(self, node: fx.Node | None, name: str) -> None:
-        if node is not None:
-            names = self.names.setdefault(node, [])
-            if name not in names:
-                names.append(name)
-
-
 def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: str,
-             traced: bool = False) -> NamedGraph:
+             traced: bool = False, namer: StableNamer | None = None, repeat: int = 0
+             ) -> NamedGraph:
     """Add canonical names to the sites of a graph dynamo captured, or of one torch.fx traced
     whole (``traced``; ``runtime.shapes.with_canonical``), see the module docstring.
 
@@ -119,6 +108,9 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         traced: the graph is one torch.fx traced (read by ``FxIndex``; each node's
             ``meta["example_value"]`` from a run on fake tensors): no probabilities or scores
             sites beside SDPA, so its ``attn.pattern``/``attn.scores`` are absent.
+        namer: the region's namer, for a site of keys or values the graph is given (a
+            decoder step's cached cross-attention keys: ``canonical_sites.give``).
+        repeat: the graph's run for one module instance in a forward, as ``name_graph``'s.
     """
     g = (FxIndex if traced else GraphIndex)(graph, root, root_path)
     scores: dict[fx.Node, Site] = {}
@@ -132,64 +124,12 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         for reader in (kernel.node, kernel.qk):
             if reader is not None:
                 reader.meta[KERNEL] = True
-    out = _RoleNames()
+    out = RoleNames()
     if kernels:
         _name_all(g, kernels, named, scores, out)
     if not out.names and not scores:
         return named
-    replaced: dict[int, Site] = {}
-    # A canonical name that is another site's own name (a q projection at the path
-    # ``blocks.0.attn.q``) stays that site's alone: one name, one site to read and to edit.
-    own = {s.name for s in named.order} | {s.name for s in named.sites.values()}
-    chosen: dict[tuple[int, str], Site] = {}
-    kv: dict[tuple[int, str], fx.Node] = {}
-    for node, names in out.names.items():
-        # What the code after it reads: the value after the in-place writes that follow it
-        # (a row-parallel projection's partial sum, reduced in place into the same tensor).
-        written = reduced(g, node)
-        for n in names:
-            # Beside SDPA, the scores and the pattern are the sites computed from its arguments.
-            target = node_site(written) or node_site(node)
-            if n.endswith(".scores") and node in scores:
-                target = scores[node]
-            elif n.endswith(".pattern") and node in named.sdpa:
-                target = named.sdpa[node]
-            elif n.endswith((".scores", ".pattern")) and node in fused:
-                continue  # an SDPA call with no such site beside it: its value is no pattern
-            read = written if node_site(written) else node
-            if n.endswith((".k", ".v")) and read is not (read := after_writes(g, read)):
-                target = node_site(read)  # a static cache's buffer, this step written into it
-            if target is not None and (n not in own or n == target.name):
-                chosen[(id(target), n)] = target
-                if n.endswith((".k", ".v")):  # what the kernel reads, and the KV cache
-                    kv[(id(target), n)] = read
-    # One name, one value: a name found on two sites (roles confused) is neither's.
-    sites_of_name = Counter(n for _, n in chosen)
-    for (key, n), target in chosen.items():
-        cur = replaced.get(key, target)
-        if sites_of_name[n] == 1 and n not in cur.canonical:
-            replaced[key] = dataclasses.replace(cur, canonical=(*cur.canonical, n))
-            if (key, n) in kv:
-                kv[(key, n)].meta[KERNEL_KV] = True
-    if not replaced and not scores:
-        return named
-
-    def swap(s: Site) -> Site:
-        return replaced.get(id(s), s)
-
-    for node in graph.nodes:
-        if SITES in node.meta:
-            node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
-    new_scores = {n: swap(s) for n, s in scores.items()}
-    order: list[Site] = []
-    probs_ids = {id(s): n for n, s in named.sdpa.items()}
-    for s in named.order:
-        if id(s) in probs_ids:  # the scores come before the probabilities
-            order.append(new_scores[probs_ids[id(s)]])
-        order.append(swap(s))
-    return dataclasses.replace(
-        named, sites={n: swap(s) for n, s in named.sites.items()},
-        sdpa={n: swap(s) for n, s in named.sdpa.items()}, order=order, scores=new_scores)
+    return give(graph, g, named, scores, out, fused, namer, repeat)
 
 
 def _blocks(g: GraphIndex, kernels: list[Kernel]) -> dict[str, dict[int, str]]:
@@ -213,7 +153,7 @@ def _blocks(g: GraphIndex, kernels: list[Kernel]) -> dict[str, dict[int, str]]:
 
 
 def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
-              scores: dict[fx.Node, Site], out: _RoleNames) -> None:
+              scores: dict[fx.Node, Site], out: RoleNames) -> None:
     stacks = _blocks(g, kernels)
     if not stacks:
         return
@@ -232,9 +172,10 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
         for blocks in stacks.values():
             for b in blocks.values():
                 inside = members.get(b, set())
-                # q and k computed in this block, not read from another block's internals
+                # q and k computed in this block, not read from another block's internals;
+                # or keys the graph is given (a cross-attention's, cached at a decoder step)
                 if (path == b or path.startswith(b + ".")) and all(
-                        x is None or x in inside for x in (k.q, k.k, k.qk)):
+                        x is None or x in inside or g.given(x) for x in (k.q, k.k, k.qk)):
                     by_block.setdefault(b, []).append(k)
     calls = Counter(s.module_path for n in g.nodes for s in n.meta.get(SITES, ())
                     if s.kind == "call_module")
@@ -257,8 +198,8 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
         (g.index[b.stream_in] for b in results[lst].values() if b.stream_in is not None),
         default=len(g.nodes)))
     prefix: dict[str, str] = {}
-    if len(ordered) == 1:
-        prefix[ordered[0]] = ""
+    if len(ordered) == 1:  # a decoder run alone (its encoder's output given): ``decoder.``
+        prefix[ordered[0]] = "decoder." if crossing else ""
     elif len(ordered) == 2 and len(crossing) == 1:
         for lst in ordered:
             prefix[lst] = "decoder." if lst in crossing else "encoder."
@@ -292,7 +233,7 @@ class _Block:
     no_mid: set[int] = dataclasses.field(default_factory=set)
     """The adds whose value no later branch reads (parallel branches): not a resid_mid."""
 
-    def name(self, pre: str, out: _RoleNames) -> None:
+    def name(self, pre: str, out: RoleNames) -> None:
         out.put(self.stream_in, pre + "resid_pre")
         for role, kernel in self.kernels.items():
             out.put(kernel.q, f"{pre}{role}.q")
@@ -440,7 +381,7 @@ def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops
     return role, {role: branch}
 
 
-def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: _RoleNames, last: bool,
+def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: RoleNames, last: bool,
           lst: str, last_ran: int | None) -> None:
     """``embed``, ``pos_embed``, ``ln_final`` and (for the last stack) ``logits``: around the
     first block and the block that ran last (in graph order, whatever their index), where

@@ -167,16 +167,25 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
                 if p == b or p.startswith(b + "."):
                     members.setdefault(b, set()).add(n)
     by_block: dict[str, list[Kernel]] = {}
+    cached: dict[str, list[Kernel]] = {}
     for k in kernels:
         path = g.path(k.node) or ""
         for blocks in stacks.values():
             for b in blocks.values():
                 inside = members.get(b, set())
+                if not (path == b or path.startswith(b + ".")) or not all(
+                        x is None or x in inside for x in (k.q, k.qk)):
+                    continue
                 # q and k computed in this block, not read from another block's internals;
-                # or keys the graph is given (a cross-attention's, cached at a decoder step)
-                if (path == b or path.startswith(b + ".")) and all(
-                        x is None or x in inside or g.given(x) for x in (k.q, k.k, k.qk)):
+                # or keys the graph is given beside an attention of the block's own (a
+                # decoder step's cross-attention reads the encoder's keys from the cache)
+                if k.k is None or k.k in inside:
                     by_block.setdefault(b, []).append(k)
+                elif g.given(k.k):
+                    cached.setdefault(b, []).append(k)
+    for b, ks in cached.items():
+        if b in by_block:
+            by_block[b] = sorted([*by_block[b], *ks], key=lambda k: g.index[k.node])
     calls = Counter(s.module_path for n in g.nodes for s in n.meta.get(SITES, ())
                     if s.kind == "call_module")
     results: dict[str, dict[int, _Block]] = {}

@@ -8,6 +8,7 @@ attention (``output_attentions``), and the eager kernel written out with the edi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -152,6 +153,29 @@ def _snapshot(cache: Any) -> dict[str, torch.Tensor]:
             for what in ("keys", "values")}
 
 
+@contextlib.contextmanager
+def _edited_kernel(ref: torch.nn.Module, edits: dict[str, Callable[[torch.Tensor], torch.Tensor]]
+                   ) -> Iterator[None]:
+    """T5's eager attention with ``edits`` of block 1's values (``attn.v``, ``cross_attn.v``)
+    inside the kernel of ``ref``: after the cache was written, before the kernel reads them."""
+    layer = ref.decoder.block[1].layer
+    roles = {id(layer[0].SelfAttention): "attn.v", id(layer[1].EncDecAttention): "cross_attn.v"}
+    original = t5.eager_attention_forward
+
+    def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               *args: Any, **kwargs: Any) -> Any:
+        role = roles.get(id(module))
+        if role in edits:
+            value = edits[role](value)
+        return original(module, query, key, value, *args, **kwargs)
+
+    t5.eager_attention_forward = attend
+    try:
+        yield
+    finally:
+        t5.eager_attention_forward = original
+
+
 @torch.no_grad()
 def test_an_edit_of_the_values_at_a_step_is_what_the_kernel_reads_and_the_cache_keeps_none(
         tapped: Any) -> None:
@@ -160,33 +184,13 @@ def test_an_edit_of_the_values_at_a_step_is_what_the_kernel_reads_and_the_cache_
     as inside the eager kernel; the cache keeps what the model computed, so the next step
     reads it unedited. Reference: T5's eager attention written out with the edit inside."""
     ref = _t5("eager")
-    layer = ref.decoder.block[1].layer
-    roles = {id(layer[0].SelfAttention): "attn.v", id(layer[1].EncDecAttention): "cross_attn.v"}
-    now: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    original = t5.eager_attention_forward
+    calls = iter(_EDITS)
 
-    def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               *args: Any, **kwargs: Any) -> Any:
-        role = roles.get(id(module))
-        if role in now:
-            value = now[role](value)
-        return original(module, query, key, value, *args, **kwargs)
+    def stepwise(**kwargs: Any) -> Any:
+        with _edited_kernel(ref, next(calls)):
+            return ref(**kwargs)
 
-    def stepwise(call: Callable[..., Any]) -> Callable[..., Any]:
-        calls = iter(_EDITS)
-
-        def run(**kwargs: Any) -> Any:
-            now.clear()
-            now.update(next(calls))
-            return call(**kwargs)
-        return run
-
-    t5.eager_attention_forward = attend
-    try:
-        want = [(o.logits, _snapshot(o.past_key_values)) for o in _sequence(stepwise(ref))]
-    finally:
-        t5.eager_attention_forward = original
-        now.clear()
+    want = [(o.logits, _snapshot(o.past_key_values)) for o in _sequence(stepwise)]
     edits = iter(_EDITS)
 
     def edited(**kwargs: Any) -> Any:
@@ -207,3 +211,28 @@ def test_an_edit_of_the_values_at_a_step_is_what_the_kernel_reads_and_the_cache_
     again = tapped(input_ids=_PROMPT, decoder_input_ids=_START, use_cache=True)
     torch.testing.assert_close(again.logits, plain(input_ids=_PROMPT, decoder_input_ids=_START,
                                                    use_cache=True).logits)
+
+
+@torch.no_grad()
+def test_generate_edits_the_decoders_values_at_every_step(tapped: Any) -> None:
+    """generate() runs the decoder alone (the encoder's output given), a graph with one stack,
+    which cross-attends: ``decoder.``, as where both stacks run (it was ``blocks.L``: an edit
+    of ``decoder.blocks.1.cross_attn.v`` missed every forward of generate())."""
+    edits = {"attn.v": _shift, "cross_attn.v": _ramp}
+    ref = _t5("eager")
+    kwargs: dict[str, Any] = dict(max_new_tokens=3, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+
+    def cache() -> Any:  # one that grows to the decoder's depth (the encoder has 1 layer)
+        return tf.EncoderDecoderCache(tf.DynamicCache(), tf.DynamicCache())
+
+    with _edited_kernel(ref, edits):
+        want = ref.generate(_ENC, past_key_values=cache(), **kwargs)
+    # A forward of both stacks first (generate() runs the encoder outside the graphs, so its
+    # forwards alone find no encoder.* site that the fixture selects).
+    tapped(input_ids=_ENC, decoder_input_ids=_DEC)
+    with tapped.intervene({_B + n: (lambda site, v, fn=fn: fn(v)) for n, fn in edits.items()}):
+        got = tapped.generate(_ENC, past_key_values=cache(), **kwargs)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for i, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(a, b, msg=f"token {i}")

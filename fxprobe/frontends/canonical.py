@@ -8,13 +8,15 @@ module tree:
 
 - **blocks**: an attention kernel (``F.scaled_dot_product_attention``, or a softmax whose
   probabilities multiply the values; the scores by ``matmul``, ``bmm`` or ``baddbmm``, from q
-  and k computed in the block itself; in a torch.fx graph also a call of
-  ``nn.MultiheadAttention``, whose insides have no names) inside a child of a ``ModuleList``
-  or ``Sequential`` whose children are distinct modules of one class; the child's position
-  is ``L``. A block run more than once in a
+  and k computed in the block itself, or beside an attention of the block's own from keys
+  the graph is given: a decoder step's cached cross-attention keys; in a torch.fx graph also
+  a call of ``nn.MultiheadAttention``, whose insides have no names) inside a child of a
+  ``ModuleList`` or ``Sequential`` whose children are distinct modules of one class; the
+  child's position is ``L``. A block run more than once in a
   graph (a shared layer) has no names. Several such lists are several stacks: the one whose
   blocks hold a cross-attention (keys and values from outside the block's stream) is
-  ``decoder.``, the other ``encoder.``.
+  ``decoder.``, the other ``encoder.``; one list alone is ``decoder.`` where it cross-attends
+  (the encoder's output given: ``generate()``).
 - **resid_pre**: the input of the block that one of the block's additions reads directly
   (the residual add: an add whose one operand is the incoming stream). The stream then runs
   through the residual adds in order; after each, it is the add's value, or the norm of it
@@ -29,10 +31,12 @@ module tree:
   **resid_post**: the stream that leaves the block.
 - **attn.q/k/v**: the kernel's arguments, walked back through views and head repeats (so the
   model's own key/value heads, after rotary; a static KV cache's buffer as the kernel reads
-  it, after this step's writes into it); **attn.scores**: the softmax's input, or beside
-  SDPA the ``attention_scores`` site computed from its arguments; **attn.pattern**: the softmax,
-  or beside SDPA the ``attention_probs`` site; **attn.z**: the last value shaped per head
-  between the kernel and the output projection (the first op after it that reads a weight).
+  it, after this step's writes into it; a decoder step's cached cross-attention keys, a
+  graph input, on a site of its own: ``canonical_sites``); **attn.scores**: the softmax's
+  input, or beside SDPA the ``attention_scores`` site computed from its arguments;
+  **attn.pattern**: the softmax, or beside SDPA the ``attention_probs`` site; **attn.z**: the
+  last value shaped per head between the kernel and the output projection (the first op
+  after it that reads a weight).
 - **mlp.post**: what the MLP's output projection (its last op reading a weight) reads;
   **mlp.pre**: what its activation reads: the projection output from which ``mlp.post`` is
   computed other than by a product with another projection output (the gate's up

@@ -6,6 +6,9 @@
 - A deferred module past dynamo's recompile limit (``tracer="auto"``) runs as written from
   then on, said once (a warning, and ``DynamoError`` in a per-call run): the sites only dynamo
   reached are gone, and every later call says so instead of leaving them out silently.
+- A block entered in eval mode, then ``train()`` and a ``run_with_cache`` in train mode inside
+  it (which built train mode's graphs with points): later train-mode forwards in the block ran,
+  where dynamo had stopped capturing the module in train mode, without the block's edit.
 """
 
 from __future__ import annotations
@@ -186,5 +189,46 @@ def test_a_block_open_when_dynamo_stops_never_runs_its_forwards_unedited() -> No
             ref, _ = run(reference, lambda: reference(x[2]), [(spec.points["inner.fc_3"], hook)],
                          {})
             assert torch.equal(out, ref)
+        finally:
+            tapped.remove()
+
+
+def test_a_block_refuses_the_other_mode_after_a_cache_in_it() -> None:
+    """Twice under "auto": a block on ``inner.relu_1`` entered in eval mode, ``train()``, then
+    ``run_with_cache`` in train mode inside it (dynamo stops capturing Inner there, past its
+    recompile limit: it raises as documented, or runs). The next train-mode forward in the
+    block ran Inner as written without the edit, silently (long mode, shrunk): the cache had
+    built train mode's graphs with points, which was all the mode check looked at. It
+    refuses the forward, as it does without the cache; after the block, hooks' values."""
+    spec = SPECS["twice-auto"]
+    model, reference = spec.build(), spec.build()
+    x = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in
+         enumerate([(3, 4), (2, 2, 2, 4), (4,), (2, 3, 4)])]
+    fn = edit_fn(-4.0, None)
+    with torch._dynamo.config.patch(recompile_limit=8), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped = fxprobe.tap(model, ops=spec.ops, tracer=spec.tracer)
+        try:
+            tapped(x[0])
+            tapped(x[1])
+            with tapped.intervene({"inner.relu_1": fn}):
+                out = tapped(x[2])
+                ref, _ = run(reference, lambda: reference(x[2]),
+                             [(spec.points["inner.relu_1"], fn)], {})
+                assert torch.equal(out, ref)
+                tapped(x[3])
+                tapped.train()
+                reference.train()
+                try:
+                    tapped.run_with_cache(x[1], names=["inner.relu_1", "inner.fc"])
+                except fxprobe.DynamoError as e:
+                    assert "recompile_limit" in str(e)
+                with pytest.raises(fxprobe.ConfigError, match="entered in the other mode"):
+                    tapped(x[2])  # ran Inner as written, unedited
+            out = tapped(x[2])
+            ref, seen = run(reference, lambda: reference(x[2]), [],
+                            {"inner.fc_3": spec.points["inner.fc_3"]})
+            assert torch.equal(out, ref)
+            assert torch.equal(tapped.taps["inner.fc_3"], seen["inner.fc_3"][0])
         finally:
             tapped.remove()

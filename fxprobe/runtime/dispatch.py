@@ -62,11 +62,16 @@ def pointed_in(points: Mapping[bool, Points], mode: bool) -> Points:
     per-call table was set (in the mode of that time)."""
     found = points.get(mode)
     if found is None:
-        raise ConfigError(
-            f"the tapped module ran in {'train' if mode else 'eval'} mode inside an "
-            "intervene() block or run_with_cache() entered in the other mode: call "
-            "tapped.train() or tapped.eval() before entering the block")
+        raise other_mode(mode)
     return found
+
+
+def other_mode(mode: bool) -> ConfigError:
+    """The error of a forward in ``mode`` inside a block entered in the other mode."""
+    return ConfigError(
+        f"the tapped module ran in {'train' if mode else 'eval'} mode inside an "
+        "intervene() block or run_with_cache() entered in the other mode: call "
+        "tapped.train() or tapped.eval() before entering the block")
 
 
 def signed(forward: Callable[..., Any], like: Callable[..., Any]) -> Callable[..., Any]:

@@ -23,7 +23,7 @@ from ..frontends.mirror import (
     user_hooks,
 )
 from .build import adopted, compile_points
-from .dispatch import module_dispatcher, pointed_in, signed
+from .dispatch import module_dispatcher, other_mode, pointed_in, signed
 from .lifecycle import Lifecycle, State, fall_back_all
 from .program import build_program
 from .state import Points, TapState
@@ -150,6 +150,11 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
         elif watch is not None:
             life = _rehooked(state, watch) or life
         table = pipeline.per_call.table
+        if table is not None and table.training != root.training:
+            # refused even where this mode's points exist (a run_with_cache in it): the
+            # block's selectors were resolved against its own mode's sites, and only that
+            # mode's lifecycle knows which of its edits a fallen module would drop
+            raise other_mode(root.training)
         if table is not None:  # the graphs with points watch their own
             points = state.points.get(root.training)
             if points is not None and points.watch is not None:

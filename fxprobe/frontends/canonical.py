@@ -76,6 +76,7 @@ from .canonical_graph import (
     numel_of,
 )
 from .canonical_layout import per_head, z_of
+from .dynamo_blocks import block_call, names_stream
 from .dynamo_names import NamedGraph
 
 VOCABULARY = (
@@ -135,6 +136,8 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
     out = _RoleNames()
     if kernels:
         _name_all(g, kernels, named, scores, out)
+    else:
+        _around_shared(g, out)
     if not out.names and not scores:
         return named
     replaced: dict[int, Site] = {}
@@ -272,6 +275,36 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
         if results[lst]:
             _ends(g, results[lst], pre, out, last=lst == ordered[-1], lst=lst,
                   last_ran=last_ran[lst])
+
+
+def _around_shared(g: GraphIndex, out: _RoleNames) -> None:
+    """The stream around blocks called as one op each (``dynamo_blocks``), whose graphs of
+    their own name what is inside them: each block's ``resid_pre`` (what the call reads as its
+    first argument, shaped as what it returns), ``embed``, ``pos_embed``, ``ln_final`` and
+    ``logits``; for the blocks of one list, each called once."""
+    calls = [n for n in g.nodes if n.target is block_call]
+    paths = [g.path(n) for n in calls]
+    if not calls or None in paths or len(set(paths)) != len(paths):
+        return
+    lists = {str(p).rpartition(".")[0] for p in paths}
+    lst = lists.pop()
+    holder = g.module(lst)
+    if lists or not isinstance(holder, nn.ModuleList):
+        return
+    keys = list(holder._modules)
+    blocks: dict[int, _Block] = {}
+    for n, p in zip(calls, paths, strict=True):
+        stream = n.args[2] if len(n.args) > 2 else None
+        shape = g.shape(n)
+        if not isinstance(stream, fx.Node) or shape is None or g.shape(stream) != shape:
+            return
+        blocks[keys.index(str(p).rpartition(".")[2])] = _Block(stream_in=stream, resid=[n])
+    for i, blk in blocks.items():
+        blk.name(f"blocks.{i}.", out)
+        out.put(blk.resid[0], f"blocks.{i}.resid_post")  # what the block returns
+    names_stream(calls[0])
+    last = max(blocks, key=lambda i: g.index[blocks[i].resid[0]])  # type: ignore[index]
+    _ends(g, blocks, "", out, last=True, lst=lst, last_ran=last)
 
 
 @dataclasses.dataclass

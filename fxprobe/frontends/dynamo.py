@@ -42,6 +42,7 @@ from . import dynamo_inline as inline
 from . import sharding
 from .attention import attention_probs, attention_scores, beside, drive_output
 from .canonical import annotate
+from .dynamo_blocks import Blocks, inner_names
 from .dynamo_names import (
     FILE_LINE,
     INPUT,
@@ -267,8 +268,13 @@ class DynamoRegion:
         capture: a new size there is captured again (``dynamo_shapes``)."""
         self.offloaded = offloaded(module)
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
-        self.blocks = inline.marks(inline.repeated_blocks(module)) if inline.enabled() else []
+        found = inline.repeated_blocks(module) if inline.enabled() else []
+        self.blocks = inline.marks(found)
         """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
+        self.shared = Blocks(found, self.backend) if found and inline.shared() else None
+        if self.shared is not None:
+            self.shared.paths = frozenset(self.module_ids[id(b)] for b in found)
+        """The same layers captured once for every instance (``dynamo_blocks``)."""
         self.inlined = (0, 0)  # block calls inlined so far, and the bodies dynamo traced
         self.marking: list[tuple[nn.Module, Any]] = []  # the blocks marked in this call
 
@@ -361,6 +367,7 @@ class DynamoRegion:
             captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
         named = annotate(graph, named, root=self.module, root_path=self.path)
+        named = inner_names(self.shared, prefix, graph, named)
         named = sharding.mark(graph, named, self.pipeline.options.gather)  # Site.sharding
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
@@ -438,7 +445,9 @@ class DynamoRegion:
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
-                    self.marking = [] if inline.carries_cache(self.module, kwargs) else self.blocks
+                    self.marking = ([] if inline.carries_cache(self.module, kwargs) else
+                                    self.shared.forwards if self.shared is not None
+                                    and not self.shared.hooked() else self.blocks)
                     result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
                         self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1
                         else compiled(self.module, *args, **kwargs),
@@ -489,6 +498,7 @@ class DynamoRegion:
 
     def _unmark(self) -> None:
         self.blocks = self.marking = []
+        self.shared = None
 
     def _limit_hit(self, what: str) -> str:
         return (f"torch dynamo on {type(self.module).__name__}"

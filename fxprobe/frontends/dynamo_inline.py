@@ -44,6 +44,12 @@ def enabled() -> bool:
     return os.environ.get("FXPROBE_DYNAMO_REGIONS", "1") != "0"
 
 
+def shared() -> bool:
+    """Whether repeated blocks are captured once for all and called as one op of the graph
+    around them (``FXPROBE_DYNAMO_REGIONS=shared``, ``dynamo_blocks``) instead of marked."""
+    return os.environ.get("FXPROBE_DYNAMO_REGIONS") == "shared"
+
+
 
 def repeated_blocks(root: nn.Module) -> list[nn.Module]:
     """The modules whose forward is marked: the children of each outermost ``ModuleList`` of

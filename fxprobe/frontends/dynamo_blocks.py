@@ -1,0 +1,164 @@
+"""Repeated blocks captured once and called as one op of the graph around them.
+
+Dynamo's tracing of a whole model costs about the same again for every decoder layer, and so
+does torch's ``nested_compile_region`` (which traces each call to check it against the
+body): at 32 layers a first forward costs several times a 2-layer one. Under
+``FXPROBE_DYNAMO_REGIONS=shared`` a :class:`~.dynamo.DynamoRegion` installs, on fxprobe's copy
+and for a call without a cache, the forward of each repeated block (``dynamo_inline.
+repeated_blocks``) as a call of :func:`block_call`, which dynamo puts in the region's graph
+as one op (``torch._dynamo.allow_in_graph``) without tracing into it. Running, that op calls
+the block through a second ``torch.compile`` of the block's forward with the region's own
+backend (:class:`Blocks`, a code object per region): dynamo captures the block's code once
+for every instance (its parameters are graph inputs), and the region names that graph for
+each instance (``dynamo._Captured.version``: ``model.layers.7.add_1``, its canonical names
+``blocks.7.*``). The op's own site is the block's module call (``model.layers.7``), and the
+canonical pass names the stream around the blocks (``resid_pre``, ``embed``, ``ln_final``,
+``logits``) from the ops (``canonical._opaque``).
+
+While dynamo traces the graph around the blocks, each op's value is made on fake tensors:
+the first block's forward runs on the trace's fake tensors (its parameters made fake), and a
+later block whose inputs, parameters and buffers have the same shapes, strides and dtypes
+gets an output like it. The forward runs through its submodules' ``__call__``, so the
+region uses the shared blocks only while no block's module has a hook and no global module
+hook is set (``hooked``); otherwise it marks them as ``dynamo_inline`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._guards import detect_fake_mode
+from torch.nn.modules import module as _module
+from torch.utils import _pytree as pytree
+
+from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
+
+_LIVE: weakref.WeakValueDictionary[int, Blocks] = weakref.WeakValueDictionary()
+
+
+@torch._dynamo.allow_in_graph
+def block_call(key: int, index: int, *args: Any, **kwargs: Any) -> Any:
+    """A call of block ``index`` of the :class:`Blocks` numbered ``key``: one op of the
+    region's graph, which dynamo does not trace into."""
+    return _LIVE[key].run(index, args, kwargs)
+
+
+class Blocks:
+    """The repeated blocks of one region, their forward compiled once for all of them."""
+
+    def __init__(self, blocks: list[nn.Module], backend: Callable[..., Any]) -> None:
+        self.blocks = blocks
+        self.forward = forward = type(blocks[0]).forward
+
+        def run_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return forward(module, *args, **kwargs)
+
+        # A code object of this region's own: dynamo caches graphs (and counts recompiles
+        # against recompile_limit) per code object.
+        run_block.__code__ = run_block.__code__.replace(
+            co_name=f"fxprobe_block_{type(blocks[0]).__name__}")
+        self.compiled = torch.compile(run_block, backend=backend, dynamic=True)
+        self.mode: Any = None  # the fake mode of the trace the two caches below belong to
+        self.fake_state: dict[int, dict[str, torch.Tensor]] = {}
+        self.made: dict[str, Any] = {}
+        self.paths: frozenset[str] = frozenset()
+        """The blocks' paths relative to the region (set by the region)."""
+        self.stream_out = False
+        """Whether the graph around the blocks names each call ``blocks.L.resid_post``
+        (``canonical``): the blocks' own graphs then do not."""
+        self.key = id(self)
+        _LIVE[self.key] = self
+        self.forwards: list[tuple[nn.Module, Any]] = []
+        for i, block in enumerate(blocks):
+            fn = functools.partial(block_call, self.key, i)
+            setattr(fn, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
+            self.forwards.append((block, fn))
+
+    def hooked(self) -> bool:
+        """Whether a module hook would run in the forward made on fake tensors."""
+        if any(getattr(_module, name) for name in (
+                "_global_forward_hooks", "_global_forward_pre_hooks",
+                "_global_backward_hooks", "_global_backward_pre_hooks")):
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                   or m._backward_pre_hooks for b in self.blocks for m in b.modules())
+
+    def run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        block = self.blocks[index]
+        mode = detect_fake_mode((args, kwargs))
+        if mode is None:  # running: the block's own graph, named for this instance
+            return self.compiled(block, *args, **kwargs)
+        if self.hooked():  # a hook would see fake tensors: the call runs again unshared
+            raise torch._dynamo.exc.Unsupported(
+                "fxprobe: a module hook inside a shared block")
+        if mode is not self.mode:
+            self.mode, self.fake_state, self.made = mode, {}, {}
+        key = _meta((args, kwargs, dict(block.named_parameters()),
+                     dict(block.named_buffers())))
+        made = self.made.get(key)
+        if made is not None:  # a block like one whose output was made in this trace
+            with mode:
+                return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
+                    t.shape, t.stride(), dtype=t.dtype, device=t.device,
+                    requires_grad=t.requires_grad), made)
+        state = self.fake_state.get(index)
+        if state is None:
+            state = self.fake_state[index] = {
+                n: mode.from_tensor(t, static_shapes=True)
+                for n, t in [*block.named_parameters(), *block.named_buffers()]}
+        with torch.nn.utils.stateless._reparametrize_module(block, state), mode:
+            out = self.forward(block, *args, **kwargs)
+        self.made[key] = out
+        return out
+
+
+def _meta(tree: Any) -> str:
+    """What the output made on fake tensors depends on: the structure, and each tensor's
+    shape, strides, dtype, device and whether it requires grad (other leaves as they are)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return repr(spec) + repr([
+        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+        if isinstance(t, torch.Tensor) else t for t in leaves])
+
+
+def names_stream(call: Any) -> None:
+    """Say that the graph around the blocks names each block's call ``resid_post`` (``call``:
+    one such call node)."""
+    blocks = _LIVE.get(call.args[0])
+    if blocks is not None:
+        blocks.stream_out = True
+
+
+def inner_names(blocks: Blocks | None, prefix: str, graph: Any, named: Any) -> Any:
+    """``named`` without ``blocks.L.resid_post`` where it is a shared block's own graph and
+    the graph around the blocks names the call with it (one name, one site)."""
+    if blocks is None or not blocks.stream_out or prefix not in blocks.paths:
+        return named
+    import dataclasses
+
+    from ..core.site import SITES
+
+    changed: dict[int, Any] = {}
+    for s in named.order:
+        keep = tuple(c for c in s.canonical if not c.endswith(".resid_post"))
+        if keep != s.canonical:
+            changed[id(s)] = dataclasses.replace(s, canonical=keep)
+    if not changed:
+        return named
+
+    def swap(s: Any) -> Any:
+        return changed.get(id(s), s)
+
+    for node in graph.nodes:
+        if SITES in node.meta:
+            node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
+    return dataclasses.replace(
+        named, sites={n: swap(s) for n, s in named.sites.items()},
+        sdpa={n: swap(s) for n, s in named.sdpa.items()},
+        order=[swap(s) for s in named.order],
+        scores={n: swap(s) for n, s in named.scores.items()})

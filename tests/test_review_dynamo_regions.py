@@ -202,12 +202,14 @@ def _qwen2_sequence(on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, lis
 
 def test_qwen2_alternating_sliding_window_with_padding_and_edits(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Full and sliding layers alternating (one body stamped for all four), a padded mask,
+    """Full and sliding layers alternating, a padded mask,
     per-call edits of layers 1-3 (a pattern, a query, an op by its dynamo name), hidden
     states and attentions returned: every value as with the marking off."""
     off_inlined, off = _qwen2_sequence(False, monkeypatch)
     on_inlined, on = _qwen2_sequence(True, monkeypatch)
-    assert off_inlined == (0, 0) and on_inlined[1] >= 1
+    # output_attentions installs transformers' output-capturing hooks on every layer and
+    # its attention: hooked blocks are not marked (tests/test_block_hooks.py).
+    assert off_inlined == on_inlined == (0, 0)
     assert not torch.equal(off[0][0], off[1][0])  # the edits applied
     for (out_on, taps_on), (out_off, taps_off) in zip(on, off, strict=True):
         torch.testing.assert_close(out_on, out_off)

@@ -445,9 +445,9 @@ class DynamoRegion:
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
-                    self.marking = ([] if inline.carries_cache(self.module, kwargs) else
-                                    self.shared.forwards if self.shared is not None
-                                    and not self.shared.hooked() else self.blocks)
+                    self.marking = [] if inline.carries_cache(self.module, kwargs) or \
+                        inline.hooked(self.blocks) else (
+                            self.shared.forwards if self.shared is not None else self.blocks)
                     result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
                         self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1
                         else compiled(self.module, *args, **kwargs),

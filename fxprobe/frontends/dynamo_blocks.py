@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
-from torch.nn.modules import module as _module
 from torch.utils import _pytree as pytree
 
+from .dynamo_inline import hooked
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
 _LIVE: weakref.WeakValueDictionary[int, Blocks] = weakref.WeakValueDictionary()
@@ -79,21 +79,12 @@ class Blocks:
             setattr(fn, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
             self.forwards.append((block, fn))
 
-    def hooked(self) -> bool:
-        """Whether a module hook would run in the forward made on fake tensors."""
-        if any(getattr(_module, name) for name in (
-                "_global_forward_hooks", "_global_forward_pre_hooks",
-                "_global_backward_hooks", "_global_backward_pre_hooks")):
-            return True
-        return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                   or m._backward_pre_hooks for b in self.blocks for m in b.modules())
-
     def run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         block = self.blocks[index]
         mode = detect_fake_mode((args, kwargs))
         if mode is None:  # running: the block's own graph, named for this instance
             return self.compiled(block, *args, **kwargs)
-        if self.hooked():  # a hook would see fake tensors: the call runs again unshared
+        if hooked(self.forwards):  # a hook would see fake tensors: run again unshared
             raise torch._dynamo.exc.Unsupported(
                 "fxprobe: a module hook inside a shared block")
         if mode is not self.mode:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.nn.modules import module as _module
 
 from ..core.errors import DynamoError
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
@@ -84,6 +85,18 @@ def carries_cache(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
     use = kwargs.get("use_cache", getattr(config, "use_cache", None))
     return bool(use) and (bool(getattr(config, "is_decoder", True))
                           or bool(getattr(config, "is_encoder_decoder", False)))
+
+
+def hooked(blocks: list[tuple[nn.Module, Any]]) -> bool:
+    """Whether a module hook (on a module of a block, or a global one) is set: dynamo would
+    reuse the body it traced for a block whose modules are hooked otherwise (a hook on one
+    layer's MLP never ran), so such a call is not marked."""
+    if any(getattr(_module, name) for name in (
+            "_global_forward_hooks", "_global_forward_pre_hooks",
+            "_global_backward_hooks", "_global_backward_pre_hooks")):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+               or m._backward_pre_hooks for b, _ in blocks for m in b.modules())
 
 
 def marks(blocks: list[nn.Module]) -> list[tuple[nn.Module, Any]]:

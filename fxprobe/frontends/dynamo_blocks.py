@@ -25,6 +25,7 @@ hook is set (``hooked``); otherwise it marks them as ``dynamo_inline`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
+from ..core.site import SITES
 from .dynamo_inline import hooked
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
@@ -51,7 +53,8 @@ def block_call(key: int, index: int, *args: Any, **kwargs: Any) -> Any:
 class Blocks:
     """The repeated blocks of one region, their forward compiled once for all of them."""
 
-    def __init__(self, blocks: list[nn.Module], backend: Callable[..., Any]) -> None:
+    def __init__(self, blocks: list[nn.Module], backend: Callable[..., Any],
+                 module_ids: dict[int, str]) -> None:
         self.blocks = blocks
         self.forward = forward = type(blocks[0]).forward
 
@@ -66,8 +69,8 @@ class Blocks:
         self.mode: Any = None  # the fake mode of the trace the two caches below belong to
         self.fake_state: dict[int, dict[str, torch.Tensor]] = {}
         self.made: dict[str, Any] = {}
-        self.paths: frozenset[str] = frozenset()
-        """The blocks' paths relative to the region (set by the region)."""
+        self.paths = frozenset(module_ids[id(b)] for b in blocks)
+        """The blocks' paths relative to the region."""
         self.stream_out = False
         """Whether the graph around the blocks names each call ``blocks.L.resid_post``
         (``canonical``): the blocks' own graphs then do not."""
@@ -130,10 +133,6 @@ def inner_names(blocks: Blocks | None, prefix: str, graph: Any, named: Any) -> A
     the graph around the blocks names the call with it (one name, one site)."""
     if blocks is None or not blocks.stream_out or prefix not in blocks.paths:
         return named
-    import dataclasses
-
-    from ..core.site import SITES
-
     changed: dict[int, Any] = {}
     for s in named.order:
         keep = tuple(c for c in s.canonical if not c.endswith(".resid_post"))

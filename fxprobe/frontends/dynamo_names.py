@@ -13,6 +13,8 @@ and hands out the same name whenever that key comes back.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,26 @@ from .dynamo_shapes import is_size
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
 FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def frame_id() -> int | None:
+    """The id dynamo gives the frame it is compiling now (None outside a compilation)."""
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # a private API: drawing falls back to one entry per graph
+        return None
+    frame = getattr(compile_id, "frame_id", None)
+    return frame if isinstance(frame, int) else None
+
+
+def positional(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters after ``self`` (none where unknown)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params))
 
 
 def module_path(stack_path: str) -> str:

@@ -13,14 +13,17 @@ for every instance (its parameters are graph inputs), and the region names that 
 each instance (``dynamo._Captured.version``: ``model.layers.7.add_1``, its canonical names
 ``blocks.7.*``). The op's own site is the block's module call (``model.layers.7``), and the
 canonical pass names the stream around the blocks (``resid_pre``, ``embed``, ``ln_final``,
-``logits``) from the ops (``canonical._opaque``).
+``logits``) from the ops (``canonical_ends.around_shared``).
 
 While dynamo traces the graph around the blocks, each op's value is made on fake tensors:
 the first block's forward runs on the trace's fake tensors (its parameters made fake), and a
 later block whose inputs, parameters and buffers have the same shapes, strides and dtypes
-gets an output like it. The forward runs through its submodules' ``__call__``, so the
-region uses the shared blocks only while no block's module has a hook and no global module
-hook is set (``hooked``); otherwise it marks them as ``dynamo_inline`` does.
+gets an output like it. Running, such a block's output is checked against that block's (the
+same shapes where their inputs had the same shapes), and a block whose output differs (a
+stride kept in a plain attribute) raises ``DynamoError`` rather than run on. The forward runs
+through its submodules' ``__call__``, so the region shares the blocks only while no block's
+module has a hook and no global module hook is set (``dynamo_inline.hooked``); a call that
+meets one runs again unmarked, for good.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
+from ..core.errors import DynamoError
 from ..core.site import SITES
 from .dynamo_inline import hooked
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
@@ -69,6 +73,9 @@ class Blocks:
         self.mode: Any = None  # the fake mode of the trace the two caches below belong to
         self.fake_state: dict[int, dict[str, torch.Tensor]] = {}
         self.made: dict[str, Any] = {}
+        self.first: dict[str, int] = {}  # the block whose output each key was made for
+        self.twins: dict[int, int] = {}  # block -> the block whose output made its own
+        self.ran: dict[int, tuple[Any, Any]] = {}  # block -> its last shapes in and out
         self.paths = frozenset(module_ids[id(b)] for b in blocks)
         """The blocks' paths relative to the region."""
         self.stream_out = False
@@ -86,16 +93,20 @@ class Blocks:
         block = self.blocks[index]
         mode = detect_fake_mode((args, kwargs))
         if mode is None:  # running: the block's own graph, named for this instance
-            return self.compiled(block, *args, **kwargs)
+            out = self.compiled(block, *args, **kwargs)
+            if self.twins:
+                self._check(index, args, kwargs, out)
+            return out
         if hooked(self.forwards):  # a hook would see fake tensors: run again unshared
             raise torch._dynamo.exc.Unsupported(
                 "fxprobe: a module hook inside a shared block")
         if mode is not self.mode:
-            self.mode, self.fake_state, self.made = mode, {}, {}
+            self.mode, self.fake_state, self.made, self.first = mode, {}, {}, {}
         key = _meta((args, kwargs, dict(block.named_parameters()),
                      dict(block.named_buffers())))
         made = self.made.get(key)
         if made is not None:  # a block like one whose output was made in this trace
+            self.twins[index] = self.first[key]
             with mode:
                 return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
                     t.shape, t.stride(), dtype=t.dtype, device=t.device,
@@ -107,8 +118,22 @@ class Blocks:
                 for n, t in [*block.named_parameters(), *block.named_buffers()]}
         with torch.nn.utils.stateless._reparametrize_module(block, state), mode:
             out = self.forward(block, *args, **kwargs)
-        self.made[key] = out
+        self.made[key], self.first[key] = out, index
         return out
+
+    def _check(self, index: int, args: Any, kwargs: Any, out: Any) -> None:
+        """Where the graph around the blocks took block ``index``'s output to be shaped as
+        its twin's, check it: the same shapes out where the shapes in are the same."""
+        seen = (_shapes((args, kwargs)), _shapes(out))
+        self.ran[index] = seen
+        twin = self.ran.get(self.twins.get(index, index))
+        if twin is not None and twin[0] == seen[0] and twin[1] != seen[1]:
+            raise DynamoError(
+                f"fxprobe: blocks {self.twins[index]} and {index} of "
+                f"{type(self.blocks[0]).__name__} return values of different shapes for "
+                f"inputs of the same shapes ({twin[1]} and {seen[1]}), which the shared "
+                "capture (FXPROBE_DYNAMO_REGIONS=shared) took to be alike; unset it for "
+                "this model.")
 
 
 def _meta(tree: Any) -> str:
@@ -118,6 +143,10 @@ def _meta(tree: Any) -> str:
     return repr(spec) + repr([
         (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
         if isinstance(t, torch.Tensor) else t for t in leaves])
+
+
+def _shapes(tree: Any) -> tuple[Any, ...]:
+    return tuple(tuple(t.shape) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
 def names_stream(call: Any) -> None:

@@ -10,6 +10,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "tv_jobs(*jobs): scripts the test runs in the "
+                            "torchvision venv (tests/tv_venv.py), batched for the session")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    import gloo_job
+    import tv_venv
+
+    tv_venv.start_batch(session.config, session.items)
+    gloo_job.collected(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import tv_venv
+
+    tv_venv.finish_batch(session.config)
+
+
 @pytest.fixture
 def dynamo_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """``tracer="auto"`` as if torch dynamo failed on every module fx cannot trace: those

@@ -1,15 +1,12 @@
 """The scenarios tests/test_dist.py runs on 2 gloo ranks, each checking itself against an
 independent reference (an untapped DDP/FSDP2 run, eager forward hooks, numpy statistics of
-every rank's tensors concatenated), and the worker that runs them all in one spawned job."""
+every rank's tensors concatenated), run by tests/gloo_job.py in one spawned job."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import logging
 import math
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +15,6 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 from dist_training import (
-    WAIT_S,
     WORLD,
     batch,
     ddp_of_tapped,
@@ -316,25 +312,4 @@ def reduce_stats_where_a_rank_ran_no_forward(rank: int, tmp: Path) -> None:
 SCENARIOS.update({f.__name__: f for f in (reduce_stats_in_float64,
                                           reduce_stats_of_sites_run_on_some_ranks,
                                           reduce_stats_where_a_rank_ran_no_forward)})
-
-
-def worker(rank: int, port: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=WORLD, timeout=datetime.timedelta(seconds=WAIT_S))
-    out = Path(tmp) / f"rank{rank}.json"
-    verdicts: dict[str, str] = {}
-    try:
-        for name, scenario in SCENARIOS.items():
-            try:
-                scenario(rank, Path(tmp))
-                verdicts[name] = "ok"
-            except Exception:  # noqa: BLE001 (reported by the test of that scenario)
-                verdicts[name] = traceback.format_exc()
-            out.with_suffix(".tmp").write_text(json.dumps(verdicts))
-            out.with_suffix(".tmp").replace(out)  # whole, for the parent that reads it
-            tdist.barrier()
-    finally:
-        tdist.destroy_process_group()
-
 

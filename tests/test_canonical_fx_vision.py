@@ -5,9 +5,7 @@ and batch sizes, in ``tap``, ``extractor`` and ``features``."""
 
 from __future__ import annotations
 
-from tv_venv import needs_tv, run_tv
-
-pytestmark = needs_tv
+from tv_venv import TvJob, run_tv, uses_tv
 
 TORCHVISION = r"""
 import copy, torch, torchvision, fxprobe
@@ -64,8 +62,9 @@ print("ok")
 """
 
 
+@uses_tv(TvJob(TORCHVISION))
 def test_torchvision_vit_canonical_names_equal_hooks() -> None:
-    assert run_tv(TORCHVISION).strip().endswith("ok")
+    assert run_tv(TvJob(TORCHVISION)).strip().endswith("ok")
 
 
 TIMM = r"""
@@ -102,5 +101,6 @@ print("ok")
 """
 
 
+@uses_tv(TvJob(TIMM))
 def test_timm_vit_canonical_names_equal_hooks() -> None:
-    assert run_tv(TIMM).strip().endswith("ok")
+    assert run_tv(TvJob(TIMM)).strip().endswith("ok")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zoo
 from torch import nn
-from tv_venv import needs_tv, run_tv
+from tv_venv import TvJob, run_tv, uses_tv
 
 from fxprobe.core.errors import SelectorError
 from fxprobe.runtime.extract import extractor
@@ -195,8 +195,8 @@ _TV_SCRIPT = textwrap.dedent("""
 """)
 
 
-@needs_tv
+@uses_tv(TvJob(_TV_SCRIPT))
 def test_switching_modes_equals_torchvision_dual_graph() -> None:
-    stdout = run_tv(_TV_SCRIPT)
+    stdout = run_tv(TvJob(_TV_SCRIPT))
     assert stdout.count("equal ['bn', 'head']") == 3, stdout
     assert "channels [8, 4] reduction [2, 2]" in stdout

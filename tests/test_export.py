@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import zoo
 from reference import clone, hook_values
 from torch import nn
+from tv_venv import TvJob, run_tv, uses_tv
 
 import fxprobe
 
@@ -373,19 +374,8 @@ print("norms", list(eager.taps))
 """
 
 
+@uses_tv(TvJob(_TIMM_NORMS, timeout=300))
 def test_timm_layernorm_is_selected_after_export_as_in_eager() -> None:
-    import os
-    import subprocess
-
-    python = Path(os.environ.get("FXPROBE_TV_PYTHON") or Path(
-        os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
-    if not python.exists():
-        pytest.skip(f"no venv with timm at {python} (.ci/tv-env builds it)")
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([str(python), "-c", _TIMM_NORMS], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
-    if run.returncode != 0 and "No module named 'timm'" in run.stderr:
-        pytest.skip(f"{python} has no timm")
-    assert run.returncode == 0, run.stderr[-3000:]
+    stdout = run_tv(TvJob(_TIMM_NORMS, timeout=300))
     assert ("norms ['blocks.0.norm1', 'blocks.0.norm2', 'blocks.1.norm1', 'blocks.1.norm2', "
-            "'norm']") in run.stdout, run.stdout
+            "'norm']") in stdout, stdout

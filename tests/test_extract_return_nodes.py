@@ -11,7 +11,7 @@ import torch
 import zoo
 from extract_support import TRACEABLE, assert_same, node_values
 from torch import nn
-from tv_venv import needs_tv, run_tv
+from tv_venv import TvJob, run_tv, uses_tv
 
 from fxprobe.core.errors import ConfigError, SelectorError
 from fxprobe.runtime.extract import extractor
@@ -220,9 +220,9 @@ _TV_SCRIPT = textwrap.dedent("""
 """)
 
 
-@needs_tv
+@uses_tv(TvJob(_TV_SCRIPT))
 def test_return_nodes_equals_torchvision_create_feature_extractor() -> None:
-    stdout = run_tv(_TV_SCRIPT)
+    stdout = run_tv(TvJob(_TV_SCRIPT))
     assert "ResNet equal ['f1', 'mid', 'f3']" in stdout
     assert "VisionTransformer equal" in stdout
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zoo
 from torch import nn
-from tv_venv import needs_tv, run_tv
+from tv_venv import TvJob, run_tv, uses_tv
 
 import fxprobe
 from fxprobe.core.errors import ConfigError
@@ -243,9 +243,9 @@ _TIMM_SCRIPT = textwrap.dedent("""
 """)
 
 
-@needs_tv
+@uses_tv(TvJob(_TIMM_SCRIPT, timeout=300))
 def test_equals_timm_forward_intermediates_and_torchvision_tokens() -> None:
-    stdout = run_tv(_TIMM_SCRIPT, timeout=300)
+    stdout = run_tv(TvJob(_TIMM_SCRIPT, timeout=300))
     assert "vit equal 3" in stdout and "torchvision vit equal" in stdout
     for line in ("resnet18 5 layer4", "convnext_atto 4 stages.3", "efficientnet_b0 5 blocks.6",
                  "vit_tiny_patch16_224 4 blocks.3"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import textwrap
 
-from tv_venv import needs_tv, run_tv
+from tv_venv import TvJob, run_tv, uses_tv
 
 _SCRIPT = textwrap.dedent("""
     import torch, timm, fxprobe
@@ -105,9 +105,9 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@needs_tv
+@uses_tv(TvJob(_SCRIPT))
 def test_swin_levit_hrnet_and_torchvision_layouts() -> None:
-    out = run_tv(_SCRIPT)
+    out = run_tv(TvJob(_SCRIPT))
     assert "equal swin_tiny_patch4_window7_224 [(2, 16, 16, 24), (2, 8, 8, 48)" in out, out
     assert "[24, 48, 96, 192] [4, 8, 16, 32]" in out, out
     assert "equal hrnet_w18_small" in out and "equal levit_128s" in out, out

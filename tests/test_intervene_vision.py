@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-from tv_venv import needs_tv, run_tv
+from tv_venv import TvJob, run_tv, uses_tv
 
 _SCRIPT = textwrap.dedent("""
     import torch, timm, torchvision, fxprobe
@@ -109,9 +109,9 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@needs_tv
+@uses_tv(TvJob(_SCRIPT))
 def test_resnet18_and_a_vit_are_edited_per_call_as_hooks_edit_them() -> None:
-    stdout = run_tv(_SCRIPT)
+    stdout = run_tv(TvJob(_SCRIPT))
     for tracer in ["auto", "hooks", "dynamo"]:
         assert f"resnet18 ok {tracer}" in stdout, stdout
     assert "vit ok ['blocks.0', 'blocks.1']" in stdout, stdout

@@ -7,19 +7,15 @@ concatenated, computed with torch.
 from __future__ import annotations
 
 import copy
-import datetime
 import math
-import queue
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_job import assert_ok, verdicts
 from torch import nn
 
 import fxprobe
@@ -190,42 +186,19 @@ def _idle_everywhere_then_on_one_rank(rank: int) -> list[str]:
     return said
 
 
-def _rank(rank: int, store: str, out: Any) -> None:
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                             timeout=datetime.timedelta(seconds=120))
-    try:
-        out.put((rank, _idle_everywhere_then_on_one_rank(rank)))
-    except BaseException:
-        out.put((rank, traceback.format_exc()))
-    finally:
-        tdist.destroy_process_group()
+# run on 2 gloo ranks by tests/gloo_job.py, in the session's one job
+SCENARIOS = {"idle_everywhere_then_on_one_rank":
+             lambda rank, path: _idle_everywhere_then_on_one_rank(rank)}
 
 
-def test_reduce_stats_after_a_call_where_every_rank_was_idle(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        while len(got) < 2:
-            try:
-                rank, said = out.get(timeout=30)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break  # a rank died (gloo aborts on collectives of two sizes)
-                continue
-            got[rank] = said
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    assert len(got) == 2, f"ranks {sorted(set(range(2)) - set(got))} died: {got}"
-    for rank, said in got.items():
-        assert isinstance(said, list), said  # a traceback: the scenario failed on that rank
+@pytest.fixture(scope="module")
+def gloo_verdicts(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return verdicts(request.config, "test_review_percall")
+
+
+def test_reduce_stats_after_a_call_where_every_rank_was_idle(
+        gloo_verdicts: list[dict[str, Any]]) -> None:
+    for rank, said in enumerate(assert_ok(gloo_verdicts, "idle_everywhere_then_on_one_rank")):
         assert len(said) == 1 and "rank 1 ran no forward" in said[0], (rank, said)
 
 

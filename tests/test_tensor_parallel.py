@@ -1,4 +1,5 @@
-"""fxprobe on tensor-parallel models: 2 gloo ranks on CPU, spawned once for the whole module.
+"""fxprobe on tensor-parallel models: 2 gloo ranks on CPU, spawned once for the session
+(tests/gloo_job.py, shared with the other distributed tests).
 
 A tiny Llama (hidden 32, 4 heads, 2 key/value heads, 2 layers) saved with ``save_pretrained``,
 loaded with ``tp_plan="auto"`` or split by ``torch.distributed.tensor.parallel`` plans, tapped
@@ -14,13 +15,8 @@ chunk of the split dimension in rank order, which ``site.sharding`` states.
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
-import os
-import socket
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as tdist
-import torch.multiprocessing as mp
+from gloo_job import WORLD, assert_ok, verdicts
 from torch import nn
 
 import fxprobe
@@ -37,8 +32,6 @@ from fxprobe.frontends.sharding import ShardingWarning
 
 transformers = pytest.importorskip("transformers")
 
-WORLD = 2
-WAIT_S = float(os.environ.get("FXPROBE_TEST_DIST_WAIT_S", "900"))
 HEADS, HEAD_DIM = 4, 8
 CANONICAL = ["blocks.*.attn.q", "blocks.*.attn.k", "blocks.*.attn.v", "blocks.*.attn.z",
              "blocks.*.attn.pattern", "blocks.*.mlp.pre", "blocks.*.mlp.post",
@@ -373,46 +366,20 @@ def a_part_fxprobe_cannot_follow_is_said(rank: int, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- the job
-def worker(rank: int, port: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                             timeout=datetime.timedelta(seconds=WAIT_S))
-    out = Path(tmp) / f"rank{rank}.json"
-    verdicts: dict[str, str] = {}
-    try:
-        for name, run in SCENARIOS.items():
-            try:
-                run(rank, Path(tmp) / "llama")
-                verdicts[name] = "ok"
-            except Exception:  # noqa: BLE001 (reported by the test of that scenario)
-                verdicts[name] = traceback.format_exc()
-            out.write_text(json.dumps(verdicts))
-            tdist.barrier()
-    finally:
-        tdist.destroy_process_group()
+def prepare(tmp: Path) -> Path:
+    """Before the ranks start (tests/gloo_job.py): the model every scenario loads."""
+    save(tmp / "llama")
+    return tmp / "llama"
 
 
 @pytest.fixture(scope="module")
-def verdicts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
-    if not tdist.is_available() or not tdist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    tmp = tmp_path_factory.mktemp("tp")
-    save(tmp / "llama")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(worker, args=(port, str(tmp)), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def gloo_verdicts(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return verdicts(request.config, "test_tensor_parallel")
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_on_two_gloo_ranks(verdicts: list[dict[str, str]], name: str) -> None:
-    for rank, v in enumerate(verdicts):
-        assert v.get(name) == "ok", f"rank {rank}:\n{v.get(name, 'did not run')}"
+def test_on_two_gloo_ranks(gloo_verdicts: list[dict[str, Any]], name: str) -> None:
+    assert_ok(gloo_verdicts, name)
 
 
 def test_gather_is_a_flag_and_artifacts_refuse_it() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -23,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from tv_venv import TvJob, run_tv, uses_tv
 
 import fxprobe
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "torchvision_parity.py"
 # One model of each family, vit_b_16 and maxvit_t (the two that differed longest) among them:
 # the comparison takes 36 s on a loaded 2-core machine, all 80 models and 5 backbones 117 s.
@@ -129,37 +128,17 @@ def test_values_computed_from_buffers_alone_are_no_sites() -> None:
 
 # --- against torchvision itself, in a Python that has it ---------------------------------------
 
-def _tv_python() -> str:
-    explicit = os.environ.get("FXPROBE_TV_PYTHON")
-    if explicit:
-        return explicit
-    return str(Path(os.environ.get("FXPROBE_TV_VENV", "/work/venv-tv")) / "bin" / "python")
+PARITY = TvJob(path=str(SCRIPT), args=("--values", *(
+    ["--all"] if os.environ.get("FXPROBE_TV_ALL") else SUBSET)), timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def parity() -> dict[str, Any]:
-    python = _tv_python()
-    if not Path(python).exists():
-        pytest.skip(f"no Python with torchvision at {python} (set FXPROBE_TV_PYTHON, or run "
-                    ".ci/tv-env to create the venv)")
-    probe = subprocess.run([python, "-c", "import torchvision"], capture_output=True, text=True,
-                           timeout=120)
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
-        pytest.skip(f"{python} cannot import torchvision: {last}")
-    if os.environ.get("FXPROBE_TV_ALL"):
-        models = ["--all"]
-    else:
-        models = SUBSET
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    run = subprocess.run([python, str(SCRIPT), "--values", *models], capture_output=True,
-                         text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result: dict[str, Any] = json.loads(run.stdout)
+    result: dict[str, Any] = json.loads(run_tv(PARITY))
     return result
 
 
+@uses_tv(PARITY)
 def test_names_equal_get_graph_node_names(parity: dict[str, Any]) -> None:
     problems = {name: r for name, r in parity["names"].items()
                 if r.get("error") or r["eval"] or r["train"] or r["fallbacks"]}
@@ -167,6 +146,7 @@ def test_names_equal_get_graph_node_names(parity: dict[str, Any]) -> None:
     assert len(parity["names"]) >= len(SUBSET)
 
 
+@uses_tv(PARITY)
 def test_values_equal_create_feature_extractor(parity: dict[str, Any]) -> None:
     problems = {f"{model}: {site}": error for model, sites in parity["values"].items()
                 for site, error in sites.items() if error}

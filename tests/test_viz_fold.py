@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from tv_venv import needs_tv, run_tv
+from tv_venv import TvJob, run_tv, uses_tv
 
 import fxprobe
 
@@ -222,9 +222,9 @@ print(json.dumps({"resnet50": height(fxprobe.to_dot(r50, x)),
 
 
 @needs_dot
-@needs_tv
+@uses_tv(TvJob(_HEIGHTS))
 def test_resnet50_and_vit_b_16_fit_in_4000_px_by_default() -> None:
-    stdout = run_tv(_HEIGHTS)
+    stdout = run_tv(TvJob(_HEIGHTS))
     h = json.loads(stdout.strip().splitlines()[-1])
     assert h["resnet50"] <= 4000 and h["vit_b_16"] <= 4000, h
     # depth changes a CNN: one node per block is shorter than the blocks drawn (folded)

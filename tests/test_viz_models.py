@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import zoo
 from reference import hook_values
 from torch import fx, nn
-from tv_venv import needs_tv, run_tv
+from tv_venv import TvJob, run_tv, uses_tv
 from viz_support import (
     _NODE,
     _unquote,
@@ -402,9 +402,9 @@ for kw in ({"depth": 2}, {"focus": "blocks.3"}):
 
 
 @needs_dot
-@needs_tv
+@uses_tv(TvJob(_VIT_SCRIPT))
 def test_timm_vit_at_depth_2_is_at_most_6000_px_tall() -> None:
-    heights = dict(line.split() for line in run_tv(_VIT_SCRIPT).splitlines())
+    heights = dict(line.split() for line in run_tv(TvJob(_VIT_SCRIPT)).splitlines())
     assert int(heights["depth"]) <= 6000, heights  # 11,885 px before folding
     assert int(heights["focus"]) <= 6000, heights
 

@@ -250,6 +250,7 @@ class DynamoRegion:
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
         found = inline.repeated_blocks(module) if inline.enabled() else []
         self.blocks = inline.marks(found)
+        self.hooked = inline.HookCheck(self.blocks)
         """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
         self.shared = Blocks(found, self.backend, self.module_ids) if found and \
             inline.shared() else None  # the layers captured once for all (dynamo_blocks)
@@ -425,7 +426,7 @@ class DynamoRegion:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
                     self.marking = [] if inline.carries_cache(self.module, kwargs) or \
-                        inline.hooked(self.blocks) else (
+                        self.hooked() else (
                             self.shared.forwards if self.shared is not None else self.blocks)
                     result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
                         self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..core.errors import DynamoError
@@ -76,6 +77,7 @@ class Blocks:
         self.first: dict[str, int] = {}  # the block whose output each key was made for
         self.twins: dict[int, int] = {}  # block -> the block whose output made its own
         self.ran: dict[int, tuple[Any, Any]] = {}  # block -> its last shapes in and out
+        self.unchecked: set[int] = set()  # twins and their models not checked since a trace
         self.paths = frozenset(module_ids[id(b)] for b in blocks)
         """The blocks' paths relative to the region."""
         self.stream_out = False
@@ -91,10 +93,12 @@ class Blocks:
 
     def run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         block = self.blocks[index]
-        mode = detect_fake_mode((args, kwargs))
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        mode = first.fake_mode if isinstance(first, FakeTensor) else (
+            detect_fake_mode((args, kwargs)) if first is None else None)
         if mode is None:  # running: the block's own graph, named for this instance
             out = self.compiled(block, *args, **kwargs)
-            if self.twins:
+            if index in self.unchecked:  # once per trace
                 self._check(index, args, kwargs, out)
             return out
         if hooked(self.forwards):  # a hook would see fake tensors: run again unshared
@@ -102,11 +106,13 @@ class Blocks:
                 "fxprobe: a module hook inside a shared block")
         if mode is not self.mode:
             self.mode, self.fake_state, self.made, self.first = mode, {}, {}, {}
+            self.unchecked = set()
         key = _meta((args, kwargs, dict(block.named_parameters()),
                      dict(block.named_buffers())))
         made = self.made.get(key)
         if made is not None:  # a block like one whose output was made in this trace
             self.twins[index] = self.first[key]
+            self.unchecked |= {index, self.first[key]}
             with mode:
                 return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
                     t.shape, t.stride(), dtype=t.dtype, device=t.device,
@@ -126,8 +132,13 @@ class Blocks:
         its twin's, check it: the same shapes out where the shapes in are the same."""
         seen = (_shapes((args, kwargs)), _shapes(out))
         self.ran[index] = seen
-        twin = self.ran.get(self.twins.get(index, index))
-        if twin is not None and twin[0] == seen[0] and twin[1] != seen[1]:
+        twin = self.ran.get(self.twins.get(index, -1))
+        if twin is None or twin[0] != seen[0]:
+            return  # its model block has not run on inputs of these shapes (or it is one)
+        self.unchecked.discard(index)
+        if not self.unchecked & self.twins.keys():
+            self.unchecked.clear()
+        if twin[1] != seen[1]:
             raise DynamoError(
                 f"fxprobe: blocks {self.twins[index]} and {index} of "
                 f"{type(self.blocks[0]).__name__} return values of different shapes for "

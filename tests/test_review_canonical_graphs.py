@@ -67,11 +67,6 @@ def _t5() -> torch.nn.Module:
         dropout_rate=0.0)).eval()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a T5 decoder step with a cache (one new position) is a graph in which the canonical pass "
-    "recognises no attention: no node there is decoder.blocks.L.attn.v or cross_attn.v, so an "
-    "edit of either silently does nothing at that step (tapped.taps raises SiteNotRunError "
-    "there); the same before per-graph names, where the cached prefill was edited twice"))
 @torch.no_grad()
 def test_t5_an_edit_of_the_values_applies_at_a_cached_decoder_step() -> None:
     model = _t5()

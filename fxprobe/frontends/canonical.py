@@ -8,13 +8,15 @@ module tree:
 
 - **blocks**: an attention kernel (``F.scaled_dot_product_attention``, or a softmax whose
   probabilities multiply the values; the scores by ``matmul``, ``bmm`` or ``baddbmm``, from q
-  and k computed in the block itself; in a torch.fx graph also a call of
-  ``nn.MultiheadAttention``, whose insides have no names) inside a child of a ``ModuleList``
-  or ``Sequential`` whose children are distinct modules of one class; the child's position
-  is ``L``. A block run more than once in a
+  and k computed in the block itself, or beside an attention of the block's own from keys
+  the graph is given: a decoder step's cached cross-attention keys; in a torch.fx graph also
+  a call of ``nn.MultiheadAttention``, whose insides have no names) inside a child of a
+  ``ModuleList`` or ``Sequential`` whose children are distinct modules of one class; the
+  child's position is ``L``. A block run more than once in a
   graph (a shared layer) has no names. Several such lists are several stacks: the one whose
   blocks hold a cross-attention (keys and values from outside the block's stream) is
-  ``decoder.``, the other ``encoder.``.
+  ``decoder.``, the other ``encoder.``; one list alone is ``decoder.`` where it cross-attends
+  (the encoder's output given: ``generate()``).
 - **resid_pre**: the input of the block that one of the block's additions reads directly
   (the residual add: an add whose one operand is the incoming stream). The stream then runs
   through the residual adds in order; after each, it is the add's value, or the norm of it
@@ -29,10 +31,12 @@ module tree:
   **resid_post**: the stream that leaves the block.
 - **attn.q/k/v**: the kernel's arguments, walked back through views and head repeats (so the
   model's own key/value heads, after rotary; a static KV cache's buffer as the kernel reads
-  it, after this step's writes into it); **attn.scores**: the softmax's input, or beside
-  SDPA the ``attention_scores`` site computed from its arguments; **attn.pattern**: the softmax,
-  or beside SDPA the ``attention_probs`` site; **attn.z**: the last value shaped per head
-  between the kernel and the output projection (the first op after it that reads a weight).
+  it, after this step's writes into it; a decoder step's cached cross-attention keys, a
+  graph input, on a site of its own: ``canonical_sites``); **attn.scores**: the softmax's
+  input, or beside SDPA the ``attention_scores`` site computed from its arguments;
+  **attn.pattern**: the softmax, or beside SDPA the ``attention_probs`` site; **attn.z**: the
+  last value shaped per head between the kernel and the output projection (the first op
+  after it that reads a weight).
 - **mlp.post**: what the MLP's output projection (its last op reading a weight) reads;
   **mlp.pre**: what its activation reads: the projection output from which ``mlp.post`` is
   computed other than by a product with another projection output (the gate's up
@@ -54,9 +58,9 @@ from collections import Counter
 
 from torch import fx, nn
 
-from ..core.site import KERNEL, KERNEL_KV, SITES, Site, node_site
+from ..core.site import KERNEL, SITES, Site
 from .attention import attention_scores
-from .canonical_data import after_writes, computed_from, data_inputs, data_of, not_residual, reduced
+from .canonical_data import computed_from, data_inputs, data_of, not_residual
 from .canonical_ends import around_shared, ends
 from .canonical_graph import (
     ADDS,
@@ -72,7 +76,8 @@ from .canonical_graph import (
     numel_of,
 )
 from .canonical_layout import per_head, z_of
-from .dynamo_names import NamedGraph
+from .canonical_sites import RoleNames, give
+from .dynamo_names import NamedGraph, StableNamer
 
 VOCABULARY = (
     "embed", "pos_embed", "blocks.{L}.resid_pre", "blocks.{L}.attn.q", "blocks.{L}.attn.k",
@@ -86,21 +91,9 @@ VOCABULARY = (
 """Every canonical name, in the order a forward reaches them (``{L}``: the block's index)."""
 
 
-class _RoleNames:
-    """Collects the canonical names of nodes (and the SDPA scores sites to add)."""
-
-    def __init__(self) -> None:
-        self.names: dict[fx.Node, list[str]] = {}
-
-    def put(self, node: fx.Node | None, name: str) -> None:
-        if node is not None:
-            names = self.names.setdefault(node, [])
-            if name not in names:
-                names.append(name)
-
-
 def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: str,
-             traced: bool = False) -> NamedGraph:
+             traced: bool = False, namer: StableNamer | None = None, repeat: int = 0
+             ) -> NamedGraph:
     """Add canonical names to the sites of a graph dynamo captured, or of one torch.fx traced
     whole (``traced``; ``runtime.shapes.with_canonical``), see the module docstring.
 
@@ -115,6 +108,9 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         traced: the graph is one torch.fx traced (read by ``FxIndex``; each node's
             ``meta["example_value"]`` from a run on fake tensors): no probabilities or scores
             sites beside SDPA, so its ``attn.pattern``/``attn.scores`` are absent.
+        namer: the region's namer, for a site of keys or values the graph is given (a
+            decoder step's cached cross-attention keys: ``canonical_sites.give``).
+        repeat: the graph's run for one module instance in a forward, as ``name_graph``'s.
     """
     g = (FxIndex if traced else GraphIndex)(graph, root, root_path)
     scores: dict[fx.Node, Site] = {}
@@ -128,66 +124,14 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
         for reader in (kernel.node, kernel.qk):
             if reader is not None:
                 reader.meta[KERNEL] = True
-    out = _RoleNames()
+    out = RoleNames()
     if kernels:
         _name_all(g, kernels, named, scores, out)
     else:  # blocks called as one op each (dynamo_blocks): the stream around them
         around_shared(g, out)
     if not out.names and not scores:
         return named
-    replaced: dict[int, Site] = {}
-    # A canonical name that is another site's own name (a q projection at the path
-    # ``blocks.0.attn.q``) stays that site's alone: one name, one site to read and to edit.
-    own = {s.name for s in named.order} | {s.name for s in named.sites.values()}
-    chosen: dict[tuple[int, str], Site] = {}
-    kv: dict[tuple[int, str], fx.Node] = {}
-    for node, names in out.names.items():
-        # What the code after it reads: the value after the in-place writes that follow it
-        # (a row-parallel projection's partial sum, reduced in place into the same tensor).
-        written = reduced(g, node)
-        for n in names:
-            # Beside SDPA, the scores and the pattern are the sites computed from its arguments.
-            target = node_site(written) or node_site(node)
-            if n.endswith(".scores") and node in scores:
-                target = scores[node]
-            elif n.endswith(".pattern") and node in named.sdpa:
-                target = named.sdpa[node]
-            elif n.endswith((".scores", ".pattern")) and node in fused:
-                continue  # an SDPA call with no such site beside it: its value is no pattern
-            read = written if node_site(written) else node
-            if n.endswith((".k", ".v")) and read is not (read := after_writes(g, read)):
-                target = node_site(read)  # a static cache's buffer, this step written into it
-            if target is not None and (n not in own or n == target.name):
-                chosen[(id(target), n)] = target
-                if n.endswith((".k", ".v")):  # what the kernel reads, and the KV cache
-                    kv[(id(target), n)] = read
-    # One name, one value: a name found on two sites (roles confused) is neither's.
-    sites_of_name = Counter(n for _, n in chosen)
-    for (key, n), target in chosen.items():
-        cur = replaced.get(key, target)
-        if sites_of_name[n] == 1 and n not in cur.canonical:
-            replaced[key] = dataclasses.replace(cur, canonical=(*cur.canonical, n))
-            if (key, n) in kv:
-                kv[(key, n)].meta[KERNEL_KV] = True
-    if not replaced and not scores:
-        return named
-
-    def swap(s: Site) -> Site:
-        return replaced.get(id(s), s)
-
-    for node in graph.nodes:
-        if SITES in node.meta:
-            node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
-    new_scores = {n: swap(s) for n, s in scores.items()}
-    order: list[Site] = []
-    probs_ids = {id(s): n for n, s in named.sdpa.items()}
-    for s in named.order:
-        if id(s) in probs_ids:  # the scores come before the probabilities
-            order.append(new_scores[probs_ids[id(s)]])
-        order.append(swap(s))
-    return dataclasses.replace(
-        named, sites={n: swap(s) for n, s in named.sites.items()},
-        sdpa={n: swap(s) for n, s in named.sdpa.items()}, order=order, scores=new_scores)
+    return give(graph, g, named, scores, out, fused, namer, repeat)
 
 
 def _blocks(g: GraphIndex, kernels: list[Kernel]) -> dict[str, dict[int, str]]:
@@ -211,7 +155,7 @@ def _blocks(g: GraphIndex, kernels: list[Kernel]) -> dict[str, dict[int, str]]:
 
 
 def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
-              scores: dict[fx.Node, Site], out: _RoleNames) -> None:
+              scores: dict[fx.Node, Site], out: RoleNames) -> None:
     stacks = _blocks(g, kernels)
     if not stacks:
         return
@@ -225,15 +169,25 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
                 if p == b or p.startswith(b + "."):
                     members.setdefault(b, set()).add(n)
     by_block: dict[str, list[Kernel]] = {}
+    cached: dict[str, list[Kernel]] = {}
     for k in kernels:
         path = g.path(k.node) or ""
         for blocks in stacks.values():
             for b in blocks.values():
                 inside = members.get(b, set())
-                # q and k computed in this block, not read from another block's internals
-                if (path == b or path.startswith(b + ".")) and all(
-                        x is None or x in inside for x in (k.q, k.k, k.qk)):
+                if not (path == b or path.startswith(b + ".")) or not all(
+                        x is None or x in inside for x in (k.q, k.qk)):
+                    continue
+                # q and k computed in this block, not read from another block's internals;
+                # or keys the graph is given beside an attention of the block's own (a
+                # decoder step's cross-attention reads the encoder's keys from the cache)
+                if k.k is None or k.k in inside:
                     by_block.setdefault(b, []).append(k)
+                elif g.given(k.k):
+                    cached.setdefault(b, []).append(k)
+    for b, ks in cached.items():
+        if b in by_block:
+            by_block[b] = sorted([*by_block[b], *ks], key=lambda k: g.index[k.node])
     calls = Counter(s.module_path for n in g.nodes for s in n.meta.get(SITES, ())
                     if s.kind == "call_module")
     results: dict[str, dict[int, _Block]] = {}
@@ -255,8 +209,8 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
         (g.index[b.stream_in] for b in results[lst].values() if b.stream_in is not None),
         default=len(g.nodes)))
     prefix: dict[str, str] = {}
-    if len(ordered) == 1:
-        prefix[ordered[0]] = ""
+    if len(ordered) == 1:  # a decoder run alone (its encoder's output given): ``decoder.``
+        prefix[ordered[0]] = "decoder." if crossing else ""
     elif len(ordered) == 2 and len(crossing) == 1:
         for lst in ordered:
             prefix[lst] = "decoder." if lst in crossing else "encoder."
@@ -290,7 +244,7 @@ class _Block:
     no_mid: set[int] = dataclasses.field(default_factory=set)
     """The adds whose value no later branch reads (parallel branches): not a resid_mid."""
 
-    def name(self, pre: str, out: _RoleNames) -> None:
+    def name(self, pre: str, out: RoleNames) -> None:
         out.put(self.stream_in, pre + "resid_pre")
         for role, kernel in self.kernels.items():
             out.put(kernel.q, f"{pre}{role}.q")

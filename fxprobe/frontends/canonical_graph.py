@@ -116,6 +116,12 @@ class GraphIndex:
         return n.op == "get_attr" or (n.op == "placeholder" and (
             bool(n.meta.get("fxprobe_state")) or is_state(n)))
 
+    def given(self, n: fx.Node) -> bool:
+        """A tensor the graph is given that is not module state (an argument of the forward,
+        a KV cache's tensors), or a view of one."""
+        root = self.back(n, VIEWS)[-1]
+        return root.op == "placeholder" and not self.is_param(root) and self.shape(root) is not None
+
     def tensors(self, n: fx.Node) -> list[fx.Node]:
         """The tensor-valued inputs of ``n`` that are not module state."""
         return [a for a in n.all_input_nodes if not self.is_param(a)

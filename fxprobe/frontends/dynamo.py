@@ -346,7 +346,8 @@ class DynamoRegion:
             graph, root=self.module, root_path=self.path, module_ids=self.module_ids,
             captured_prefix=captured_prefix, frame_prefix=prefix,
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
-        named = annotate(graph, named, root=self.module, root_path=self.path)
+        named = annotate(graph, named, root=self.module, root_path=self.path,
+                         namer=self.namer, repeat=repeat)
         named = inner_names(self.shared, prefix, graph, named)
         named = sharding.mark(graph, named, self.pipeline.options.gather)  # Site.sharding
         self.modules |= named.modules

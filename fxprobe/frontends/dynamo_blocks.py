@@ -18,7 +18,8 @@ canonical pass names the stream around the blocks (``resid_pre``, ``embed``, ``l
 While dynamo traces the graph around the blocks, each op's value is made on fake tensors:
 the first block's forward runs on the trace's fake tensors (its parameters made fake), and a
 later block whose inputs, parameters and buffers have the same shapes, strides and dtypes
-gets an output like it. The forward runs through its submodules' ``__call__``, so the
+gets an output like it when its modules' other attributes (a convolution's ``stride``) are
+equal too (``_settings``). The forward runs through its submodules' ``__call__``, so the
 region uses the shared blocks only while no block's module has a hook and no global module
 hook is set (``hooked``); otherwise it marks them as ``dynamo_inline`` does.
 """
@@ -93,7 +94,7 @@ class Blocks:
         if mode is not self.mode:
             self.mode, self.fake_state, self.made = mode, {}, {}
         key = _meta((args, kwargs, dict(block.named_parameters()),
-                     dict(block.named_buffers())))
+                     dict(block.named_buffers()))) + _settings(block)
         made = self.made.get(key)
         if made is not None:  # a block like one whose output was made in this trace
             with mode:
@@ -118,6 +119,25 @@ def _meta(tree: Any) -> str:
     return repr(spec) + repr([
         (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
         if isinstance(t, torch.Tensor) else t for t in leaves])
+
+
+_MODULE_OWN = frozenset(vars(nn.Module())) - {"training"}  # nn.Module's bookkeeping
+
+
+def _settings(block: nn.Module) -> str:
+    """What else a block's output may depend on: every other attribute of each of its modules
+    (a convolution's ``stride``, a layer's ``sliding_window``), a number, string or tuple of
+    them by value, any other object by identity (one config shared by every block is equal)."""
+
+    def value(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+            return v
+        if isinstance(v, (tuple, list)):
+            return type(v).__name__, tuple(value(x) for x in v)
+        return "id", id(v)
+
+    return repr([(path, sorted((k, value(v)) for k, v in vars(m).items() if k not in _MODULE_OWN))
+                 for path, m in block.named_modules()])
 
 
 def names_stream(call: Any) -> None:

@@ -1,0 +1,79 @@
+"""Shared blocks (``FXPROBE_DYNAMO_REGIONS=shared``, ``frontends/dynamo_blocks.py``) against
+independent references over sequences of calls: the untapped model's eager output, forward
+hooks that clone on an untapped copy, and the whole-model capture (``FXPROBE_DYNAMO_REGIONS=0``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fxprobe
+
+_CONFIG = type("Config", (), {"use_cache": False, "is_decoder": False})()
+
+
+def _hooks(model: nn.Module, paths: list[str]) -> dict[str, torch.Tensor]:
+    """Each module's output (cloned), filled as ``model`` runs."""
+    seen: dict[str, torch.Tensor] = {}
+    for p in paths:
+        model.get_submodule(p).register_forward_hook(
+            lambda m, a, o, p=p: seen.__setitem__(p, o.detach().clone()))
+    return seen
+
+
+def _tap(model: nn.Module, monkeypatch: pytest.MonkeyPatch, mode: str = "shared",
+         ops: Any = None) -> Any:
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", mode)
+    return fxprobe.tap(model, ops=ops or fxprobe.where(lambda s: True), tracer="dynamo")
+
+
+class _Stage(nn.Module):
+    def __init__(self, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, stride=stride, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+class _Pyramid(nn.Module):
+    """Stages of one class and parameter shapes, the first keeping the length, the others
+    halving it (the stride an attribute of the convolution, not a tensor)."""
+
+    config = _CONFIG
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Conv1d(4, 4, 1)
+        self.stages = nn.ModuleList([_Stage(1), _Stage(2), _Stage(2)])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x.sum(-1) / x.shape[-1])
+
+
+def test_blocks_alike_but_for_a_stride_each_get_their_own_output_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 1 reads what stage 0 read (same shapes, same parameter shapes) but halves the
+    length: its output made on fake tensors must not be stage 0's (the mean after the stages
+    divided by the wrong length, and the stages named a residual stream)."""
+    torch.manual_seed(0)
+    model = _Pyramid().eval()
+    reference = copy.deepcopy(model)
+    seen = _hooks(reference, [f"stages.{i}" for i in range(3)])
+    tapped = _tap(model, monkeypatch)
+    for length in (16, 20):
+        x = torch.randn(2, 4, length)
+        with torch.no_grad():
+            torch.testing.assert_close(tapped(x), reference(x))
+        for name, value in seen.items():
+            torch.testing.assert_close(tapped.taps[name], value)
+    assert not any(s.canonical for s in tapped.known_sites())  # no residual stream here

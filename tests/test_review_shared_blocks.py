@@ -77,3 +77,48 @@ def test_blocks_alike_but_for_a_stride_each_get_their_own_output_shape(
         for name, value in seen.items():
             torch.testing.assert_close(tapped.taps[name], value)
     assert not any(s.canonical for s in tapped.known_sites())  # no residual stream here
+
+
+class _Scaled(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.index = index  # read by the forward: dynamo captures each instance on its own
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x) * (self.index + 1)
+
+
+class _Indexed(nn.Module):
+    config = _CONFIG
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.layers = nn.ModuleList(_Scaled(i) for i in range(layers))
+        self.out = nn.Linear(8, 20)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def test_more_blocks_reading_their_index_than_the_recompile_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One code object runs every block: a graph per instance (a layer reading its index)
+    must not count against recompile_limit as recompilations of one frame (the whole model
+    captured without sharing, FXPROBE_DYNAMO_REGIONS=1, runs; sharing raised)."""
+    torch.manual_seed(0)
+    model = _Indexed(3).eval()
+    reference = copy.deepcopy(model)
+    seen = _hooks(reference, [f"layers.{i}.lin" for i in range(3)])
+    with torch._dynamo.config.patch(recompile_limit=2):
+        tapped = _tap(model, monkeypatch)
+        for length in (5, 6):
+            ids = torch.randint(0, 20, (2, length))
+            with torch.no_grad():
+                torch.testing.assert_close(tapped(ids), reference(ids))
+            for name, value in seen.items():
+                torch.testing.assert_close(tapped.taps[name], value)

@@ -87,7 +87,11 @@ class Blocks:
         block = self.blocks[index]
         mode = detect_fake_mode((args, kwargs))
         if mode is None:  # running: the block's own graph, named for this instance
-            return self.compiled(block, *args, **kwargs)
+            # One code object for every instance: each may need graphs of its own (a layer
+            # reading its index), as many as a block traced inside the model would get.
+            limit = torch._dynamo.config.recompile_limit
+            with torch._dynamo.config.patch(recompile_limit=limit * len(self.blocks)):
+                return self.compiled(block, *args, **kwargs)
         if hooked(self.forwards):  # a hook would see fake tensors: run again unshared
             raise torch._dynamo.exc.Unsupported(
                 "fxprobe: a module hook inside a shared block")

@@ -122,3 +122,34 @@ def test_more_blocks_reading_their_index_than_the_recompile_limit(
                 torch.testing.assert_close(tapped(ids), reference(ids))
             for name, value in seen.items():
                 torch.testing.assert_close(tapped.taps[name], value)
+
+
+def test_output_attentions_turned_on_in_a_later_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers records ``output_attentions`` by hooks it sets inside the forward: the
+    blocks' call then runs unshared, and returns every layer's attentions (none were
+    returned), with every block's output as hooks on an untapped copy see it."""
+    from canonical_support import tf
+
+    torch.manual_seed(0)
+    model = tf.BertModel(tf.BertConfig(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=50, max_position_embeddings=32)).eval()
+    model.config._attn_implementation = "eager"
+    reference = copy.deepcopy(model)
+    seen = {}
+    for i, layer in enumerate(reference.encoder.layer):
+        layer.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(
+            f"blocks.{i}.resid_post", (o[0] if isinstance(o, tuple) else o).detach().clone()))
+    tapped = _tap(model, monkeypatch)
+    for step, attentions in enumerate([False, True, False, True]):
+        ids = torch.randint(2, 50, (2, 5 + step))
+        with torch.no_grad():
+            out = tapped(input_ids=ids, output_attentions=attentions)
+            want = reference(input_ids=ids, output_attentions=attentions)
+        torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state)
+        assert len(out.attentions or ()) == len(want.attentions or ()), step
+        for got, expected in zip(out.attentions or (), want.attentions or (), strict=True):
+            torch.testing.assert_close(got, expected)
+        names = {c: s.name for s in tapped.known_sites() for c in s.canonical}
+        for name, value in seen.items():
+            torch.testing.assert_close(tapped.taps[names[name]], value)

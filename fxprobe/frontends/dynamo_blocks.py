@@ -92,9 +92,11 @@ class Blocks:
             limit = torch._dynamo.config.recompile_limit
             with torch._dynamo.config.patch(recompile_limit=limit * len(self.blocks)):
                 return self.compiled(block, *args, **kwargs)
-        if hooked(self.forwards):  # a hook would see fake tensors: run again unshared
-            raise torch._dynamo.exc.Unsupported(
-                "fxprobe: a module hook inside a shared block")
+        if hooked(self.forwards):  # set inside the model's forward (transformers' recorder
+            # of output_attentions): it would see fake tensors. Not a graph break, which would
+            # run the block's own graph with the hook and lose what it records: the capture
+            # fails, and the call runs again unshared (dynamo_inline.run_marked).
+            raise _Hooked("fxprobe: a module hook inside a shared block")
         if mode is not self.mode:
             self.mode, self.fake_state, self.made = mode, {}, {}
         key = _meta((args, kwargs, dict(block.named_parameters()),
@@ -114,6 +116,10 @@ class Blocks:
             out = self.forward(block, *args, **kwargs)
         self.made[key] = out
         return out
+
+
+class _Hooked(RuntimeError):
+    """A module hook set inside a shared block while dynamo traces the graph around it."""
 
 
 def _meta(tree: Any) -> str:

@@ -18,12 +18,14 @@ canonical pass names the stream around the blocks (``resid_pre``, ``embed``, ``l
 While dynamo traces the graph around the blocks, each op's value is made on fake tensors:
 the first block's forward runs on the trace's fake tensors (its parameters made fake), and a
 later block whose inputs, parameters and buffers have the same shapes, strides and dtypes
-gets an output like it. Running, such a block's output is checked against that block's (the
-same shapes where their inputs had the same shapes), and a block whose output differs (a
-stride kept in a plain attribute) raises ``DynamoError`` rather than run on. The forward runs
-through its submodules' ``__call__``, so the region shares the blocks only while no block's
-module has a hook and no global module hook is set (``dynamo_inline.hooked``); a call that
-meets one runs again unmarked, for good.
+gets an output like it when its modules' other attributes are equal too (``_settings``: a
+convolution's ``stride``; an integer equal to the block's place in its list, a layer's
+``layer_idx``, is not compared). Running, such a block's output is checked against that
+block's once per trace (the same shapes where their inputs had the same shapes), and a block
+whose output differs raises ``DynamoError`` rather than run on. The forward runs through its
+submodules' ``__call__``, so the region shares the blocks only while no block's module has a
+hook and no global module hook is set (``dynamo_inline.hooked``); a call that meets one (set
+inside the model's forward) runs again unmarked, for good.
 """
 
 from __future__ import annotations
@@ -97,18 +99,28 @@ class Blocks:
         mode = first.fake_mode if isinstance(first, FakeTensor) else (
             detect_fake_mode((args, kwargs)) if first is None else None)
         if mode is None:  # running: the block's own graph, named for this instance
-            out = self.compiled(block, *args, **kwargs)
+            # One code object for every instance: each may need graphs of its own (a layer
+            # reading its index), as many as a block traced inside the model would get.
+            config = torch._dynamo.config
+            limit = config.recompile_limit
+            config.recompile_limit = limit * len(self.blocks)
+            try:
+                out = self.compiled(block, *args, **kwargs)
+            finally:
+                config.recompile_limit = limit
             if index in self.unchecked:  # once per trace
                 self._check(index, args, kwargs, out)
             return out
-        if hooked(self.forwards):  # a hook would see fake tensors: run again unshared
-            raise torch._dynamo.exc.Unsupported(
-                "fxprobe: a module hook inside a shared block")
+        if hooked(self.forwards):  # set inside the model's forward (transformers' recorder
+            # of output_attentions): it would see fake tensors. Not a graph break, which would
+            # run the block's own graph with the hook and lose what it records: the capture
+            # fails, and the call runs again unshared (dynamo_inline.run_marked).
+            raise _Hooked("fxprobe: a module hook inside a shared block")
         if mode is not self.mode:
             self.mode, self.fake_state, self.made, self.first = mode, {}, {}, {}
             self.unchecked = set()
         key = _meta((args, kwargs, dict(block.named_parameters()),
-                     dict(block.named_buffers())))
+                     dict(block.named_buffers()))) + _settings(block, index)
         made = self.made.get(key)
         if made is not None:  # a block like one whose output was made in this trace
             self.twins[index] = self.first[key]
@@ -147,6 +159,10 @@ class Blocks:
                 "this model.")
 
 
+class _Hooked(RuntimeError):
+    """A module hook set inside a shared block while dynamo traces the graph around it."""
+
+
 def _meta(tree: Any) -> str:
     """What the output made on fake tensors depends on: the structure, and each tensor's
     shape, strides, dtype, device and whether it requires grad (other leaves as they are)."""
@@ -158,6 +174,29 @@ def _meta(tree: Any) -> str:
 
 def _shapes(tree: Any) -> tuple[Any, ...]:
     return tuple(tuple(t.shape) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+_MODULE_OWN = frozenset(vars(nn.Module())) - {"training"}  # nn.Module's bookkeeping
+
+
+def _settings(block: nn.Module, index: int) -> str:
+    """What else a block's output may depend on: every other attribute of each of its modules
+    (a convolution's ``stride``, a layer's ``sliding_window``), a number, string or tuple of
+    them by value, any other object by identity (one config shared by every block is equal);
+    not an integer equal to the block's place (``layer_idx``: every layer would differ, where
+    it reads a cache the blocks are not shared; what it may still change is checked when the
+    blocks run, ``Blocks._check``)."""
+
+    def value(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+            return v
+        if isinstance(v, (tuple, list)):
+            return type(v).__name__, tuple(value(x) for x in v)
+        return "id", id(v)
+
+    return repr([(path, sorted((k, value(v)) for k, v in vars(m).items()
+                               if k not in _MODULE_OWN and not (type(v) is int and v == index)))
+                 for path, m in block.named_modules()])
 
 
 def names_stream(call: Any) -> None:

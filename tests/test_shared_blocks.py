@@ -235,13 +235,13 @@ def test_blocks_out_of_order_or_called_twice(order: list[int],
 
 
 class _Strided(nn.Module):
-    def __init__(self, step: int) -> None:
+    def __init__(self, index: int) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.step = step  # a plain attribute the output's shape depends on
+        self.index = index  # its place in the list, which its output's shape depends on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x[:, :: self.step])
+        return self.lin(x[:, :: self.index + 1])
 
 
 class _StridedStack(nn.Module):
@@ -250,7 +250,7 @@ class _StridedStack(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
-        self.layers = nn.ModuleList([_Strided(1), _Strided(2)])
+        self.layers = nn.ModuleList([_Strided(0), _Strided(1)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -261,9 +261,10 @@ class _StridedStack(nn.Module):
 
 def test_blocks_alike_in_shape_but_not_in_output_are_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks with parameters and inputs of the same shapes whose outputs differ (a step in a
-    plain attribute): the graph around them took the second's output to be shaped as the
-    first's, so the forward raises, naming the blocks, rather than run on."""
+    """Blocks with parameters and inputs of the same shapes whose outputs differ by their
+    index (an attribute equal to their place, which the shared capture does not compare, as
+    transformers' ``layer_idx``): the graph around them took the second's output to be shaped
+    as the first's, so the forward raises, naming the blocks, rather than run on."""
     monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "shared")
     torch.manual_seed(0)
     model = _StridedStack()

@@ -195,7 +195,8 @@ def _settings(block: nn.Module, index: int) -> str:
         return "id", id(v)
 
     return repr([(path, sorted((k, value(v)) for k, v in vars(m).items()
-                               if k not in _MODULE_OWN and not (type(v) is int and v == index)))
+                               if k not in _MODULE_OWN and not (type(v) is int and v == index)
+                               and not getattr(v, _OVERRIDE, False)))  # fxprobe's forward
                  for path, m in block.named_modules()])
 
 

@@ -1,7 +1,7 @@
 """First-call and warm costs against depth: fxprobe, hand-written hooks and nnsight.
 
     python -m benchmarks.scale [--layers 2,8,32,80] [--seq 32] [--repeats 7]
-                               [--approaches fxprobe,hooks,nnsight[,compile,regional]]
+                               [--approaches fxprobe,hooks,nnsight,...]
                                [--tracer dynamo]
                                [--device cpu|cuda] [--size tiny|1b] [--no-cache] [--out DIR]
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,9 @@ from .timing import gc_paused
 
 _ROOT = Path(__file__).resolve().parent
 APPROACHES = ("fxprobe", "hooks", "nnsight")
+SHARED = "fxprobe-shared"
+"""fxprobe with ``FXPROBE_DYNAMO_REGIONS=shared`` (``frontends/dynamo_blocks.py``): the blocks
+captured once for every instance, each called as one op of the graph around them."""
 REFERENCES = ("compile", "regional")
 """torch alone, hooks recording as ``hooks`` does: ``torch.compile`` of the whole model, and of
 each decoder layer on its own (regional compilation), both with a backend that runs dynamo's
@@ -210,7 +214,10 @@ def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, 
     bare = _hooks(llama(layers, size, device, cache), layers)["run"]  # an untapped twin
     with torch.no_grad():
         bare_first = clock(lambda: bare(ids))
+        if approach == SHARED:
+            os.environ["FXPROBE_DYNAMO_REGIONS"] = "shared"
         ops = {"fxprobe": lambda: _fxprobe(model, layers, tracer),
+               SHARED: lambda: _fxprobe(model, layers, tracer),
                "hooks": lambda: _hooks(model, layers),
                "nnsight": lambda: _nnsight(model, layers),
                "compile": lambda: _compiled(model, layers, regional=False),
@@ -373,10 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         print(json.dumps(measure(**json.loads(args.child))), flush=True)
         return 0
-    unknown = sorted(set(args.approaches) - set(APPROACHES) - set(REFERENCES))
+    unknown = sorted(set(args.approaches) - {*APPROACHES, SHARED, *REFERENCES})
     if unknown:
         raise SystemExit(f"unknown approach(es) {unknown}: choose from "
-                         f"{[*APPROACHES, *REFERENCES]}")
+                         f"{[*APPROACHES, SHARED, *REFERENCES]}")
     args.size = args.size or ("tiny" if args.device == "cpu" else "1b")
     env = {**environment(), "device": args.device}
     rows = run_all(args)

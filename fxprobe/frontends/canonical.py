@@ -56,27 +56,23 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import sympy
 from torch import fx, nn
 
 from ..core.site import KERNEL, SITES, Site
 from .attention import attention_scores
 from .canonical_data import computed_from, data_inputs, data_of, not_residual
+from .canonical_ends import around_shared, ends
 from .canonical_graph import (
     ADDS,
     PASS,
-    VIEWS,
     FxIndex,
     GraphIndex,
     Kernel,
     closure,
-    descendants,
     find_kernels,
-    flat_nodes,
     full_of,
     kernels_in,
     mlp_points,
-    norms_after,
     numel_of,
 )
 from .canonical_layout import per_head, z_of
@@ -131,6 +127,8 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
     out = RoleNames()
     if kernels:
         _name_all(g, kernels, named, scores, out)
+    else:  # blocks called as one op each (dynamo_blocks): the stream around them
+        around_shared(g, out)
     if not out.names and not scores:
         return named
     return give(graph, g, named, scores, out, fused, namer, repeat)
@@ -224,7 +222,7 @@ def _name_all(g: GraphIndex, kernels: list[Kernel], named: NamedGraph,
         for i, blk in results[lst].items():
             blk.name(f"{pre}blocks.{i}.", out)
         if results[lst]:
-            _ends(g, results[lst], pre, out, last=lst == ordered[-1], lst=lst,
+            ends(g, results[lst], pre, out, last=lst == ordered[-1], lst=lst,
                   last_ran=last_ran[lst])
 
 
@@ -392,60 +390,6 @@ def _classify(g: GraphIndex, branch: fx.Node | None, inside: set[fx.Node], stops
         return "other", {}
     role = "attn" if own else "cross_attn"
     return role, {role: branch}
-
-
-def _ends(g: GraphIndex, blocks: dict[int, _Block], pre: str, out: RoleNames, last: bool,
-          lst: str, last_ran: int | None) -> None:
-    """``embed``, ``pos_embed``, ``ln_final`` and (for the last stack) ``logits``: around the
-    first block and the block that ran last (in graph order, whatever their index), where
-    those were recognised; ``lst``: the blocks' ``ModuleList``."""
-    first = min(blocks.values(), key=lambda b: g.index[b.stream_in] if b.stream_in is not None
-                else len(g.nodes))
-    if first.stream_in is not None:
-        anc = g.ancestors(first.stream_in, set(g.nodes), set())
-        embeds = [n for n in anc if g.key(n) == "embedding"]
-        tok = []
-        for e in embeds:
-            idx = e.args[0] if e.args else None
-            if isinstance(idx, fx.Node):
-                root = g.back(idx, VIEWS)[-1]
-                if root.op == "placeholder" and not g.is_param(root):
-                    tok.append(e)
-        if len(tok) == 1:
-            out.put(g.call_of(tok[0]), pre + "embed")
-            positions = (g.shape(first.stream_in) or (0, 0))[-2]
-            rest = []
-            for e in embeds:
-                rows = g.rows(e)
-                enough = rows >= positions  # a row per position (unknown: symbolic)
-                if e is not tok[0] and enough != sympy.false:
-                    rest.append((rows, e))
-            if rest:
-                out.put(g.call_of(max(rest, key=lambda t: int(t[0]) if t[0].is_number else 0)[1]),
-                        pre + "pos_embed")
-    final_block = blocks.get(last_ran) if last_ran is not None else None
-    end = final_block.resid[-1] if final_block is not None and final_block.resid else None
-    if end is None:
-        return
-    norms = [n for n in norms_after(g, end) if not any(
-        s.kind == "call_module" and (s.module_path + ".").startswith(lst + ".")
-        for s in n.meta.get(SITES, ()))]  # not the next block's own norm
-    final = min(norms, key=g.index.__getitem__) if norms else None
-    out.put(final, pre + "ln_final")
-    if not last:
-        return
-    start = final if final is not None else end
-    shape = g.shape(end)
-    outputs = [a for n in g.nodes if n.op == "output" for a in flat_nodes(n.args)]
-    after = descendants(start)
-    for o in outputs:
-        s = g.shape(o)
-        if o not in after or s is None or shape is None or len(s) != len(shape) or \
-                s[:-1] != shape[:-1] or s[-1] == shape[-1]:
-            continue
-        if any(g.projects(n) for n in g.ancestors(o, after, set())):
-            out.put(o, "logits")
-            return
 
 
 __all__ = ["VOCABULARY", "annotate", "attention_scores"]

@@ -21,8 +21,6 @@ keyed by the identity of a parameter it receives, and a new instance gets its ow
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,40 +40,23 @@ from . import dynamo_inline as inline
 from . import sharding
 from .attention import attention_probs, attention_scores, beside, drive_output
 from .canonical import annotate
+from .dynamo_blocks import Blocks, inner_names
 from .dynamo_names import (
     FILE_LINE,
     INPUT,
     NamedGraph,
     StableNamer,
+    frame_id,
     input_name,
     name_graph,
     param_path,
+    positional,
 )
 from .dynamo_quiet import quiet_compile
 from .dynamo_shapes import static_inputs
 from .dynamo_versions import Instrumented
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
-
-
-def _frame_id() -> int | None:
-    """The id dynamo gives the frame it is compiling now (None outside a compilation)."""
-    try:
-        compile_id = torch._guards.CompileContext.current_compile_id()
-    except Exception:  # a private API: drawing falls back to one entry per graph
-        return None
-    frame = getattr(compile_id, "frame_id", None)
-    return frame if isinstance(frame, int) else None
-
-
-def _positional(forward: Callable[..., Any]) -> tuple[str, ...]:
-    """The names of ``forward``'s positional parameters after ``self`` (none where unknown)."""
-    try:
-        params = list(inspect.signature(forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params))
 
 
 def dynamo_failed(e: BaseException) -> bool:
@@ -100,7 +81,7 @@ class _Captured:
                  example_inputs: Sequence[Any]) -> None:
         self.region = region
         self.gm = gm
-        self.frame = _frame_id()
+        self.frame = frame_id()
         # A parameter the graph receives, to tell which module instance runs the frame:
         # preferably one reached from the frame's ``self``.
         self.anchor: int | None = None
@@ -257,7 +238,7 @@ class DynamoRegion:
         patched = module.__dict__.get("forward") if has_patched_forward(module) else None
         self._forward = (type(module).forward if patched is None
                          else lambda _module, *a, **k: patched(*a, **k))
-        self.arg_names = _positional(self._forward)
+        self.arg_names = positional(self._forward)
         """The forward's positional parameters (none for a replaced forward): its inputs are sites
         by these names."""
         self._compiled: Callable[..., Any] | None = None
@@ -267,8 +248,13 @@ class DynamoRegion:
         capture: a new size there is captured again (``dynamo_shapes``)."""
         self.offloaded = offloaded(module)
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
-        self.blocks = inline.marks(inline.repeated_blocks(module)) if inline.enabled() else []
+        found = inline.repeated_blocks(module) if inline.enabled() else []
+        self.blocks = inline.marks(found)
+        self.hooked = inline.HookCheck(self.blocks)
         """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
+        self.shared = Blocks(found, self.backend, self.module_ids) if found and \
+            inline.shared() else None  # the layers captured once for all (dynamo_blocks)
+        """The same layers captured once for every instance (``dynamo_blocks``)."""
         self.inlined = (0, 0)  # block calls inlined so far, and the bodies dynamo traced
         self.marking: list[tuple[nn.Module, Any]] = []  # the blocks marked in this call
 
@@ -362,6 +348,7 @@ class DynamoRegion:
             is_leaf=self.is_leaf, namer=self.namer, probs_fn=attention_probs, repeat=repeat)
         named = annotate(graph, named, root=self.module, root_path=self.path,
                          namer=self.namer, repeat=repeat)
+        named = inner_names(self.shared, prefix, graph, named)
         named = sharding.mark(graph, named, self.pipeline.options.gather)  # Site.sharding
         self.modules |= named.modules
         new = [s for s in named.order if s.name not in self.sites]
@@ -440,7 +427,8 @@ class DynamoRegion:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
                     self.marking = [] if inline.carries_cache(self.module, kwargs) or \
-                        inline.hooked(self.blocks) else self.blocks
+                        self.hooked() else (
+                            self.shared.forwards if self.shared is not None else self.blocks)
                     result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
                         self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1
                         else compiled(self.module, *args, **kwargs),
@@ -490,7 +478,7 @@ class DynamoRegion:
         return result
 
     def _unmark(self) -> None:
-        self.blocks = self.marking = []
+        self.blocks, self.marking, self.shared = [], [], None
 
     def _limit_hit(self, what: str) -> str:
         return (f"torch dynamo on {type(self.module).__name__}"

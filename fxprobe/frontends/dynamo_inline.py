@@ -34,6 +34,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.modules import module as _module
+from torch.utils.hooks import RemovableHandle
 
 from ..core.errors import DynamoError
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
@@ -43,6 +44,12 @@ def enabled() -> bool:
     """Whether repeated blocks are marked (``FXPROBE_DYNAMO_REGIONS=0`` turns it off; read as
     each tapped module is built)."""
     return os.environ.get("FXPROBE_DYNAMO_REGIONS", "1") != "0"
+
+
+def shared() -> bool:
+    """Whether repeated blocks are captured once for all and called as one op of the graph
+    around them (``FXPROBE_DYNAMO_REGIONS=shared``, ``dynamo_blocks``) instead of marked."""
+    return os.environ.get("FXPROBE_DYNAMO_REGIONS") == "shared"
 
 
 
@@ -91,6 +98,24 @@ def hooked(blocks: list[tuple[nn.Module, Any]]) -> bool:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                or m._backward_pre_hooks for b, _ in blocks for m in b.modules())
+
+
+class HookCheck:
+    """:func:`hooked` for one list of blocks, looked at again only after a hook was
+    registered anywhere (every registration draws a number; a removal draws none, so blocks
+    found hooked stay so until the next registration: they are traced unmarked meanwhile)."""
+
+    def __init__(self, blocks: list[tuple[nn.Module, Any]]) -> None:
+        self.blocks = blocks
+        self.epoch = -1
+        self.found = False
+
+    def __call__(self) -> bool:
+        if self.blocks and RemovableHandle.next_id != self.epoch:
+            self.epoch = RemovableHandle.next_id
+            self.found = hooked(self.blocks)
+        return self.found
+
 
 
 def marks(blocks: list[nn.Module]) -> list[tuple[nn.Module, Any]]:

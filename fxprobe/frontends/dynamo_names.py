@@ -13,6 +13,8 @@ and hands out the same name whenever that key comes back.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,11 +28,32 @@ from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
 from ..core.view import is_state
+from .dynamo_blocks import block_call
 from .dynamo_shapes import is_size
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
 FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def frame_id() -> int | None:
+    """The id dynamo gives the frame it is compiling now (None outside a compilation)."""
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # a private API: drawing falls back to one entry per graph
+        return None
+    frame = getattr(compile_id, "frame_id", None)
+    return frame if isinstance(frame, int) else None
+
+
+def positional(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters after ``self`` (none where unknown)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params))
 
 
 def module_path(stack_path: str) -> str:
@@ -172,13 +195,14 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     for node in calls:
         stack = node.meta.get("nn_module_stack") or {}
         inner = frame_prefix  # code of the frame's own module has no stack entry
+        block = _block_of(node)
         for key, (path, _cls) in stack.items():
             rel = resolve(str(key), str(path))
             inner = rel
             if node in leaf_call:
                 continue
             m = module_at(rel)
-            if m is not None and rel and is_leaf(m, _join(root_path, rel)):
+            if m is not None and rel and (is_leaf(m, _join(root_path, rel)) or key == block):
                 leaf_call[node] = (str(key), rel, m)
         innermost[node] = _join(root_path, inner)
     members: dict[str, list[fx.Node]] = {}
@@ -211,13 +235,14 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     calls_of: dict[str, list[fx.Node]] = {}
     where: dict[str, tuple[str, nn.Module]] = {}
     for node in calls:
+        block = _block_of(node)
         for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
             rel = resolve(str(key), str(path))
             m = module_at(rel)
             if m is None or not rel:
                 continue
             seen_modules.add(_join(root_path, rel))
-            if whole and not is_leaf(m, _join(root_path, rel)):
+            if whole and not is_leaf(m, _join(root_path, rel)) and key != block:
                 calls_of.setdefault(str(key), []).append(node)
                 where[str(key)] = (rel, m)
     module_calls: dict[fx.Node, list[tuple[str, nn.Module, tuple[fx.Node, ...], fx.Node, str]]] = {}
@@ -309,6 +334,15 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
             sdpa[node] = probs
             order.append(probs)
     return NamedGraph(sites, sdpa, order, frozenset(seen_modules))
+
+
+def _block_of(node: fx.Node) -> Any:
+    """For a call of a shared block (``dynamo_blocks.block_call``), the ``nn_module_stack``
+    key of the block, whose call it is whole (as a leaf module's call); else None."""
+    stack = node.meta.get("nn_module_stack")
+    if node.target is not block_call or not stack:
+        return None
+    return list(stack)[-1]
 
 
 INPUT = "fxprobe_input"

@@ -1,0 +1,234 @@
+"""Repeated blocks captured once and called as one op of the graph around them.
+
+Dynamo's tracing of a whole model costs about the same again for every decoder layer, and so
+does torch's ``nested_compile_region`` (which traces each call to check it against the
+body): at 32 layers a first forward costs several times a 2-layer one. Under
+``FXPROBE_DYNAMO_REGIONS=shared`` a :class:`~.dynamo.DynamoRegion` installs, on fxprobe's copy
+and for a call without a cache, the forward of each repeated block (``dynamo_inline.
+repeated_blocks``) as a call of :func:`block_call`, which dynamo puts in the region's graph
+as one op (``torch._dynamo.allow_in_graph``) without tracing into it. Running, that op calls
+the block through a second ``torch.compile`` of the block's forward with the region's own
+backend (:class:`Blocks`, a code object per region): dynamo captures the block's code once
+for every instance (its parameters are graph inputs), and the region names that graph for
+each instance (``dynamo._Captured.version``: ``model.layers.7.add_1``, its canonical names
+``blocks.7.*``). The op's own site is the block's module call (``model.layers.7``), and the
+canonical pass names the stream around the blocks (``resid_pre``, ``embed``, ``ln_final``,
+``logits``) from the ops (``canonical_ends.around_shared``).
+
+While dynamo traces the graph around the blocks, each op's value is made on fake tensors:
+the first block's forward runs on the trace's fake tensors (its parameters made fake), and a
+later block whose inputs, parameters and buffers have the same shapes, strides and dtypes
+gets an output like it when its modules' other attributes are equal too (``_settings``: a
+convolution's ``stride``; an integer equal to the block's place in its list, a layer's
+``layer_idx``, is not compared). Running, such a block's output is checked against that
+block's once per trace (the same shapes where their inputs had the same shapes), and a block
+whose output differs raises ``DynamoError`` rather than run on. The forward runs through its
+submodules' ``__call__``, so the region shares the blocks only while no block's module has a
+hook and no global module hook is set (``dynamo_inline.hooked``); a call that meets one (set
+inside the model's forward) runs again unmarked, for good.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
+from ..core.errors import DynamoError
+from ..core.site import SITES
+from .dynamo_inline import hooked
+from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
+
+_LIVE: weakref.WeakValueDictionary[int, Blocks] = weakref.WeakValueDictionary()
+
+
+@torch._dynamo.allow_in_graph
+def block_call(key: int, index: int, *args: Any, **kwargs: Any) -> Any:
+    """A call of block ``index`` of the :class:`Blocks` numbered ``key``: one op of the
+    region's graph, which dynamo does not trace into."""
+    return _LIVE[key].run(index, args, kwargs)
+
+
+class Blocks:
+    """The repeated blocks of one region, their forward compiled once for all of them."""
+
+    def __init__(self, blocks: list[nn.Module], backend: Callable[..., Any],
+                 module_ids: dict[int, str]) -> None:
+        self.blocks = blocks
+        self.forward = forward = type(blocks[0]).forward
+
+        def run_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return forward(module, *args, **kwargs)
+
+        # A code object of this region's own: dynamo caches graphs (and counts recompiles
+        # against recompile_limit) per code object.
+        run_block.__code__ = run_block.__code__.replace(
+            co_name=f"fxprobe_block_{type(blocks[0]).__name__}")
+        self.compiled = torch.compile(run_block, backend=backend, dynamic=True)
+        self.mode: Any = None  # the fake mode of the trace the two caches below belong to
+        self.fake_state: dict[int, dict[str, torch.Tensor]] = {}
+        self.made: dict[str, Any] = {}
+        self.first: dict[str, int] = {}  # the block whose output each key was made for
+        self.twins: dict[int, int] = {}  # block -> the block whose output made its own
+        self.ran: dict[int, tuple[Any, Any]] = {}  # block -> its last shapes in and out
+        self.unchecked: set[int] = set()  # twins and their models not checked since a trace
+        self.paths = frozenset(module_ids[id(b)] for b in blocks)
+        """The blocks' paths relative to the region."""
+        self.stream_out = False
+        """Whether the graph around the blocks names each call ``blocks.L.resid_post``
+        (``canonical``): the blocks' own graphs then do not."""
+        self.key = id(self)
+        _LIVE[self.key] = self
+        self.forwards: list[tuple[nn.Module, Any]] = []
+        for i, block in enumerate(blocks):
+            fn = functools.partial(block_call, self.key, i)
+            setattr(fn, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
+            self.forwards.append((block, fn))
+
+    def run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        block = self.blocks[index]
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        mode = first.fake_mode if isinstance(first, FakeTensor) else (
+            detect_fake_mode((args, kwargs)) if first is None else None)
+        if mode is None:  # running: the block's own graph, named for this instance
+            # One code object for every instance: each may need graphs of its own (a layer
+            # reading its index), as many as a block traced inside the model would get.
+            config = torch._dynamo.config
+            limit = config.recompile_limit
+            config.recompile_limit = limit * len(self.blocks)
+            try:
+                out = self.compiled(block, *args, **kwargs)
+            finally:
+                config.recompile_limit = limit
+            if index in self.unchecked:  # once per trace
+                self._check(index, args, kwargs, out)
+            return out
+        if hooked(self.forwards):  # set inside the model's forward (transformers' recorder
+            # of output_attentions): it would see fake tensors. Not a graph break, which would
+            # run the block's own graph with the hook and lose what it records: the capture
+            # fails, and the call runs again unshared (dynamo_inline.run_marked).
+            raise _Hooked("fxprobe: a module hook inside a shared block")
+        if mode is not self.mode:
+            self.mode, self.fake_state, self.made, self.first = mode, {}, {}, {}
+            self.unchecked = set()
+        key = _meta((args, kwargs, dict(block.named_parameters()),
+                     dict(block.named_buffers()))) + _settings(block, index)
+        made = self.made.get(key)
+        if made is not None:  # a block like one whose output was made in this trace
+            self.twins[index] = self.first[key]
+            self.unchecked |= {index, self.first[key]}
+            with mode:
+                return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
+                    t.shape, t.stride(), dtype=t.dtype, device=t.device,
+                    requires_grad=t.requires_grad), made)
+        state = self.fake_state.get(index)
+        if state is None:
+            state = self.fake_state[index] = {
+                n: mode.from_tensor(t, static_shapes=True)
+                for n, t in [*block.named_parameters(), *block.named_buffers()]}
+        with torch.nn.utils.stateless._reparametrize_module(block, state), mode:
+            out = self.forward(block, *args, **kwargs)
+        self.made[key], self.first[key] = out, index
+        return out
+
+    def _check(self, index: int, args: Any, kwargs: Any, out: Any) -> None:
+        """Where the graph around the blocks took block ``index``'s output to be shaped as
+        its twin's, check it: the same shapes out where the shapes in are the same."""
+        seen = (_shapes((args, kwargs)), _shapes(out))
+        self.ran[index] = seen
+        twin = self.ran.get(self.twins.get(index, -1))
+        if twin is None or twin[0] != seen[0]:
+            return  # its model block has not run on inputs of these shapes (or it is one)
+        self.unchecked.discard(index)
+        if not self.unchecked & self.twins.keys():
+            self.unchecked.clear()
+        if twin[1] != seen[1]:
+            raise DynamoError(
+                f"fxprobe: blocks {self.twins[index]} and {index} of "
+                f"{type(self.blocks[0]).__name__} return values of different shapes for "
+                f"inputs of the same shapes ({twin[1]} and {seen[1]}), which the shared "
+                "capture (FXPROBE_DYNAMO_REGIONS=shared) took to be alike; unset it for "
+                "this model.")
+
+
+class _Hooked(RuntimeError):
+    """A module hook set inside a shared block while dynamo traces the graph around it."""
+
+
+def _meta(tree: Any) -> str:
+    """What the output made on fake tensors depends on: the structure, and each tensor's
+    shape, strides, dtype, device and whether it requires grad (other leaves as they are)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return repr(spec) + repr([
+        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+        if isinstance(t, torch.Tensor) else t for t in leaves])
+
+
+def _shapes(tree: Any) -> tuple[Any, ...]:
+    return tuple(tuple(t.shape) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+_MODULE_OWN = frozenset(vars(nn.Module())) - {"training"}  # nn.Module's bookkeeping
+
+
+def _settings(block: nn.Module, index: int) -> str:
+    """What else a block's output may depend on: every other attribute of each of its modules
+    (a convolution's ``stride``, a layer's ``sliding_window``), a number, string or tuple of
+    them by value, any other object by identity (one config shared by every block is equal);
+    not an integer equal to the block's place (``layer_idx``: every layer would differ, where
+    it reads a cache the blocks are not shared; what it may still change is checked when the
+    blocks run, ``Blocks._check``)."""
+
+    def value(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+            return v
+        if isinstance(v, (tuple, list)):
+            return type(v).__name__, tuple(value(x) for x in v)
+        return "id", id(v)
+
+    return repr([(path, sorted((k, value(v)) for k, v in vars(m).items()
+                               if k not in _MODULE_OWN and not (type(v) is int and v == index)
+                               and not getattr(v, _OVERRIDE, False)))  # fxprobe's forward
+                 for path, m in block.named_modules()])
+
+
+def names_stream(call: Any) -> None:
+    """Say that the graph around the blocks names each block's call ``resid_post`` (``call``:
+    one such call node)."""
+    blocks = _LIVE.get(call.args[0])
+    if blocks is not None:
+        blocks.stream_out = True
+
+
+def inner_names(blocks: Blocks | None, prefix: str, graph: Any, named: Any) -> Any:
+    """``named`` without ``blocks.L.resid_post`` where it is a shared block's own graph and
+    the graph around the blocks names the call with it (one name, one site)."""
+    if blocks is None or not blocks.stream_out or prefix not in blocks.paths:
+        return named
+    changed: dict[int, Any] = {}
+    for s in named.order:
+        keep = tuple(c for c in s.canonical if not c.endswith(".resid_post"))
+        if keep != s.canonical:
+            changed[id(s)] = dataclasses.replace(s, canonical=keep)
+    if not changed:
+        return named
+
+    def swap(s: Any) -> Any:
+        return changed.get(id(s), s)
+
+    for node in graph.nodes:
+        if SITES in node.meta:
+            node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
+    return dataclasses.replace(
+        named, sites={n: swap(s) for n, s in named.sites.items()},
+        sdpa={n: swap(s) for n, s in named.sdpa.items()},
+        order=[swap(s) for s in named.order],
+        scores={n: swap(s) for n, s in named.scores.items()})

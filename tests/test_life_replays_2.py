@@ -10,6 +10,13 @@ forward, under ``tracer="auto"`` with dynamo's recompile limit at 2).
 - A block on ``inner.fc_3``, and inside it two blocks whose edits raise: leaving the outer
   block raises ``SelectorError: 'inner.fc_3' matches no site``, where the site exists and
   dynamo's limit is why it went unseen.
+
+One cause, it seems: a block entered while ``inner`` is still deferred resolves its selectors
+without ``inner``'s hook sites (hidden until dynamo gives up on it), and installs no hook for
+them; once dynamo stops capturing ``inner`` (past the limit, in a nested block's forward or a
+refused one), the block's table is never resolved against them, so the module runs as written
+without the edit (``Lifecycle._refuse_lost_edits`` lets it, the site being hooked), and on
+leaving the selector matches nothing.
 """
 
 from __future__ import annotations

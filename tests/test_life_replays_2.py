@@ -90,9 +90,6 @@ def test_train_mode_block_after_an_eval_forward_taps_what_hooks_see() -> None:
             tapped.remove()
 
 
-@pytest.mark.xfail(strict=True, reason="after two blocks whose edits raise use up the "
-                   "recompile limit inside a block on inner.fc, tapped.taps['inner.fc'] is "
-                   "wrong at the next forward")
 def test_block_after_raising_blocks_taps_what_hooks_see() -> None:
     model = SPEC.build()
     reference = SPEC.build()
@@ -118,9 +115,6 @@ def test_block_after_raising_blocks_taps_what_hooks_see() -> None:
             tapped.remove()
 
 
-@pytest.mark.xfail(strict=True, reason="leaving a block on inner.fc_3 after raising blocks "
-                   "used up the recompile limit says the site does not exist (SelectorError), "
-                   "not that dynamo's limit hid it")
 def test_leaving_a_block_after_raising_blocks_names_the_limit() -> None:
     model = SPEC.build()
     with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():

@@ -90,6 +90,23 @@ class Table:
         self._here: dict[tuple[str, tuple[str, ...]], tuple[tuple[Fn, ...], bool]] = {}
         self.owners: dict[str, set[str]] = {}
         """The sites each canonical name names in some graph (one: the name is unambiguous)."""
+        self.fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
+        """The deferred modules running as written when the selectors last met their sites."""
+
+    def refresh(self, state: TapState) -> None:
+        """Resolve the selectors against the hook sites of the deferred modules that dynamo
+        stopped capturing since (hidden until then), and install the hooks they reach: run
+        as written, such a module would otherwise go unedited, its selector unmatched."""
+        life = self.life
+        fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
+        if fallen <= self.fallen:
+            return
+        names = {n for p in fallen - self.fallen for n in life.program.deferred[p].sites}
+        self.fallen = fallen
+        fresh = [s for s in life.known_sites() if s.name in names and s.how == "hook"
+                 and s.name not in self.sites]
+        self.resolve(fresh)
+        _hook(state, self, fresh)
 
     def check(self, region: DynamoRegion) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones since."""
@@ -187,7 +204,8 @@ class Table:
         gone = [r.what for path, r in life.program.dynamo.items()
                 if life.state.get(path) is State.FALLBACK
                 and "recompile_limit" in life.reasons.get(path, "")
-                and (not r.sites or any(sel(site) for site in r.sites.values()))]
+                and (not r.sites or any(sel(site) for site in r.sites.values())
+                     or self._later_call(sel, path))]
         if not gone:
             return error
         fallen = DynamoError(
@@ -197,6 +215,13 @@ class Table:
             "torch._dynamo.reset() and tap again.")
         fallen.__cause__ = error
         return fallen
+
+    def _later_call(self, sel: Selector, path: str) -> bool:
+        """Whether ``sel`` names a later call (``fc_3``) of a hooked module inside the
+        deferred module at ``path``: a site known once a forward runs it as written."""
+        names = self.life.program.deferred[path].sites
+        return any(sel(dataclasses.replace(site, name=f"{site.name}_{n}", canonical=()))
+                   for site in self.sites.values() if site.name in names for n in range(1, 4))
 
 
 def _literal(key: Any) -> str | None:
@@ -227,19 +252,26 @@ def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tup
     static = [s for s in life.known_sites() if s.how != "dynamo" and s.name not in dynamo
               and s.name not in hidden]
     table.resolve(static)
+    hooked = _hook(state, table, static)
+    for region in regions:
+        table.check(region)
+    if not hooked and all(r.finished for r in regions):  # every site is known: check now
+        table.unmatched()  # (a hooked module's second call, fc_1, is known once it ran)
+    return table
+
+
+def _hook(state: TapState, table: Table, sites: Iterable[Site]) -> bool:
+    """Install the hooks of the hooked ``sites`` that ``table`` reaches; whether any of
+    ``sites`` is hooked."""
     hooked = False
-    for site in static:
+    for site in sites:
         if site.how == "hook":
             hooked = True
             if _reaches(table, site):
                 path = site.module_path or site.name
                 module = state.root.get_submodule(path) if path else state.root
                 state.hookset.ensure(site.name, module)
-    for region in regions:
-        table.check(region)
-    if not hooked and all(r.finished for r in regions):  # every site is known: check now
-        table.unmatched()  # (a hooked module's second call, fc_1, is known once it ran)
-    return table
+    return hooked
 
 
 def _reaches(table: Table, site: Site) -> bool:
@@ -290,6 +322,7 @@ class Intervention:
         per_call.table = self.outer
         if kind is not None or table is None:
             return
+        table.refresh(self.state)
         regions = _regions(table.life)
         if all(r.finished for r in regions):
             for region in regions:  # sites found by a forward under another table (a cache)

@@ -2,21 +2,20 @@
 on an untapped copy (``Twice``: a module dynamo runs as a frame of its own, called twice per
 forward, under ``tracer="auto"`` with dynamo's recompile limit at 2).
 
-- Eval forward, then ``train()`` and a block editing ``inner.relu_1``: two train-mode
-  forwards in the block (the first refused past the limit, as documented); the second's
-  ``tapped.taps`` (``inner.fc_1``, ``inner.fc_3``) differ from the hooks' values.
+- Eval forward, then ``train()`` and a block editing ``inner.relu_1`` (a site only dynamo's
+  graphs reach): the first train-mode forward in the block is refused past the limit (as
+  documented) before dynamo captured the train-mode sites, so the block's selector had matched
+  nothing, and the next forward ran as written without the edit (its ``tapped.taps`` and
+  output unedited). Pinned: refusing it in ``Lifecycle._refuse_lost_edits`` (a selector
+  unmatched while the region never finished) broke test_life_replays.py's recompile-limit test.
 - A block on ``inner.fc``, and inside it two blocks whose edits raise (two input ranks, the
-  limit used up): the next forward's ``tapped.taps['inner.fc']`` differs from the hooks'.
+  limit used up): the block, entered while ``inner`` was deferred, had resolved its selectors
+  without ``inner``'s hook sites (hidden then) and never met them once dynamo gave up on it,
+  so the next forward ran as written without the edit. A block now resolves against them.
 - A block on ``inner.fc_3``, and inside it two blocks whose edits raise: leaving the outer
-  block raises ``SelectorError: 'inner.fc_3' matches no site``, where the site exists and
-  dynamo's limit is why it went unseen.
-
-One cause, it seems: a block entered while ``inner`` is still deferred resolves its selectors
-without ``inner``'s hook sites (hidden until dynamo gives up on it), and installs no hook for
-them; once dynamo stops capturing ``inner`` (past the limit, in a nested block's forward or a
-refused one), the block's table is never resolved against them, so the module runs as written
-without the edit (``Lifecycle._refuse_lost_edits`` lets it, the site being hooked), and on
-leaving the selector matches nothing.
+  block said ``SelectorError: 'inner.fc_3' matches no site``, where a later call of the
+  hooked ``inner.fc`` is that site and dynamo's limit is why no forward met it; it says the
+  limit now (``DynamoError``).
 """
 
 from __future__ import annotations
@@ -64,8 +63,9 @@ def _check_taps(tapped: Any, reference: torch.nn.Module, x: torch.Tensor,
     assert not wrong, f"tapped.taps differ from the hooks' values at {wrong}"
 
 
-@pytest.mark.xfail(strict=True, reason="a train-mode forward after the recompile limit in a "
-                   "block on inner.relu_1 leaves a wrong tapped.taps['inner.fc_1']")
+@pytest.mark.xfail(strict=True, reason="a train-mode block on inner.relu_1 whose first "
+                   "forward was refused past the recompile limit runs the next one as written, "
+                   "unedited (its taps and output)")
 def test_train_mode_block_after_an_eval_forward_taps_what_hooks_see() -> None:
     model = SPEC.build()
     reference = SPEC.build()
@@ -77,15 +77,20 @@ def test_train_mode_block_after_an_eval_forward_taps_what_hooks_see() -> None:
             tapped.train(True)
             reference.train(True)
             fn = edit_fn(-1.0, None)
-            with tapped.intervene({"inner.relu_1": fn}):
-                for shape in [(2, 2, 2, 4), (3, 4)]:
-                    x = _x(shape, 0)
-                    try:
-                        tapped(x)
-                    except fxprobe.DynamoError as e:  # documented past the limit
-                        assert "recompile_limit" in str(e)
-                        continue
-                    _check_taps(tapped, reference, x, [("inner.relu_1", fn)])
+            ctx = tapped.intervene({"inner.relu_1": fn})
+            ctx.__enter__()
+            for shape in [(2, 2, 2, 4), (3, 4)]:  # the second ran as written, unedited
+                x = _x(shape, 0)
+                try:
+                    tapped(x)
+                except fxprobe.DynamoError as e:  # documented past the limit
+                    assert "recompile_limit" in str(e)
+                    continue
+                _check_taps(tapped, reference, x, [("inner.relu_1", fn)])
+            try:
+                ctx.__exit__(None, None, None)
+            except fxprobe.DynamoError as e:  # a site only dynamo reached, gone: said so
+                assert "recompile_limit" in str(e)
         finally:
             tapped.remove()
 

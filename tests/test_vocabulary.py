@@ -46,6 +46,12 @@ def test_every_lookup_of_a_misspelt_name_gives_the_same_hint(tmp_path: pathlib.P
                    lambda: cache["1_"]):
         with pytest.raises(fxprobe.UnknownSiteError, match=re.escape(hint)):
             lookup()
+    for key in (None, 3, ("1",)):  # not a name: a mapping's get answers its default
+        assert tapped.taps.get(key, "none") == "none"
+        assert reader.forward(0).get(key, "none") == "none"
+        assert cache.get(key, "none") == "none"
+        with pytest.raises(fxprobe.UnknownSiteError, match="not a tapped site"):
+            tapped.taps[key]
     with pytest.raises(fxprobe.ConfigError, match=r"Did you mean '0'"):
         fxprobe.tap(model, leaf_modules=["0_"])
     with pytest.raises(fxprobe.ConfigError, match=r"Did you mean '0'"):

@@ -33,7 +33,10 @@ CLOSE_CUTOFF = 0.5
 
 def closest(name: str, names: Iterable[str], n: int = 5) -> list[str]:
     """The (at most ``n``) ``names`` closest to ``name``, closest first: the one search behind
-    every "did you mean" of fxprobe."""
+    every "did you mean" of fxprobe. A ``name`` that is not a string (``taps.get(None)``, which
+    must answer the default) has none."""
+    if not isinstance(name, str):
+        return []
     return difflib.get_close_matches(name, list(dict.fromkeys(names)), n=n,
                                      cutoff=CLOSE_CUTOFF)
 

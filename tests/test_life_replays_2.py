@@ -6,8 +6,8 @@ forward, under ``tracer="auto"`` with dynamo's recompile limit at 2).
   graphs reach): the first train-mode forward in the block is refused past the limit (as
   documented) before dynamo captured the train-mode sites, so the block's selector had matched
   nothing, and the next forward ran as written without the edit (its ``tapped.taps`` and
-  output unedited). Pinned: refusing it in ``Lifecycle._refuse_lost_edits`` (a selector
-  unmatched while the region never finished) broke test_life_replays.py's recompile-limit test.
+  output unedited). ``Lifecycle._refuse_lost_edits`` now counts the sites dynamo found in the
+  module in the other mode: the next forward is refused too, naming the limit.
 - A block on ``inner.fc``, and inside it two blocks whose edits raise (two input ranks, the
   limit used up): the block, entered while ``inner`` was deferred, had resolved its selectors
   without ``inner``'s hook sites (hidden then) and never met them once dynamo gave up on it,
@@ -63,9 +63,6 @@ def _check_taps(tapped: Any, reference: torch.nn.Module, x: torch.Tensor,
     assert not wrong, f"tapped.taps differ from the hooks' values at {wrong}"
 
 
-@pytest.mark.xfail(strict=True, reason="a train-mode block on inner.relu_1 whose first "
-                   "forward was refused past the recompile limit runs the next one as written, "
-                   "unedited (its taps and output)")
 def test_train_mode_block_after_an_eval_forward_taps_what_hooks_see() -> None:
     model = SPEC.build()
     reference = SPEC.build()

@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -87,13 +87,18 @@ class Lifecycle:
             its frame; the hook names recorded now follow the states).
         on_move: called as ``on_move(self, path, state)`` after a deferred module moved, to
             install (or drop) what runs inside it.
+        lives: the programs of the tapped module's modes (this one's included), by mode: the
+            sites dynamo found in a module in the other mode are sites only dynamo reaches in
+            this one too (:meth:`_refuse_lost_edits`).
     """
 
     def __init__(self, program: Program, rec: Recording,
-                 on_move: Callable[[Lifecycle, str, State], None]) -> None:
+                 on_move: Callable[[Lifecycle, str, State], None],
+                 lives: Mapping[bool, Lifecycle] | None = None) -> None:
         self.program = program
         self.rec = rec
         self.on_move = on_move
+        self.lives = lives or {}
         self.state: dict[str, State] = {path: State.PENDING for path in program.deferred}
         self.reasons: dict[str, str] = {}
         """Why dynamo failed on a deferred module, by path."""
@@ -183,7 +188,11 @@ class Lifecycle:
         region = self.program.dynamo[path]
         covers = self.program.deferred[path].sites
         hooked = re.compile("|".join(re.escape(k) + r"(_\d+)?" for k in covers) or "(?!)")
-        lost = [n for n, s in region.sites.items() if not hooked.fullmatch(n)
+        # The other mode's graphs count too: a module refused at its first forward in this
+        # mode (dynamo's limit) found no site here, but runs the same code.
+        found = {n: s for life in self.lives.values() if path in life.program.dynamo
+                 for n, s in life.program.dynamo[path].sites.items()}
+        lost = [n for n, s in {**found, **region.sites}.items() if not hooked.fullmatch(n)
                 and (n in table.fns or any(sel(s) for sel, _, _ in table.entries))]
         if lost:
             raise DynamoError(

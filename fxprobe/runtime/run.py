@@ -39,7 +39,7 @@ def lifecycle(state: TapState, strict: bool = False) -> Lifecycle:
         drop_overrides(root)
         prog = build_program(root, state.selectors, state.options, root.training,
                              state.pipeline, model_name=state.model_name, strict=strict)
-        life = Lifecycle(prog, state.pipeline.rec, partial(_moved, state))
+        life = Lifecycle(prog, state.pipeline.rec, partial(_moved, state), state.lives)
         state.lives[root.training] = life
         install(state, life)
         count_changes(root, state.changes, tuple(prog.dynamo))

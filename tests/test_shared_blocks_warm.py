@@ -120,7 +120,11 @@ def test_warm_calls_skip_dynamo_and_stay_right_across_a_sequence(
     check(kw, warm=True)
     check(kwargs("Llama", length=11), warm=True)  # symbolic sizes: the same graph
     check(kwargs("Llama", batch=3), warm=True)
-    # Training (dropout), with gradients: another graph; then warm; then eval, without.
+    # Gradients (another grad mode: another graph), then none again.
+    check(kw, grad=True, warm=False)
+    check(kw, grad=True, warm=True)
+    check(kw, warm=True)
+    # Training (dropout), with gradients; then eval, without.
     assert not torch.equal(check(kw, train=True, grad=True, warm=False), plain)
     check(kw, train=True, grad=True, warm=True)
     check(kw, warm=True)
@@ -146,7 +150,6 @@ def test_warm_calls_skip_dynamo_and_stay_right_across_a_sequence(
     with torch.no_grad():
         out, cache = tapped.run_with_cache(**kw, names="blocks.*.resid_post")
         _same(tapped, out, _reference(reference, kw), taps=cache)
-    check(kw, train=True, grad=True, warm=True)  # the training graph, still there
     # float64: every parameter converted (shared dicts), a new dtype for the guards.
     model.double()
     reference.double()

@@ -58,7 +58,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..core.errors import DynamoError
-from ..core.site import SITES
 from .dynamo_inline import hooked
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
@@ -306,17 +305,4 @@ def inner_names(blocks: Blocks | None, prefix: str, graph: Any, named: Any) -> A
         keep = tuple(c for c in s.canonical if not c.endswith(".resid_post"))
         if keep != s.canonical:
             changed[id(s)] = dataclasses.replace(s, canonical=keep)
-    if not changed:
-        return named
-
-    def swap(s: Any) -> Any:
-        return changed.get(id(s), s)
-
-    for node in graph.nodes:
-        if SITES in node.meta:
-            node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
-    return dataclasses.replace(
-        named, sites={n: swap(s) for n, s in named.sites.items()},
-        sdpa={n: swap(s) for n, s in named.sdpa.items()},
-        order=[swap(s) for s in named.order],
-        scores={n: swap(s) for n, s in named.scores.items()})
+    return named.with_sites(changed, graph) if changed else named

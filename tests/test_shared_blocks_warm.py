@@ -18,7 +18,7 @@ from test_dynamo_regions import kwargs
 from torch import nn
 
 import fxprobe
-from fxprobe.frontends.dynamo_blocks import _MISS, Blocks
+from fxprobe.frontends.dynamo_blocks import _MISS, Blocks, _plain
 
 LAYERS = 4
 POST = "blocks.{}.resid_post"
@@ -166,3 +166,36 @@ def test_warm_calls_skip_dynamo_and_stay_right_across_a_sequence(
     check(kw)
     assert len(seen) == len(want) == 1
     torch.testing.assert_close(seen[0], want[0], rtol=0, atol=0)
+
+
+def _graph_only(module: Any, *args: Any, **kwargs: Any) -> Any:
+    return __compiled_fn_1(args[0], module._modules["lin"]._parameters["weight"])[0]  # type: ignore[name-defined]  # noqa: F821
+
+
+def _calls_the_module(module: Any, *args: Any, **kwargs: Any) -> Any:
+    out = __compiled_fn_1(args[0])  # type: ignore[name-defined]  # noqa: F821
+    return module(*out)
+
+
+def _resumes(module: Any, *args: Any, **kwargs: Any) -> Any:
+    return __resume_at_8_2(__compiled_fn_1(args[0]))  # type: ignore[name-defined]  # noqa: F821
+
+
+def _stores(module: Any, *args: Any, **kwargs: Any) -> Any:
+    out = __compiled_fn_1(args[0])  # type: ignore[name-defined]  # noqa: F821
+    module.last = out[1]
+    return out[0]
+
+
+def _two_graphs(module: Any, *args: Any, **kwargs: Any) -> Any:
+    return __compiled_fn_2(__compiled_fn_1(args[0])[0])  # type: ignore[name-defined]  # noqa: F821
+
+
+@pytest.mark.parametrize(("fn", "plain"), [
+    (_graph_only, True), (_calls_the_module, False), (_resumes, False), (_stores, False),
+    (_two_graphs, False)])
+def test_only_a_code_that_only_calls_its_graph_runs_without_dynamo(fn: Any, plain: bool) -> None:
+    """A transformed code that calls anything but its one graph and dynamo's helpers (the
+    module as written, a resume function after a graph break) or replays a side effect runs
+    under dynamo's frame evaluation, which would compile what it calls."""
+    assert _plain(fn.__code__) is plain

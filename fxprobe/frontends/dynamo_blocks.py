@@ -65,12 +65,12 @@ _LIVE: weakref.WeakValueDictionary[int, Blocks] = weakref.WeakValueDictionary()
 _MISS = object()  # no cache entry served the call (Blocks.cached)
 _ENTRIES: Callable[[types.CodeType], list[Any]] | None = getattr(
     torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
-_PLAIN_NAMES = frozenset({
-    "_modules", "_parameters", "_buffers",  # the block's parameters, read as the graph's inputs
+_STATE_NAMES = frozenset({"_modules", "_parameters", "_buffers"})
+_PLAIN_NAMES = _STATE_NAMES | frozenset({  # the block's parameters, read as the graph's inputs
     "__import_torch_dot__dynamo_dot_utils", "record_pregraph_bytecode_enter",
     "record_pregraph_bytecode_exit", "call_size", "call_stride", "call_storage_offset"})
 _PLAIN_OPS = frozenset({
-    "NOP", "CACHE", "RESUME", "COPY_FREE_VARS", "MAKE_CELL", "LOAD_DEREF", "LOAD_FAST",
+    "NOP", "CACHE", "RESUME", "COPY_FREE_VARS", "LOAD_FAST",
     "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_CONST", "LOAD_SMALL_INT", "STORE_FAST",
     "DELETE_FAST", "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "PUSH_NULL", "COPY", "SWAP",
     "POP_TOP", "PRECALL", "KW_NAMES", "CALL", "CALL_KW", "CALL_FUNCTION_EX", "BINARY_SUBSCR",
@@ -82,20 +82,40 @@ _PLAIN_OPS = frozenset({
 def _plain(code: types.CodeType) -> bool:
     """Whether a transformed code of a block only calls its one graph: it reads the frame's
     arguments and the block's parameters (``_modules``, ``_parameters``), calls the graph and
-    dynamo's own helpers, and builds what it returns from plain containers. No graph break
-    (dynamo would compile the resume function it calls), no side effect replayed (a store),
-    no other global or attribute (each could run Python code that dynamo would compile)."""
+    dynamo's own helpers (no more calls than those callables), and builds what it returns from
+    plain containers. No graph break (dynamo would compile the resume function it calls, or
+    the code it calls as written), no side effect replayed (a store), no other global or
+    attribute (each could run Python code that dynamo would compile)."""
     graphs = set()
+    # Each call must call one of the callables loaded by name (or a local that dynamo keeps
+    # one in: ``LOAD_ATTR call_size; COPY 1; STORE_FAST tmp``), never the frame's arguments.
+    callables = calls = 0
+    holders: set[str] = set()
+    before: list[Any] = [None, None]  # the two instructions before
     for ins in dis.get_instructions(code):
         if ins.opname not in _PLAIN_OPS:
             return False
+        calls += ins.opname.startswith("CALL")
         if ins.opcode in dis.hasname:
             name = ins.argval
             if isinstance(name, str) and name.startswith("__compiled_fn"):
                 graphs.add(name)
             elif name not in _PLAIN_NAMES:
                 return False
-    return len(graphs) == 1 and not any(isinstance(c, types.CodeType) for c in code.co_consts)
+            callables += _callable(ins)
+        elif ins.opname == "STORE_FAST" and before[1].opname == "COPY" and _callable(before[0]):
+            holders.add(ins.argval)
+        elif ins.opname.startswith("LOAD_FAST") and ins.argval in holders:
+            callables += 1
+        before = [before[1], ins]
+    return len(graphs) == 1 and calls <= callables and not any(
+        isinstance(c, types.CodeType) for c in code.co_consts)
+
+
+def _callable(ins: Any) -> bool:
+    """Whether ``ins`` loads one of the functions a plain transformed code calls."""
+    return ins is not None and ins.opcode in dis.hasname and isinstance(ins.argval, str) \
+        and ins.argval not in _STATE_NAMES and not ins.argval.startswith("__import_")
 
 
 @torch._dynamo.allow_in_graph

@@ -36,6 +36,11 @@ depth agrees with the hooks. nnsight is not a dependency: where it is not instal
 say so. ``--in-process`` runs the children in this process (for the smoke test only: first
 calls are then not first). Writes ``scale.json`` and ``scale.md`` to
 ``benchmarks/results/<device>/`` (or ``--out``).
+
+``--trees before=/tmp/old,after=.`` compares checkouts in one run: each configuration runs in
+each tree (its child started there, that tree first on ``PYTHONPATH``), the trees alternating,
+``--rounds`` times; rows are labelled ``approach@tree``, and a last table gives, per label and
+depth, the medians over the rounds.
 """
 
 from __future__ import annotations
@@ -255,13 +260,19 @@ def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, 
     return row
 
 
-def _child(config: dict[str, Any]) -> dict[str, Any]:
-    """Run one configuration in a fresh interpreter; its row, or a failed one."""
+def _child(config: dict[str, Any], tree: Path | None = None) -> dict[str, Any]:
+    """Run one configuration in a fresh interpreter (in ``tree``, a checkout: its fxprobe and
+    its benchmarks); its row, or a failed one."""
     config = dict(config)
     timeout = config.pop("timeout", 3600)
     cmd = [sys.executable, "-m", "benchmarks.scale", "--child", json.dumps(config)]
+    env = None
+    if tree is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=_ROOT.parent,
+        done = subprocess.run(cmd, capture_output=True, text=True,
+                              cwd=_ROOT.parent if tree is None else tree, env=env,
                               timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"status": "timed out"}
@@ -290,9 +301,18 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     row = measure(**config)
                 except Exception as e:  # a failed configuration is a row, not the end
                     row = {"status": f"failed: {type(e).__name__}: {e}"[:300]}
+                rows.append({**base, **row})
+            elif not args.trees:
+                rows.append({**base, **_child({**config, "timeout": args.timeout})})
             else:
-                row = _child({**config, "timeout": args.timeout})
-            rows.append({**base, **row})
+                for round_ in range(args.rounds):
+                    for name, tree in args.trees:
+                        row = _child({**config, "timeout": args.timeout}, tree)
+                        rows.append({**base, **row, "approach": f"{approach}@{name}",
+                                     "round": round_})
+                        if not args.quiet:
+                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                continue
             if not args.quiet:
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     _agree(rows)
@@ -300,8 +320,12 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _agree(rows: list[dict[str, Any]]) -> None:
-    """Per depth, whether each approach's checksums equal the hooks' (relative 1e-4)."""
-    ref = {r["layers"]: r for r in rows if r["approach"] == "hooks" and r["status"] == "ok"}
+    """Per depth, whether each approach's checksums equal the hooks' (relative 1e-4; with
+    ``--trees``, the first hooks row of the depth)."""
+    ref: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r["approach"].split("@")[0] == "hooks" and r["status"] == "ok":
+            ref.setdefault(r["layers"], r)
     for r in rows:
         h = ref.get(r["layers"])
         if r["status"] != "ok" or h is None:
@@ -335,7 +359,27 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str,
             f"| {_s(r, 'new_batch_s')} | {r['first_edit_s']:.2f} | {r['bare_ms']:.1f} "
             f"| {r['warm_ms']:.1f} | {r['warm_ratio']:.2f} | "
             f"{_yes(r.get('agrees_with_hooks'))} |")
+    if args.trees:
+        lines += ["", f"Medians over {args.rounds} rounds (the trees alternating): "
+                  + ", ".join(f"{name} = {tree}" for name, tree in args.trees) + ".", "",
+                  "| approach | layers | first (s) | new batch (s) | bare (ms) | warm (ms) "
+                  "| warm / bare |", "|---|---|---|---|---|---|---|"]
+        for (label, layers), group in _groups(rows).items():
+            med = {k: statistics.median(r[k] for r in group)
+                   for k in ("first_s", "new_batch_s", "bare_ms", "warm_ms", "warm_ratio")
+                   if all(k in r for r in group)}
+            lines.append(f"| {label} | {layers} | {_s(med, 'first_s')} "
+                         f"| {_s(med, 'new_batch_s')} | {med['bare_ms']:.1f} "
+                         f"| {med['warm_ms']:.1f} | {med['warm_ratio']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    out: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["status"] == "ok":
+            out.setdefault((r["approach"], r["layers"]), []).append(r)
+    return out
 
 
 def _s(row: dict[str, Any], key: str) -> str:
@@ -369,9 +413,23 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the new length and batch (smoke tests)")
     p.add_argument("--no-cache", action="store_true",
                    help="config.use_cache=False: every forward runs without a KV cache")
+    p.add_argument("--trees", type=_trees, default=[],
+                   help="name=path,...: run each configuration in each checkout, alternating")
+    p.add_argument("--rounds", type=int, default=1, help="with --trees: runs per tree")
+    p.add_argument("--name", default="scale", help="the record's file name (name.json/.md)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _trees(text: str) -> list[tuple[str, Path]]:
+    out = []
+    for part in text.split(","):
+        name, _, path = part.partition("=")
+        if not path:
+            raise argparse.ArgumentTypeError(f"--trees: {part!r} is not name=path")
+        out.append((name, Path(path).resolve()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,10 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("child", "quiet")}
-    (out / "scale.json").write_text(json.dumps(
+    config["trees"] = [[name, str(tree)] for name, tree in args.trees]
+    (out / f"{args.name}.json").write_text(json.dumps(
         {"environment": env, "config": config, "rows": rows}, indent=1) + "\n")
     text = markdown(env, args, rows)
-    (out / "scale.md").write_text(text)
+    (out / f"{args.name}.md").write_text(text)
     print(text)
     return 0
 

@@ -11,7 +11,7 @@ from collections import Counter
 
 from torch import fx
 
-from ..core.site import KERNEL_KV, SITES, Site, attach, node_site, source_name
+from ..core.site import KERNEL_KV, Site, attach, node_site, source_name
 from .canonical_data import after_writes, reduced
 from .canonical_graph import GraphIndex
 from .dynamo_names import NamedGraph, StableNamer
@@ -82,31 +82,20 @@ def give(graph: fx.Graph, g: GraphIndex, named: NamedGraph, scores: dict[fx.Node
     named_inputs = {node: s for node, s in inputs.items() if id(s) in replaced}
     if not replaced and not scores:
         return named
-
-    def swap(s: Site) -> Site:
-        return replaced.get(id(s), s)
-
     for node, site in named_inputs.items():
         attach(node, site)
-    for node in graph.nodes:
-        if SITES in node.meta:
-            node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
-    new_scores = {n: swap(s) for n, s in scores.items()}
-    # The inputs first, in graph order (the forward's own, then those named here).
-    order: list[Site] = [swap(s) for s in named.order if s.kind == "placeholder"]
-    order += [swap(s) for n, s in named_inputs.items()]
+    # The inputs first, in graph order (the forward's own, then those named here); the scores
+    # right before the probabilities.
+    order = [s for s in named.order if s.kind == "placeholder"] + list(named_inputs.values())
     probs_ids = {id(s): n for n, s in named.sdpa.items()}
     for s in named.order:
         if s.kind == "placeholder":
             continue
-        if id(s) in probs_ids:  # the scores come before the probabilities
-            order.append(new_scores[probs_ids[id(s)]])
-        order.append(swap(s))
-    sites = {n: swap(s) for n, s in named.sites.items()}
-    sites.update((n, swap(s)) for n, s in named_inputs.items())
-    return dataclasses.replace(
-        named, sites=sites, sdpa={n: swap(s) for n, s in named.sdpa.items()}, order=order,
-        scores=new_scores)
+        if id(s) in probs_ids:
+            order.append(scores[probs_ids[id(s)]])
+        order.append(s)
+    return dataclasses.replace(named, sites={**named.sites, **named_inputs}, order=order,
+                               scores=scores).with_sites(replaced, graph)
 
 
 def _input_site(g: GraphIndex, node: fx.Node, namer: StableNamer, repeat: int,

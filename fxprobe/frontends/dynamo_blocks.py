@@ -26,28 +26,96 @@ whose output differs raises ``DynamoError`` rather than run on. The forward runs
 submodules' ``__call__``, so the region shares the blocks only while no block's module has a
 hook and no global module hook is set (``dynamo_inline.hooked``); a call that meets one (set
 inside the model's forward) runs again unmarked, for good.
+
+Warm, each block call would go through dynamo's frame evaluation (the ``torch.compile``
+wrapper, its cache lookup, the ``recompile_limit`` setting around it): about as much again
+as a small layer's own graph. :meth:`Blocks.cached` does dynamo's cache lookup itself: the
+first of the code's cache entries whose guards (dynamo's own guard tree, checked on this
+call's frame as dynamo checks it: shapes, strides, dtypes, devices, grad mode, autocast,
+training flags, the parameters and every module attribute and global the trace read) pass
+runs its transformed code, which calls fxprobe's graph for the block (``dynamo._Captured``,
+named per instance and choosing the per-call version as always). Only a transformed code that
+does nothing else qualifies (no graph break, whose resume function dynamo would compile; no
+side effect replayed; no global or attribute but the block's parameters): any other call,
+and any call no entry's guards pass, goes through dynamo as before (which compiles it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import dis
 import functools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo import eval_frame
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..core.errors import DynamoError
-from ..core.site import SITES
 from .dynamo_inline import hooked
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
 _LIVE: weakref.WeakValueDictionary[int, Blocks] = weakref.WeakValueDictionary()
+_MISS = object()  # no cache entry served the call (Blocks.cached)
+_ENTRIES: Callable[[types.CodeType], list[Any]] | None = getattr(
+    torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+_STATE_NAMES = frozenset({"_modules", "_parameters", "_buffers"})
+_PLAIN_NAMES = _STATE_NAMES | frozenset({  # the block's parameters, read as the graph's inputs
+    "__import_torch_dot__dynamo_dot_utils", "record_pregraph_bytecode_enter",
+    "record_pregraph_bytecode_exit", "call_size", "call_stride", "call_storage_offset"})
+_PLAIN_OPS = frozenset({
+    "NOP", "CACHE", "RESUME", "COPY_FREE_VARS", "LOAD_FAST",
+    "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_CONST", "LOAD_SMALL_INT", "STORE_FAST",
+    "DELETE_FAST", "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "PUSH_NULL", "COPY", "SWAP",
+    "POP_TOP", "PRECALL", "KW_NAMES", "CALL", "CALL_KW", "CALL_FUNCTION_EX", "BINARY_SUBSCR",
+    "BUILD_LIST", "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP", "LIST_EXTEND",
+    "LIST_APPEND", "LIST_TO_TUPLE", "DICT_MERGE", "DICT_UPDATE", "UNPACK_SEQUENCE",
+    "RETURN_VALUE", "RETURN_CONST"})
+
+
+def _plain(code: types.CodeType) -> bool:
+    """Whether a transformed code of a block only calls its one graph: it reads the frame's
+    arguments and the block's parameters (``_modules``, ``_parameters``), calls the graph and
+    dynamo's own helpers (no more calls than those callables), and builds what it returns from
+    plain containers. No graph break (dynamo would compile the resume function it calls, or
+    the code it calls as written), no side effect replayed (a store), no other global or
+    attribute (each could run Python code that dynamo would compile)."""
+    graphs = set()
+    # Each call must call one of the callables loaded by name (or a local that dynamo keeps
+    # one in: ``LOAD_ATTR call_size; COPY 1; STORE_FAST tmp``), never the frame's arguments.
+    callables = calls = 0
+    holders: set[str] = set()
+    before: list[Any] = [None, None]  # the two instructions before
+    for ins in dis.get_instructions(code):
+        if ins.opname not in _PLAIN_OPS:
+            return False
+        calls += ins.opname.startswith("CALL")
+        if ins.opcode in dis.hasname:
+            name = ins.argval
+            if isinstance(name, str) and name.startswith("__compiled_fn"):
+                graphs.add(name)
+            elif name not in _PLAIN_NAMES:
+                return False
+            callables += _callable(ins)
+        elif ins.opname == "STORE_FAST" and before[1].opname == "COPY" and _callable(before[0]):
+            holders.add(ins.argval)
+        elif ins.opname.startswith("LOAD_FAST") and ins.argval in holders:
+            callables += 1
+        before = [before[1], ins]
+    return len(graphs) == 1 and calls <= callables and not any(
+        isinstance(c, types.CodeType) for c in code.co_consts)
+
+
+def _callable(ins: Any) -> bool:
+    """Whether ``ins`` loads one of the functions a plain transformed code calls."""
+    return ins is not None and ins.opcode in dis.hasname and isinstance(ins.argval, str) \
+        and ins.argval not in _STATE_NAMES and not ins.argval.startswith("__import_")
 
 
 @torch._dynamo.allow_in_graph
@@ -73,6 +141,11 @@ class Blocks:
         run_block.__code__ = run_block.__code__.replace(
             co_name=f"fxprobe_block_{type(blocks[0]).__name__}")
         self.compiled = torch.compile(run_block, backend=backend, dynamic=True)
+        self.run_block = run_block
+        self.direct: dict[types.CodeType, Callable[..., Any] | None] = {}
+        """Each transformed code of ``run_block`` as a function (None: not plain, ``_function``)."""
+        self.lookup = _ENTRIES is not None
+        """Whether :meth:`cached` looks the graph up (until a guard tree fails to check)."""
         self.mode: Any = None  # the fake mode of the trace the two caches below belong to
         self.fake_state: dict[int, dict[str, torch.Tensor]] = {}
         self.made: dict[str, Any] = {}
@@ -99,15 +172,17 @@ class Blocks:
         mode = first.fake_mode if isinstance(first, FakeTensor) else (
             detect_fake_mode((args, kwargs)) if first is None else None)
         if mode is None:  # running: the block's own graph, named for this instance
-            # One code object for every instance: each may need graphs of its own (a layer
-            # reading its index), as many as a block traced inside the model would get.
-            config = torch._dynamo.config
-            limit = config.recompile_limit
-            config.recompile_limit = limit * len(self.blocks)
-            try:
-                out = self.compiled(block, *args, **kwargs)
-            finally:
-                config.recompile_limit = limit
+            out = self.cached(block, args, kwargs)
+            if out is _MISS:
+                # One code object for every instance: each may need graphs of its own (a
+                # layer reading its index), as many as a block traced inside the model gets.
+                config = torch._dynamo.config
+                limit = config.recompile_limit
+                config.recompile_limit = limit * len(self.blocks)
+                try:
+                    out = self.compiled(block, *args, **kwargs)
+                finally:
+                    config.recompile_limit = limit
             if index in self.unchecked:  # once per trace
                 self._check(index, args, kwargs, out)
             return out
@@ -138,6 +213,38 @@ class Blocks:
             out = self.forward(block, *args, **kwargs)
         self.made[key], self.first[key] = out, index
         return out
+
+    def cached(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call through the graph dynamo compiled for it, looked up as dynamo looks it up
+        (see the module docstring); ``_MISS`` where dynamo must run it."""
+        stance = getattr(eval_frame, "_stance", None)  # torch.compiler.set_stance
+        if not self.lookup or stance is not None and (
+                stance.stance != "default" or stance.backend is not None
+                or stance.skip_guard_eval_unsafe):
+            return _MISS
+        frame = {"module": block, "args": args, "kwargs": kwargs, "forward": self.forward}
+        for entry in _ENTRIES(self.run_block.__code__):  # type: ignore[misc]
+            try:
+                hit = entry.guard_manager.check(frame)
+            except Exception:  # not a guard tree this torch checks so: dynamo runs every call
+                self.lookup = False
+                return _MISS
+            if hit:
+                code = entry.code
+                if not isinstance(code, types.CodeType):  # invalidated meanwhile
+                    return _MISS
+                fn = self.direct[code] if code in self.direct else self.direct.setdefault(
+                    code, self._function(code))
+                return _MISS if fn is None else fn(block, *args, **kwargs)
+        return _MISS
+
+    def _function(self, code: types.CodeType) -> Callable[..., Any] | None:
+        """``code`` (a transformed code of ``run_block``) as a function, where it is plain
+        (``_plain``)."""
+        if not _plain(code) or code.co_freevars != self.run_block.__code__.co_freevars:
+            return None
+        return types.FunctionType(code, self.run_block.__globals__, code.co_name, None,
+                                  self.run_block.__closure__)
 
     def _check(self, index: int, args: Any, kwargs: Any, out: Any) -> None:
         """Where the graph around the blocks took block ``index``'s output to be shaped as
@@ -218,17 +325,4 @@ def inner_names(blocks: Blocks | None, prefix: str, graph: Any, named: Any) -> A
         keep = tuple(c for c in s.canonical if not c.endswith(".resid_post"))
         if keep != s.canonical:
             changed[id(s)] = dataclasses.replace(s, canonical=keep)
-    if not changed:
-        return named
-
-    def swap(s: Any) -> Any:
-        return changed.get(id(s), s)
-
-    for node in graph.nodes:
-        if SITES in node.meta:
-            node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
-    return dataclasses.replace(
-        named, sites={n: swap(s) for n, s in named.sites.items()},
-        sdpa={n: swap(s) for n, s in named.sdpa.items()},
-        order=[swap(s) for s in named.order],
-        scores={n: swap(s) for n, s in named.scores.items()})
+    return named.with_sites(changed, graph) if changed else named

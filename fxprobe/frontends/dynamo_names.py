@@ -13,10 +13,11 @@ and hands out the same name whenever that key comes back.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import fx, nn
 from ..capture.settle import as_returned, settle
 from ..core.names import join as _join
 from ..core.ops import method_key, module_key, op_key
-from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
+from ..core.site import CALL_ARGS, SITES, STATE, Site, attach, source_name
 from ..core.view import is_state
 from .dynamo_blocks import block_call
 from .dynamo_shapes import is_size
@@ -134,6 +135,26 @@ class NamedGraph:
     scores: dict[fx.Node, Site] = field(default_factory=dict)
     """The attention-scores site beside each scaled_dot_product_attention call (added by
     ``frontends.canonical``)."""
+
+    def with_sites(self, replaced: Mapping[int, Site], graph: fx.Graph | None = None
+                   ) -> NamedGraph:
+        """This record with each site whose ``id`` is a key of ``replaced`` replaced by its
+        value in every field, and (given ``graph``) on its nodes too (``node.meta[SITES]``):
+        the one place where a pass that gives sites new fields (canonical names, sharding)
+        puts them back."""
+
+        def swap(s: Site) -> Site:
+            return replaced.get(id(s), s)
+
+        if graph is not None:
+            for node in graph.nodes:
+                if SITES in node.meta:
+                    node.meta[SITES] = [swap(s) for s in node.meta[SITES]]
+        return dataclasses.replace(
+            self, sites={n: swap(s) for n, s in self.sites.items()},
+            sdpa={n: swap(s) for n, s in self.sdpa.items()},
+            order=[swap(s) for s in self.order],
+            scores={n: swap(s) for n, s in self.scores.items()})
 
 
 def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,

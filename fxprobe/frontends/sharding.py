@@ -341,14 +341,7 @@ def mark(graph: fx.Graph, named: NamedGraph, gather: bool = False) -> NamedGraph
             "relation to the full value fxprobe cannot tell (site.sharding.understood is "
             "False), and gather=True cannot gather it", ShardingWarning, stacklevel=2)
 
-    def swap(s: Site) -> Site:
-        return replaced.get(id(s), s)
-
-    return dataclasses.replace(
-        named, sites={n: swap(s) for n, s in named.sites.items()},
-        sdpa={n: swap(s) for n, s in named.sdpa.items()},
-        scores={n: swap(s) for n, s in named.scores.items()},
-        order=[swap(s) for s in named.order])
+    return named.with_sites(replaced)
 
 
 def gather(graph: fx.Graph, names: Iterable[str]) -> None:

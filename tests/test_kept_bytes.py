@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import sys
 import types
-from typing import Any
 
 import pytest
 import torch
@@ -73,18 +72,6 @@ def kept_bytes(root: object, model: nn.Module) -> dict[int, tuple[int, tuple[int
 
 def _total(kept: dict[int, tuple[int, tuple[int, ...]]]) -> int:
     return sum(b for b, _ in kept.values())
-
-
-@pytest.fixture
-def young_gc() -> Any:
-    """``gc.collect()`` scans only what was made since the test began: the objects of the
-    tests before it (thousands of graphs in a whole run) cannot reach the tapped module, and
-    scanning them made this test take most of a minute."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def test_tap_and_run_with_cache_keep_the_selected_bytes_and_no_more_across_calls(young_gc):

@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from typing import Any
@@ -39,3 +40,15 @@ def dynamo_fails(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError("dynamo fails here (tests/conftest.py)")
 
     monkeypatch.setattr(fxprobe.frontends.dynamo.DynamoRegion, "backend", backend)
+
+
+@pytest.fixture
+def young_gc() -> Any:
+    """``gc.collect()`` in the test scans only the objects made since it began: those of the
+    tests before it in the worker (thousands of graphs in a whole run) cannot reach what the
+    test made, and scanning them made a test with a few collections take most of a minute."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 from pathlib import Path
@@ -29,11 +30,13 @@ APPROACHES = {"A/A control", "traced (no taps)", "taps", "module hooks", "global
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     torch_threads = torch.get_num_threads()
+    gc.freeze()  # the suite's gc.collect() after each group: only what the run made
     try:
         rc = main(["--quick", "--models", "chain", "--modes", "reference,stats",
                    "--rounds", "2", "--threads", "1", "--out", str(out), "--quiet",
                    "--no-plot"])
     finally:
+        gc.unfreeze()
         torch.set_num_threads(torch_threads)
     assert rc == 0
     return out
@@ -135,7 +138,7 @@ def test_bandwidth_probe_records_how_it_read(quick_run: Path) -> None:
     assert "fastest of sum" in env.read_basis and "amax" in env.read_basis
 
 
-def test_results_are_written_as_they_are_produced(tmp_path: Path) -> None:
+def test_results_are_written_as_they_are_produced(tmp_path: Path, young_gc: None) -> None:
     from benchmarks.suite import Config, run
 
     seen: list[records.Results] = []

@@ -6,6 +6,7 @@ the model untouched."""
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -189,11 +190,11 @@ def test_a_per_call_edit_of_layer_2_changes_layer_2_only(monkeypatch: pytest.Mon
     torch.testing.assert_close(out.logits, ref["out"])
 
 
-def test_a_sequence_of_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forward, a new length, a new batch, an edit block, a second one, a forward with the
-    cache and one without: every value as an untapped copy's hooks see it."""
-    _, tapped = tap("Llama", monkeypatch, True, ops="blocks.*.resid_post")
-    names = {}
+def sequence_check(tapped: Any, name_of: Callable[[str], str]) -> Callable[..., None]:
+    """``check(kw, edit, fn)``: a forward of ``tapped`` on ``kw`` (inside ``intervene(fn)``
+    when ``fn`` is given), each block's output read as ``tapped.taps[name_of(canonical)]`` and
+    the logits compared with what an untapped copy's hooks see making ``edit``
+    (``references``). ``name_of`` runs after the forward, so it may read this call's sites."""
 
     def check(kw: dict[str, Any], edit: Any = None, fn: Any = None) -> None:
         with torch.no_grad():
@@ -202,13 +203,26 @@ def test_a_sequence_of_calls(monkeypatch: pytest.MonkeyPatch) -> None:
             else:
                 with tapped.intervene(fn):
                     out = tapped(**kw)
-        names.update({s.canonical[0]: s.name for s in tapped.known_sites() if s.canonical})
         ref = references("Llama", kw, edit)
         for L in range(LAYERS):
-            torch.testing.assert_close(tapped.taps[names[f"blocks.{L}.resid_post"]],
+            torch.testing.assert_close(tapped.taps[name_of(f"blocks.{L}.resid_post")],
                                        ref[f"blocks.{L}.resid_post"])
         torch.testing.assert_close(out.logits, ref["out"])
 
+    return check
+
+
+def test_a_sequence_of_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward, a new length, a new batch, an edit block, a second one, a forward with the
+    cache and one without: every value as an untapped copy's hooks see it."""
+    _, tapped = tap("Llama", monkeypatch, True, ops="blocks.*.resid_post")
+    names: dict[str, str] = {}
+
+    def name_of(canonical: str) -> str:  # the names every forward so far gave the sites
+        names.update({s.canonical[0]: s.name for s in tapped.known_sites() if s.canonical})
+        return names[canonical]
+
+    check = sequence_check(tapped, name_of)
     check(kwargs("Llama"))
     check(kwargs("Llama", length=11))
     check(kwargs("Llama", batch=3))

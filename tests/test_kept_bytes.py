@@ -74,7 +74,7 @@ def _total(kept: dict[int, tuple[int, tuple[int, ...]]]) -> int:
     return sum(b for b, _ in kept.values())
 
 
-def test_tap_and_run_with_cache_keep_the_selected_bytes_and_no_more_across_calls():
+def test_tap_and_run_with_cache_keep_the_selected_bytes_and_no_more_across_calls(young_gc):
     model = _model()
     tapped = fxprobe.tap(model, ops="blocks.*.resid_post", tracer="dynamo")
     ids = torch.randint(1, 100, (BATCH, SEQ))

@@ -41,7 +41,7 @@ def test_batches_kept_from_one_loader_survive_the_next_loaders(tmp_path: Path, w
     assert torch.equal(torch.cat(alone), ref)  # buffers written since: the rows, not the +1000
 
 
-def test_buffers_go_with_their_dataset(tmp_path: Path) -> None:
+def test_buffers_go_with_their_dataset(tmp_path: Path, young_gc: None) -> None:
     write(tmp_path, 3, 3000)
     ds = fxprobe.open_captures(tmp_path).dataset("h")
     for _ in ds.loader(4):

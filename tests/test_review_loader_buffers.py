@@ -77,7 +77,7 @@ def test_normalized_several_sites_and_stacked_rows_are_scaled_once_per_read(
         assert torch.equal(got, want)
 
 
-def test_a_batch_outlives_its_loader_and_its_dataset(tmp_path: Path) -> None:
+def test_a_batch_outlives_its_loader_and_its_dataset(tmp_path: Path, young_gc: None) -> None:
     written = write(tmp_path, 4, 3000)
     ref = flat(written, "h", 2)
     ds = fxprobe.open_captures(tmp_path).dataset("h")

@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 import torch
 from canonical_support import _close
-from test_dynamo_regions import LAYERS, build, kwargs, references, region, roles
+from test_dynamo_regions import (
+    LAYERS,
+    build,
+    kwargs,
+    references,
+    region,
+    roles,
+    sequence_check,
+)
 from torch import nn
 
 import fxprobe
@@ -123,19 +131,7 @@ def test_a_sequence_of_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     as an untapped copy's hooks see it."""
     model, tapped = _tap("Llama", monkeypatch, "shared", ops="blocks.*.resid_post")
 
-    def check(kw: dict[str, Any], edit: Any = None, fn: Any = None) -> None:
-        with torch.no_grad():
-            if fn is None:
-                out = tapped(**kw)
-            else:
-                with tapped.intervene(fn):
-                    out = tapped(**kw)
-        ref = references("Llama", kw, edit)
-        for L in range(LAYERS):  # the site this forward's graph named so
-            torch.testing.assert_close(tapped.taps[f"blocks.{L}.resid_post"],
-                                       ref[f"blocks.{L}.resid_post"])
-        torch.testing.assert_close(out.logits, ref["out"])
-
+    check = sequence_check(tapped, lambda canonical: canonical)  # the graph names them so
     check(kwargs("Llama"))
     check(kwargs("Llama", length=11))
     check(kwargs("Llama", batch=3))

@@ -29,6 +29,7 @@ from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, STATE, Site, attach, source_name
 from ..core.view import is_state
 from .dynamo_blocks import block_call
+from .dynamo_blocks_cache import reads_kv
 from .dynamo_shapes import is_size
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
@@ -293,12 +294,13 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     hooked = _hook_lines(modules.values())
     for node in calls:
         loc = _location(node)
-        if node not in outputs and (node.target is as_returned
+        if node not in outputs and (node.target is as_returned or reads_kv(node)
                                     or hooked and _in_hook(node, hooked)):
             # A hook's own op (the model's hooks run inside the module call dynamo traced):
             # no site, as under fx, where a hooked module is called; named, it would take the
             # name of the forward's op after it (``a.add`` for the forward's ``a.add_1``).
-            # Nor the node fxprobe added after a write through a view: no op of the model's.
+            # Nor the node fxprobe added after a write through a view, nor its reads of a
+            # shared block's cache entry (dynamo_blocks_cache): no ops of the model's.
             for path, m, args, first, at in reversed(module_calls.get(node, ())):
                 call = Site(next_name(path, at), "dynamo", "call_module", path,
                             path, type(m), module_key(type(m)), inlined=True, listed=False)

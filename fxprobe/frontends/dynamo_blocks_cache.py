@@ -4,7 +4,7 @@ A decoder layer updates the model's cache as a side effect (``cache.update(k, v,
 self.layer_idx)`` in its attention), and the cache is a Python object, which an op of the
 graph (``allow_in_graph``) cannot take. Under ``FXPROBE_DYNAMO_REGIONS=shared``, for a call
 that carries a cache (``dynamo_inline.carries_cache``), each block's forward on fxprobe's copy
-is :func:`_Layer.__call__`, a plain function dynamo traces in the graph around the blocks: it
+is a plain function (:func:`_layer_forward`) dynamo traces in the graph around the blocks: it
 reads the block's entry of a transformers ``DynamicCache`` (``cache.layers[i]``, exactly a
 ``DynamicLayer``), calls the block as one op (:func:`~.dynamo_blocks.block_call`) with that
 entry's keys and values (``None`` before its first update) instead of the cache, reads the
@@ -143,7 +143,7 @@ class KVBlocks(Blocks):
         self._kv[index] = (keys, values)
         return out
 
-    def kv_out(self, index: int) -> tuple[Any, Any]:
+    def kv_out(self, index: int) -> tuple[Any, ...]:
         keys, values = self._kv[index]
         if isinstance(keys, FakeTensor):  # while dynamo traces: values of their own
             return tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
@@ -198,7 +198,8 @@ def _entry(cache: Any, index: int, types: tuple[type, type] | None) -> Any:
     if types is None:
         return None
     cache_type, layer_type = types
-    if type(cache) is not cache_type or cache.offloading:
+    kind: type = type(cache)  # not narrowed: the cache's attributes are transformers'
+    if kind is not cache_type or cache.offloading:
         return None
     replicate = cache.layer_class_to_replicate
     if replicate is not None:

@@ -28,6 +28,7 @@ forward, called from the same function).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -65,13 +66,12 @@ def reads_kv(node: Any) -> bool:
     return node.target is operator.getitem and getattr(node.args[0], "target", None) is block_kv
 
 
-class _StandIn:
-    """The cache a shared block sees inside its op: ``update`` as transformers' ``Cache.update``
-    does it for one ``DynamicLayer`` (the layer's own code, on a private copy of its state)."""
+class _Update:
+    """``update`` as transformers' ``Cache.update`` does it for one ``DynamicLayer`` (the
+    layer's own code, on a private copy of its state), counting the calls."""
 
-    def __init__(self, layer: Any) -> None:
-        self.layer = layer
-        self.updates = 0
+    layer: Any
+    updates: int
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> Any:
@@ -79,12 +79,23 @@ class _StandIn:
         return self.layer.update(key_states, value_states, *args, **kwargs)
 
 
-def _cache_types() -> tuple[type, type] | None:
+@functools.cache
+def _cache_types() -> tuple[type, type, type] | None:
+    """transformers' ``DynamicCache`` and ``DynamicLayer``, and the stand-in cache a shared
+    block sees: a ``DynamicCache`` (a layer testing ``isinstance(cache, ...)`` takes the path
+    it takes with the real one) holding nothing but its one entry, so that any other method a
+    layer calls fails while dynamo traces (the call then runs unshared: run_marked)."""
     try:
         from transformers.cache_utils import DynamicCache, DynamicLayer
     except ImportError:  # no transformers: no cache this module knows
         return None
-    return DynamicCache, DynamicLayer
+
+    class StandIn(_Update, DynamicCache):  # type: ignore[misc,valid-type]
+        def __init__(self, layer: Any) -> None:  # not DynamicCache's: no layers
+            self.layer = layer
+            self.updates = 0
+
+    return DynamicCache, DynamicLayer, StandIn
 
 
 class KVBlocks(Blocks):
@@ -99,7 +110,7 @@ class KVBlocks(Blocks):
         types = _cache_types()
         self.types = types
         forward = base.forward
-        layer_type = types[1] if types is not None else None
+        _, layer_type, stand_in = types if types is not None else (None, None, None)
 
         def kv_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             name, keys, values = kwargs.pop(KV)
@@ -107,7 +118,7 @@ class KVBlocks(Blocks):
             if keys is not None:  # the real entry's state (DynamicLayer.lazy_initialization)
                 layer.keys, layer.values = keys, values
                 layer.is_initialized, layer.device = True, keys.device
-            cache = _StandIn(layer)
+            cache = stand_in(layer)  # type: ignore[misc]
             out = forward(module, *args, **{name: cache}, **kwargs)
             return out, layer.keys, layer.values, cache.updates
 
@@ -118,7 +129,7 @@ class KVBlocks(Blocks):
             co_name=f"fxprobe_block_kv_{type(self.blocks[0]).__name__}")
         self.forward = kv_forward
         self.compiled = torch.compile(run_block, backend=backend, dynamic=True)
-        self._kv: dict[int, tuple[Any, Any]] = {}
+        self._kv = threading.local()  # block -> its new keys and values, until read
         # The entry is found by the block's place: only where every layer_idx below it says so.
         self.forwards = [(block, _layer_forward(self, i, block, types is not None
                                                 and _indices(block) == {i}))
@@ -140,15 +151,21 @@ class KVBlocks(Blocks):
                 f"fxprobe: block {index} of {type(self.blocks[0]).__name__} updated its "
                 f"key/value cache {updates} times in one call, where the shared capture "
                 "(FXPROBE_DYNAMO_REGIONS=shared) expects once; unset it for this model.")
-        self._kv[index] = (keys, values)
+        self._stash()[index] = (keys, values)
         return out
 
+    def _stash(self) -> dict[int, tuple[Any, Any]]:
+        stash = getattr(self._kv, "stash", None)
+        if stash is None:  # per thread: two threads' forwards never read each other's
+            stash = self._kv.stash = {}
+        return stash
+
     def kv_out(self, index: int) -> tuple[Any, ...]:
-        keys, values = self._kv[index]
+        keys, values = self._stash()[index]
         if isinstance(keys, FakeTensor):  # while dynamo traces: values of their own
             return tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                              device=t.device) for t in (keys, values))
-        del self._kv[index]  # running: the cache holds them now
+        del self._stash()[index]  # running: the cache holds them now
         return keys, values
 
 
@@ -186,18 +203,18 @@ def _layer_forward(blocks: KVBlocks, index: int, block: nn.Module, handled: bool
     return fn
 
 
-def _is_cache(value: Any, types: tuple[type, type] | None) -> bool:
+def _is_cache(value: Any, types: tuple[type, type, type] | None) -> bool:
     if types is None:
         return False
     from transformers.cache_utils import Cache
     return isinstance(value, Cache)
 
 
-def _entry(cache: Any, index: int, types: tuple[type, type] | None) -> Any:
+def _entry(cache: Any, index: int, types: tuple[type, type, type] | None) -> Any:
     """The cache entry of block ``index`` where it is one this module handles, else None."""
     if types is None:
         return None
-    cache_type, layer_type = types
+    cache_type, layer_type, _ = types
     kind: type = type(cache)  # not narrowed: the cache's attributes are transformers'
     if kind is not cache_type or cache.offloading:
         return None

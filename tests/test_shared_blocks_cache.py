@@ -222,3 +222,26 @@ def test_caches_the_op_does_not_hold_are_traced_in_place(
     for a, b in zip(static.layers, static_ref.layers, strict=True):
         assert torch.equal(a.keys, b.keys)
     assert not any(_kv_calls(tapped))
+
+
+def test_gpt2_whose_blocks_take_the_cache_by_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64,
+                                             **TOKENS)).eval()
+    tapped = _tap(model, "shared", monkeypatch, ops="blocks.*.resid_post")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, 100, (1, 5), generator=g)
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        tokens = tapped.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, expected)
+    assert _kv_calls(tapped) == [2, 2]
+    with torch.no_grad():
+        ids = torch.randint(2, 100, (1, 6), generator=g)
+        out, ref = tapped(input_ids=ids), model(input_ids=ids)
+        step = torch.tensor([[3]])
+        out2, ref2 = tapped(input_ids=step, cache=_cache(out)), model(input_ids=step,
+                                                                       cache=_cache(ref))
+    torch.testing.assert_close(out2.logits, ref2.logits)
+    _same_cache(_cache(out2), _cache(ref2))
+    assert all(n == 2 for n in _kv_calls(tapped))

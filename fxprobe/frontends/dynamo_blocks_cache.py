@@ -28,6 +28,7 @@ forward, called from the same function).
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,7 @@ from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its 
 
 KV = "fxprobe_kv"
 """The keyword under which a block's op receives its cache entry: (the cache's keyword in the
-block's forward, keys, values)."""
+block's forward, or its place among the positional arguments; keys; values)."""
 
 CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 """The keywords a transformers layer takes its cache by (5.x: ``cache``; earlier names)."""
@@ -113,13 +114,16 @@ class KVBlocks(Blocks):
         _, layer_type, stand_in = types if types is not None else (None, None, None)
 
         def kv_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            name, keys, values = kwargs.pop(KV)
+            where, keys, values = kwargs.pop(KV)
             layer = layer_type()  # type: ignore[misc]
             if keys is not None:  # the real entry's state (DynamicLayer.lazy_initialization)
                 layer.keys, layer.values = keys, values
                 layer.is_initialized, layer.device = True, keys.device
             cache = stand_in(layer)  # type: ignore[misc]
-            out = forward(module, *args, **{name: cache}, **kwargs)
+            if isinstance(where, int):  # passed by position (GPT-2's blocks)
+                out = forward(module, *args[:where], cache, *args[where + 1:], **kwargs)
+            else:
+                out = forward(module, *args, **{where: cache}, **kwargs)
             return out, layer.keys, layer.values, cache.updates
 
         def run_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -180,18 +184,26 @@ def _layer_forward(blocks: KVBlocks, index: int, block: nn.Module, handled: bool
     forward = type(block).forward
     plain, key = blocks.base.key, blocks.key
     types = blocks.types
+    place = _cache_place(forward)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        name = next((n for n in CACHE_ARGS if kwargs.get(n) is not None), None)
-        layer = _entry(kwargs[name], index, types) if name is not None and handled else None
+        where: str | int | None = next((n for n in CACHE_ARGS if kwargs.get(n) is not None),
+                                       None)
+        cache = kwargs[where] if isinstance(where, str) else None
+        if where is None and place is not None and len(args) > place:
+            where, cache = place, args[place]
+        layer = _entry(cache, index, types) if cache is not None and handled else None
         if layer is None:
-            if name is None and not any(_is_cache(a, types) for a in args):
+            if cache is None and not any(_is_cache(a, types) for a in args):
                 return block_call(plain, index, *args, **kwargs)  # no cache: as without one
             return forward(block, *args, **kwargs)  # a cache not handled: traced in place
         init = layer.is_initialized
-        rest = {k: v for k, v in kwargs.items() if k != name}
-        out = block_call(key, index, *args, **rest, **{KV: (
-            name, layer.keys if init else None, layer.values if init else None)})
+        if isinstance(where, int):
+            args = (*args[:where], None, *args[where + 1:])
+        else:
+            kwargs = {k: v for k, v in kwargs.items() if k != where}
+        out = block_call(key, index, *args, **kwargs, **{KV: (
+            where, layer.keys if init else None, layer.values if init else None)})
         keys, values = block_kv(key, index, out)
         if not init:
             layer.device = keys.device
@@ -201,6 +213,19 @@ def _layer_forward(blocks: KVBlocks, index: int, block: nn.Module, handled: bool
     fn = functools.partial(call)
     setattr(fn, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
     return fn
+
+
+def _cache_place(forward: Callable[..., Any]) -> int | None:
+    """Where the forward takes its cache by position (after ``self``), if it can."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name in CACHE_ARGS:
+            ok = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and i > 0
+            return i if ok else None
+    return None
 
 
 def _is_cache(value: Any, types: tuple[type, type, type] | None) -> bool:

@@ -245,3 +245,37 @@ def test_gpt2_whose_blocks_take_the_cache_by_position(monkeypatch: pytest.Monkey
     torch.testing.assert_close(out2.logits, ref2.logits)
     _same_cache(_cache(out2), _cache(ref2))
     assert all(n == 2 for n in _kv_calls(tapped))
+
+
+def test_calls_with_and_without_a_cache_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a cache, with one (a prefill and a step), without again at a new length: each
+    layer's output (``blocks.L.resid_post``, on the layer's call) as a hook that clones."""
+    model = _llama()
+    tapped = _tap(model, "shared", monkeypatch, ops="blocks.*.resid_post")
+    g = torch.Generator().manual_seed(4)
+    calls: list[dict[str, Any]] = [
+        {"input_ids": torch.randint(2, 100, (1, 6), generator=g), "use_cache": False},
+        {"input_ids": torch.randint(2, 100, (1, 6), generator=g)},
+        {"input_ids": torch.randint(2, 100, (1, 1), generator=g)},
+        {"input_ids": torch.randint(2, 100, (1, 9), generator=g), "use_cache": False}]
+    cache = ref_cache = None
+    for i, kw in enumerate(calls):
+        got: dict[int, torch.Tensor] = {}
+        hooks = [model.model.layers[L].register_forward_hook(
+            lambda m, a, o, L=L, got=got: got.__setitem__(L, o.clone()))
+            for L in range(LAYERS)]
+        with torch.no_grad():
+            ref = model(**kw, **({"cache": ref_cache} if i == 2 else {}))
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            out = tapped(**kw, **({"cache": cache} if i == 2 else {}))
+        torch.testing.assert_close(out.logits, ref.logits)
+        names = {c: s.name for s in tapped.known_sites() for c in s.canonical}
+        for L in range(LAYERS):
+            assert torch.equal(tapped.taps[names[f"blocks.{L}.resid_post"]], got[L]), (i, L)
+        if i == 1:
+            cache, ref_cache = _cache(out), _cache(ref)
+        if i == 2:
+            _same_cache(_cache(out), _cache(ref))
+    assert _kv_calls(tapped) == [0, LAYERS, LAYERS]  # without (any length), prefill, step

@@ -45,6 +45,9 @@ KV = "fxprobe_kv"
 """The keyword under which a block's op receives its cache entry: (the cache's keyword in the
 block's forward, or its place among the positional arguments; keys; values)."""
 
+OWN_FILE = __file__
+"""This file, whose frames in a node's stack trace are fxprobe's, not the model's code."""
+
 CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 """The keywords a transformers layer takes its cache by (5.x: ``cache``; earlier names)."""
 

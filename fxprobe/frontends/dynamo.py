@@ -41,7 +41,7 @@ from . import sharding
 from .attention import attention_probs, attention_scores, beside, drive_output
 from .canonical import annotate
 from .dynamo_blocks import Blocks, inner_names
-from .dynamo_blocks_cache import KVBlocks
+from .dynamo_blocks_cache import KVBlocks, marks
 from .dynamo_names import (
     FILE_LINE,
     INPUT,
@@ -430,7 +430,7 @@ class DynamoRegion:
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
-                    self.marking = [] if self.hooked() else self._marks(kwargs)
+                    self.marking = [] if self.hooked() else marks(self, kwargs)
                     result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
                         self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1
                         else compiled(self.module, *args, **kwargs),
@@ -478,16 +478,6 @@ class DynamoRegion:
                 "a branch on a length), so a new size there is captured again (values stay "
                 "right); every other size is dynamic.", stacklevel=5)
         return result
-
-    def _marks(self, kwargs: dict[str, Any]) -> list[tuple[nn.Module, Any]]:
-        """The forwards installed on the blocks for a call: shared, with the cache's own
-        where the call carries one (``dynamo_blocks_cache``, for a model with a ``config``);
-        marked, where it carries none; else none."""
-        if not inline.carries_cache(self.module, kwargs):
-            return self.shared.forwards if self.shared is not None else self.blocks
-        if self.shared_kv is not None and getattr(self.module, "config", None) is not None:
-            return self.shared_kv.forwards
-        return []
 
     def _unmark(self) -> None:
         self.blocks, self.marking, self.shared, self.shared_kv = [], [], None, None

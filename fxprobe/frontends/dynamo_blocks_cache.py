@@ -38,8 +38,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.errors import DynamoError
+from . import dynamo_inline
 from .dynamo_blocks import _LIVE, Blocks, block_call
-from .dynamo_inline import carries_cache
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
 KV = "fxprobe_kv"
@@ -263,7 +263,7 @@ def marks(region: Any, kwargs: dict[str, Any]) -> list[tuple[nn.Module, Any]]:
     """The forwards a ``DynamoRegion`` installs on its blocks for a call: shared, with the
     cache's own where the call carries one (for a model with a ``config``: a module of the
     user's own may keep other state); marked, where it carries none; else none."""
-    if not carries_cache(region.module, kwargs):
+    if not dynamo_inline.carries_cache(region.module, kwargs):  # looked up at each call
         return region.shared.forwards if region.shared is not None else region.blocks
     if region.shared_kv is not None and getattr(region.module, "config", None) is not None:
         return region.shared_kv.forwards  # type: ignore[no-any-return]

@@ -41,6 +41,7 @@ from . import sharding
 from .attention import attention_probs, attention_scores, beside, drive_output
 from .canonical import annotate
 from .dynamo_blocks import Blocks, inner_names
+from .dynamo_blocks_cache import KVBlocks, marks
 from .dynamo_names import (
     FILE_LINE,
     INPUT,
@@ -255,6 +256,9 @@ class DynamoRegion:
         self.shared = Blocks(found, self.backend, self.module_ids) if found and \
             inline.shared() else None  # the layers captured once for all (dynamo_blocks)
         """The same layers captured once for every instance (``dynamo_blocks``)."""
+        self.shared_kv = KVBlocks(self.shared, self.backend, self.module_ids) if \
+            self.shared is not None else None  # and called with a KV cache
+        """The shared layers for a call with a key/value cache (``dynamo_blocks_cache``)."""
         self.inlined = (0, 0)  # block calls inlined so far, and the bodies dynamo traced
         self.marking: list[tuple[nn.Module, Any]] = []  # the blocks marked in this call
 
@@ -426,9 +430,7 @@ class DynamoRegion:
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
-                    self.marking = [] if inline.carries_cache(self.module, kwargs) or \
-                        self.hooked() else (
-                            self.shared.forwards if self.shared is not None else self.blocks)
+                    self.marking = [] if self.hooked() else marks(self, kwargs)
                     result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
                         self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1
                         else compiled(self.module, *args, **kwargs),
@@ -478,7 +480,7 @@ class DynamoRegion:
         return result
 
     def _unmark(self) -> None:
-        self.blocks, self.marking, self.shared = [], [], None
+        self.blocks, self.marking, self.shared, self.shared_kv = [], [], None, None
 
     def _limit_hit(self, what: str) -> str:
         return (f"torch dynamo on {type(self.module).__name__}"

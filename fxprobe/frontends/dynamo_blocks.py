@@ -222,7 +222,10 @@ class Blocks:
                 stance.stance != "default" or stance.backend is not None
                 or stance.skip_guard_eval_unsafe):
             return _MISS
-        frame = {"module": block, "args": args, "kwargs": kwargs, "forward": self.forward}
+        run = self.run_block  # its locals: the arguments and the closure's cells, by name
+        frame = {"module": block, "args": args, "kwargs": kwargs, **{
+            name: cell.cell_contents for name, cell in zip(
+                run.__code__.co_freevars, run.__closure__ or (), strict=True)}}
         for entry in _ENTRIES(self.run_block.__code__):  # type: ignore[misc]
             try:
                 hit = entry.guard_manager.check(frame)

@@ -30,6 +30,7 @@ from ..core.ops import method_key, module_key, op_key
 from ..core.site import CALL_ARGS, SITES, STATE, Site, attach, source_name
 from ..core.view import is_state
 from .dynamo_blocks import block_call
+from .dynamo_blocks_cache import OWN_FILE, reads_kv
 from .dynamo_shapes import is_size
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
@@ -96,9 +97,16 @@ def dynamo_op_key(node: fx.Node) -> str | None:
     return op_key(target)
 
 
+def _frames(node: fx.Node) -> list[tuple[str, str]]:
+    """The (file, line) frames of a node's stack trace, without fxprobe's forward of a shared
+    block called with its cache (``dynamo_blocks_cache.OWN_FILE``): no code of the model's,
+    a call keeps the name it has without a cache."""
+    return [f for f in FILE_LINE.findall(node.meta.get("stack_trace") or "")
+            if f[0] != OWN_FILE]
+
+
 def _location(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    found = FILE_LINE.findall(trace)
+    found = _frames(node)
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 
@@ -314,12 +322,13 @@ def name_graph(graph: fx.Graph, *, root: nn.Module, root_path: str,
     hooked = _hook_lines(modules.values())
     for node in calls:
         loc = _location(node)
-        if node not in outputs and (node.target is as_returned
+        if node not in outputs and (node.target is as_returned or reads_kv(node)
                                     or hooked and _in_hook(node, hooked)):
             # A hook's own op (the model's hooks run inside the module call dynamo traced):
             # no site, as under fx, where a hooked module is called; named, it would take the
             # name of the forward's op after it (``a.add`` for the forward's ``a.add_1``).
-            # Nor the node fxprobe added after a write through a view: no op of the model's.
+            # Nor the node fxprobe added after a write through a view, nor its reads of a
+            # shared block's cache entry (dynamo_blocks_cache): no ops of the model's.
             for path, m, args, first, at in reversed(module_calls.get(node, ())):
                 call = Site(next_name(path, at), "dynamo", "call_module", path,
                             path, type(m), module_key(type(m)), inlined=True, listed=False)
@@ -444,7 +453,7 @@ def _call_location(first: fx.Node, m: nn.Module, stack: list[nn.Module | None]) 
     starts at another line in another graph, and a key that moved with it would name the
     same call ``blk`` in one graph and ``blk_1`` in the next."""
     code = _forward_code(m)
-    frames = FILE_LINE.findall(first.meta.get("stack_trace") or "")
+    frames = _frames(first)
     if code is not None:
         lines = {ln for _, _, ln in code.co_lines() if ln is not None}  # not a nested def's
         inside = [i for i, (file, line) in enumerate(frames)

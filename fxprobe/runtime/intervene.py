@@ -93,11 +93,13 @@ class Table:
         self.fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
         """The deferred modules running as written when the selectors last met their sites."""
 
-    def refresh(self, state: TapState) -> None:
+    def refresh(self, life: Lifecycle, state: TapState) -> None:
         """Resolve the selectors against the hook sites of the deferred modules that dynamo
         stopped capturing since (hidden until then), and install the hooks they reach: run
-        as written, such a module would otherwise go unedited, its selector unmatched."""
-        life = self.life
+        as written, such a module would otherwise go unedited, its selector unmatched.
+        Nothing where ``life`` (the one a forward runs) is not the table's."""
+        if life is not self.life:  # traced again since: these sites are another program's
+            return
         fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
         if fallen <= self.fallen:
             return
@@ -322,7 +324,7 @@ class Intervention:
         per_call.table = self.outer
         if kind is not None or table is None:
             return
-        table.refresh(self.state)
+        table.refresh(table.life, self.state)
         regions = _regions(table.life)
         if all(r.finished for r in regions):
             for region in regions:  # sites found by a forward under another table (a cache)

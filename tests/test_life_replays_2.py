@@ -20,7 +20,9 @@ forward, under ``tracer="auto"`` with dynamo's recompile limit at 2).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,6 +38,19 @@ SPEC = SPECS["twice-auto"]
 @pytest.fixture(autouse=True)
 def _fresh() -> None:
     torch._dynamo.reset()  # dynamo caches per code object: each test starts afresh
+
+
+@contextlib.contextmanager
+def _tapped() -> Iterator[Any]:
+    """A fresh model tapped as ``SPEC`` says under dynamo's recompile limit of 2 (warnings
+    ignored), removed on leaving."""
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tapped = fxprobe.tap(SPEC.build(), ops=SPEC.ops, tracer=SPEC.tracer)
+        try:
+            yield tapped
+        finally:
+            tapped.remove()
 
 
 def _x(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -64,72 +79,54 @@ def _check_taps(tapped: Any, reference: torch.nn.Module, x: torch.Tensor,
 
 
 def test_train_mode_block_after_an_eval_forward_taps_what_hooks_see() -> None:
-    model = SPEC.build()
     reference = SPEC.build()
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(model, ops=SPEC.ops, tracer=SPEC.tracer)
-        try:
-            tapped(_x((2, 2, 2, 4), 1))
-            tapped.train(True)
-            reference.train(True)
-            fn = edit_fn(-1.0, None)
-            ctx = tapped.intervene({"inner.relu_1": fn})
-            ctx.__enter__()
-            for shape in [(2, 2, 2, 4), (3, 4)]:  # the second ran as written, unedited
-                x = _x(shape, 0)
-                try:
-                    tapped(x)
-                except fxprobe.DynamoError as e:  # documented past the limit
-                    assert "recompile_limit" in str(e)
-                    continue
-                _check_taps(tapped, reference, x, [("inner.relu_1", fn)])
+    with _tapped() as tapped:
+        tapped(_x((2, 2, 2, 4), 1))
+        tapped.train(True)
+        reference.train(True)
+        fn = edit_fn(-1.0, None)
+        ctx = tapped.intervene({"inner.relu_1": fn})
+        ctx.__enter__()
+        for shape in [(2, 2, 2, 4), (3, 4)]:  # the second ran as written, unedited
+            x = _x(shape, 0)
             try:
-                ctx.__exit__(None, None, None)
-            except fxprobe.DynamoError as e:  # a site only dynamo reached, gone: said so
+                tapped(x)
+            except fxprobe.DynamoError as e:  # documented past the limit
                 assert "recompile_limit" in str(e)
-        finally:
-            tapped.remove()
+                continue
+            _check_taps(tapped, reference, x, [("inner.relu_1", fn)])
+        try:
+            ctx.__exit__(None, None, None)
+        except fxprobe.DynamoError as e:  # a site only dynamo reached, gone: said so
+            assert "recompile_limit" in str(e)
 
 
 def test_block_after_raising_blocks_taps_what_hooks_see() -> None:
-    model = SPEC.build()
     reference = SPEC.build()
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(model, ops=SPEC.ops, tracer=SPEC.tracer)
+    with _tapped() as tapped:
+        fn = edit_fn(2.0, None)
+        ctx = tapped.intervene({"inner.fc": fn})
+        ctx.__enter__()
         try:
-            fn = edit_fn(2.0, None)
-            ctx = tapped.intervene({"inner.fc": fn})
-            ctx.__enter__()
-            try:
-                _raising_block(tapped, "inner.fc_2", _x((3, 4), 0))
-                _raising_block(tapped, "inner.fc_3", _x((2, 3, 4), 0))
-                x = _x((2, 2, 2, 4), 1)
-                tapped(x)
-                _check_taps(tapped, reference, x, [("inner.fc", fn)])
-            finally:
-                try:
-                    ctx.__exit__(None, None, None)
-                except fxprobe.DynamoError as e:
-                    assert "recompile_limit" in str(e)
+            _raising_block(tapped, "inner.fc_2", _x((3, 4), 0))
+            _raising_block(tapped, "inner.fc_3", _x((2, 3, 4), 0))
+            x = _x((2, 2, 2, 4), 1)
+            tapped(x)
+            _check_taps(tapped, reference, x, [("inner.fc", fn)])
         finally:
-            tapped.remove()
+            try:
+                ctx.__exit__(None, None, None)
+            except fxprobe.DynamoError as e:
+                assert "recompile_limit" in str(e)
 
 
 def test_leaving_a_block_after_raising_blocks_names_the_limit() -> None:
-    model = SPEC.build()
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(model, ops=SPEC.ops, tracer=SPEC.tracer)
+    with _tapped() as tapped:
+        ctx = tapped.intervene({"inner.fc_3": edit_fn(2.0, None)})
+        ctx.__enter__()
+        _raising_block(tapped, "inner.fc_2", _x((3, 4), 0))
+        _raising_block(tapped, "inner.fc_2", _x((2, 3, 4), 0))
         try:
-            ctx = tapped.intervene({"inner.fc_3": edit_fn(2.0, None)})
-            ctx.__enter__()
-            _raising_block(tapped, "inner.fc_2", _x((3, 4), 0))
-            _raising_block(tapped, "inner.fc_2", _x((2, 3, 4), 0))
-            try:
-                ctx.__exit__(None, None, None)  # raised SelectorError: matches no site
-            except fxprobe.DynamoError as e:
-                assert "recompile_limit" in str(e)
-        finally:
-            tapped.remove()
+            ctx.__exit__(None, None, None)  # raised SelectorError: matches no site
+        except fxprobe.DynamoError as e:
+            assert "recompile_limit" in str(e)

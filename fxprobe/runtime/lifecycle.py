@@ -98,7 +98,7 @@ class Lifecycle:
         self.program = program
         self.rec = rec
         self.on_move = on_move
-        self.lives = lives or {}
+        self.lives = lives if lives is not None else {}  # the modes' own, even while empty
         self.state: dict[str, State] = {path: State.PENDING for path in program.deferred}
         self.reasons: dict[str, str] = {}
         """Why dynamo failed on a deferred module, by path."""

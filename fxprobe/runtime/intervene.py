@@ -97,7 +97,10 @@ class Table:
         """Resolve the selectors against the hook sites of the deferred modules that dynamo
         stopped capturing since (hidden until then), and install the hooks they reach: run
         as written, such a module would otherwise go unedited, its selector unmatched.
-        Nothing where ``life`` (the one a forward runs) is not the table's."""
+        Nothing where ``life`` (the one a forward runs) is not the table's. The table this
+        one was composed with meets them too (told of their later calls, :meth:`see`)."""
+        if self.outer is not None:
+            self.outer.refresh(life, state)
         if life is not self.life:  # traced again since: these sites are another program's
             return
         fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)

@@ -192,6 +192,10 @@ class Lifecycle:
         # mode (dynamo's limit) found no site here, but runs the same code.
         found = {n: s for life in self.lives.values() if path in life.program.dynamo
                  for n, s in life.program.dynamo[path].sites.items()}
+        # So do those the table resolved here under a program traced away since (a hook
+        # registered inside the block): the new one may have captured none before the limit.
+        found.update({n: s for n, s in table.sites.items() if s.how == "dynamo" and (
+            not path or s.module_path == path or s.module_path.startswith(path + "."))})
         lost = [n for n, s in {**found, **region.sites}.items() if not hooked.fullmatch(n)
                 and (n in table.fns or any(sel(s) for sel, _, _ in table.entries))]
         if lost:

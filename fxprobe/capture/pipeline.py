@@ -82,12 +82,11 @@ class CallTable(Protocol):
         """Resolve the selectors against ``region``'s sites if it found new ones."""
 
     def refresh(self, life: Any, state: Any) -> None:
-        """Before a forward that the lifecycle ``life`` runs (``runtime.run``), and as the
-        block is left: resolve the selectors against the sites that became known since
-        without a graph reporting them (the hook sites of a deferred module dynamo stopped
-        capturing, hidden until then), and install the hooks they reach (``state``: the
-        tapped module's). Nothing where ``life`` is not the lifecycle the table was resolved
-        against (the model was traced again since)."""
+        """Before a forward that the lifecycle ``life`` runs (``runtime.run``; the model may
+        have been traced again since the table was made), and as the block is left: resolve
+        the selectors against the sites that became known since without a graph reporting
+        them (the hook sites of a deferred module dynamo stopped capturing), and install the
+        hooks they reach (``state``: the tapped module's)."""
 
     def see(self, name: str, key: str) -> None:
         """A hooked module's call, named ``key`` (``name``, then ``name_1`` in one forward):

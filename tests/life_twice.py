@@ -19,12 +19,13 @@ SPEC = SPECS["twice-auto"]
 
 
 @contextlib.contextmanager
-def tapped_twice() -> Iterator[Any]:
-    """A fresh model tapped as ``SPEC`` says under dynamo's recompile limit of 2 (warnings
-    ignored), removed on leaving."""
+def tapped_twice(ops: Any = None) -> Iterator[Any]:
+    """A fresh model tapped as ``SPEC`` says (or at ``ops``) under dynamo's recompile limit
+    of 2 (warnings ignored), removed on leaving."""
     with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(SPEC.build(), ops=SPEC.ops, tracer=SPEC.tracer)
+        tapped = fxprobe.tap(SPEC.build(), ops=SPEC.ops if ops is None else ops,
+                             tracer=SPEC.tracer)
         try:
             yield tapped
         finally:
@@ -34,6 +35,16 @@ def tapped_twice() -> Iterator[Any]:
 def x_of(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen, dtype=torch.float64).float()
+
+
+def forward_or_refused(tapped: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """``tapped(x)``, or None where it was refused past dynamo's recompile limit (documented:
+    a ``DynamoError`` that names the limit)."""
+    try:
+        return tapped(x)  # type: ignore[no-any-return]
+    except fxprobe.DynamoError as e:
+        assert "recompile_limit" in str(e)
+        return None
 
 
 def check_taps(tapped: Any, reference: torch.nn.Module, x: torch.Tensor,

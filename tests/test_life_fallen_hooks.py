@@ -13,16 +13,12 @@ where tap() did not select the call (its hook is the block's own to install).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
 import torch
-from life_models import twice
 from life_reference import edit_fn, run
-from life_twice import SPEC, x_of
-
-import fxprobe
+from life_twice import SPEC, forward_or_refused, tapped_twice, x_of
 
 
 @pytest.fixture(autouse=True)
@@ -34,29 +30,21 @@ def _fresh() -> None:
     ([torch.relu], "inner.fc", False), ([torch.relu], "inner.fc_1", False),
     ("inner", "inner.fc_1", True), ("inner", "inner.fc_3", True)])
 def test_a_fallen_module_call_is_edited_or_refused(ops: Any, site: str, hook: bool) -> None:
-    reference = twice()
+    reference = SPEC.build()
     fn = edit_fn(-2.0, None)
     ran = 0
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(twice(), ops=ops, tracer="auto")
-        try:
-            tapped(x_of((2, 2, 2, 4), 1))
-            with tapped.intervene({site: fn}):
-                for i, shape in enumerate([(2, 2, 2, 4), (3, 4), (2, 3, 4), (4,)]):
-                    if i == 1 and hook:  # the tapped module's own hook: traced again
-                        tapped.get_submodule("inner.fc").register_forward_hook(
-                            lambda m, args, out: None)
-                    x = x_of(shape, i)
-                    try:
-                        out = tapped(x)
-                    except fxprobe.DynamoError as e:  # documented past the limit
-                        assert "recompile_limit" in str(e)
-                        continue
+    with tapped_twice(ops) as tapped:
+        tapped(x_of((2, 2, 2, 4), 1))
+        with tapped.intervene({site: fn}):
+            for i, shape in enumerate([(2, 2, 2, 4), (3, 4), (2, 3, 4), (4,)]):
+                if i == 1 and hook:  # the tapped module's own hook: traced again
+                    tapped.get_submodule("inner.fc").register_forward_hook(
+                        lambda m, args, out: None)
+                x = x_of(shape, i)
+                out = forward_or_refused(tapped, x)
+                if out is not None:
                     ran += 1
                     expected, _ = run(reference, lambda x=x: reference(x),
                                       [(SPEC.points[site], fn)], {})
                     assert torch.equal(out, expected), f"forward {i} ({shape}) unedited"
-        finally:
-            tapped.remove()
     assert ran >= 2  # what runs as written past the limit is edited there

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from life_reference import edit_fn
-from life_twice import SPEC, check_taps, tapped_twice, x_of
+from life_twice import SPEC, check_taps, forward_or_refused, tapped_twice, x_of
 
 import fxprobe
 
@@ -55,12 +55,8 @@ def test_train_mode_block_after_an_eval_forward_taps_what_hooks_see() -> None:
         ctx.__enter__()
         for shape in [(2, 2, 2, 4), (3, 4)]:  # the second ran as written, unedited
             x = x_of(shape, 0)
-            try:
-                tapped(x)
-            except fxprobe.DynamoError as e:  # documented past the limit
-                assert "recompile_limit" in str(e)
-                continue
-            check_taps(tapped, reference, x, [("inner.relu_1", fn)])
+            if forward_or_refused(tapped, x) is not None:
+                check_taps(tapped, reference, x, [("inner.relu_1", fn)])
         try:
             ctx.__exit__(None, None, None)
         except fxprobe.DynamoError as e:  # a site only dynamo reached, gone: said so

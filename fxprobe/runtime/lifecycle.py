@@ -198,6 +198,11 @@ class Lifecycle:
             not path or s.module_path == path or s.module_path.startswith(path + "."))})
         lost = [n for n, s in {**found, **region.sites}.items() if not hooked.fullmatch(n)
                 and (n in table.fns or any(sel(s) for sel, _, _ in table.entries))]
+        # A plain name inside the module that no site met: no graph of it was captured here
+        # (another tap of the model used up the limit), and no hooked call is named so.
+        lost += [n for i, (_, _, n) in enumerate(table.entries) if n is not None and path
+                 and i not in table.matched and n.startswith(path + ".")
+                 and not hooked.fullmatch(n) and n not in lost]
         if lost:
             raise DynamoError(
                 f"{region.what} runs as written since torch dynamo stopped capturing it "

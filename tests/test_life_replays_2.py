@@ -20,27 +20,19 @@ forward, under ``tracer="auto"`` with dynamo's recompile limit at 2).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
 import torch
-from life_models import SPECS
-from life_reference import edit_fn, run
+from life_reference import edit_fn
+from life_twice import SPEC, check_taps, forward_or_refused, tapped_twice, x_of
 
 import fxprobe
-
-SPEC = SPECS["twice-auto"]
 
 
 @pytest.fixture(autouse=True)
 def _fresh() -> None:
     torch._dynamo.reset()  # dynamo caches per code object: each test starts afresh
-
-
-def _x(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=torch.float64).float()
 
 
 def _raising_block(tapped: Any, selector: str, x: torch.Tensor) -> None:
@@ -52,84 +44,51 @@ def _raising_block(tapped: Any, selector: str, x: torch.Tensor) -> None:
             tapped(x)
 
 
-def _check_taps(tapped: Any, reference: torch.nn.Module, x: torch.Tensor,
-                edits: list[tuple[str, Any]]) -> None:
-    reads = {n: SPEC.points[n] for n in SPEC.taps}
-    _, seen = run(reference, lambda: reference(x), [(SPEC.points[n], fn) for n, fn in edits],
-                  reads)
-    taps = tapped.taps
-    wrong = [n for n in SPEC.taps  # a site gone past dynamo's limit is said so, not compared
-             if n in taps and not torch.equal(taps[n], seen[n][0])]
-    assert not wrong, f"tapped.taps differ from the hooks' values at {wrong}"
-
-
 def test_train_mode_block_after_an_eval_forward_taps_what_hooks_see() -> None:
-    model = SPEC.build()
     reference = SPEC.build()
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(model, ops=SPEC.ops, tracer=SPEC.tracer)
+    with tapped_twice() as tapped:
+        tapped(x_of((2, 2, 2, 4), 1))
+        tapped.train(True)
+        reference.train(True)
+        fn = edit_fn(-1.0, None)
+        ctx = tapped.intervene({"inner.relu_1": fn})
+        ctx.__enter__()
+        for shape in [(2, 2, 2, 4), (3, 4)]:  # the second ran as written, unedited
+            x = x_of(shape, 0)
+            if forward_or_refused(tapped, x) is not None:
+                check_taps(tapped, reference, x, [("inner.relu_1", fn)])
         try:
-            tapped(_x((2, 2, 2, 4), 1))
-            tapped.train(True)
-            reference.train(True)
-            fn = edit_fn(-1.0, None)
-            ctx = tapped.intervene({"inner.relu_1": fn})
-            ctx.__enter__()
-            for shape in [(2, 2, 2, 4), (3, 4)]:  # the second ran as written, unedited
-                x = _x(shape, 0)
-                try:
-                    tapped(x)
-                except fxprobe.DynamoError as e:  # documented past the limit
-                    assert "recompile_limit" in str(e)
-                    continue
-                _check_taps(tapped, reference, x, [("inner.relu_1", fn)])
-            try:
-                ctx.__exit__(None, None, None)
-            except fxprobe.DynamoError as e:  # a site only dynamo reached, gone: said so
-                assert "recompile_limit" in str(e)
-        finally:
-            tapped.remove()
+            ctx.__exit__(None, None, None)
+        except fxprobe.DynamoError as e:  # a site only dynamo reached, gone: said so
+            assert "recompile_limit" in str(e)
 
 
 def test_block_after_raising_blocks_taps_what_hooks_see() -> None:
-    model = SPEC.build()
     reference = SPEC.build()
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(model, ops=SPEC.ops, tracer=SPEC.tracer)
+    with tapped_twice() as tapped:
+        fn = edit_fn(2.0, None)
+        ctx = tapped.intervene({"inner.fc": fn})
+        ctx.__enter__()
         try:
-            fn = edit_fn(2.0, None)
-            ctx = tapped.intervene({"inner.fc": fn})
-            ctx.__enter__()
-            try:
-                _raising_block(tapped, "inner.fc_2", _x((3, 4), 0))
-                _raising_block(tapped, "inner.fc_3", _x((2, 3, 4), 0))
-                x = _x((2, 2, 2, 4), 1)
-                tapped(x)
-                _check_taps(tapped, reference, x, [("inner.fc", fn)])
-            finally:
-                try:
-                    ctx.__exit__(None, None, None)
-                except fxprobe.DynamoError as e:
-                    assert "recompile_limit" in str(e)
+            _raising_block(tapped, "inner.fc_2", x_of((3, 4), 0))
+            _raising_block(tapped, "inner.fc_3", x_of((2, 3, 4), 0))
+            x = x_of((2, 2, 2, 4), 1)
+            tapped(x)
+            check_taps(tapped, reference, x, [("inner.fc", fn)])
         finally:
-            tapped.remove()
+            try:
+                ctx.__exit__(None, None, None)
+            except fxprobe.DynamoError as e:
+                assert "recompile_limit" in str(e)
 
 
 def test_leaving_a_block_after_raising_blocks_names_the_limit() -> None:
-    model = SPEC.build()
-    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tapped = fxprobe.tap(model, ops=SPEC.ops, tracer=SPEC.tracer)
+    with tapped_twice() as tapped:
+        ctx = tapped.intervene({"inner.fc_3": edit_fn(2.0, None)})
+        ctx.__enter__()
+        _raising_block(tapped, "inner.fc_2", x_of((3, 4), 0))
+        _raising_block(tapped, "inner.fc_2", x_of((2, 3, 4), 0))
         try:
-            ctx = tapped.intervene({"inner.fc_3": edit_fn(2.0, None)})
-            ctx.__enter__()
-            _raising_block(tapped, "inner.fc_2", _x((3, 4), 0))
-            _raising_block(tapped, "inner.fc_2", _x((2, 3, 4), 0))
-            try:
-                ctx.__exit__(None, None, None)  # raised SelectorError: matches no site
-            except fxprobe.DynamoError as e:
-                assert "recompile_limit" in str(e)
-        finally:
-            tapped.remove()
+            ctx.__exit__(None, None, None)  # raised SelectorError: matches no site
+        except fxprobe.DynamoError as e:
+            assert "recompile_limit" in str(e)

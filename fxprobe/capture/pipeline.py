@@ -81,6 +81,13 @@ class CallTable(Protocol):
     def check(self, region: Any) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones."""
 
+    def refresh(self, life: Any, state: Any) -> None:
+        """Before a forward that the lifecycle ``life`` runs (``runtime.run``; the model may
+        have been traced again since the table was made), and as the block is left: resolve
+        the selectors against the sites that became known since without a graph reporting
+        them (the hook sites of a deferred module dynamo stopped capturing), and install the
+        hooks they reach (``state``: the tapped module's)."""
+
     def see(self, name: str, key: str) -> None:
         """A hooked module's call, named ``key`` (``name``, then ``name_1`` in one forward):
         resolve the selectors against its site if not yet."""

@@ -33,11 +33,14 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.nn.modules import module as _module
-from torch.utils.hooks import RemovableHandle
 
 from ..core.errors import DynamoError
-from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
+from .mirror import (
+    _OVERRIDE,  # the mark of a forward fxprobe installed on its copy
+    Registrations,
+    any_hooks,
+    global_keys,
+)
 
 
 def enabled() -> bool:
@@ -89,30 +92,24 @@ def carries_cache(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
 
 
 def hooked(blocks: list[tuple[nn.Module, Any]]) -> bool:
-    """Whether a module hook (on a module of a block, or a global one) is set: dynamo would
-    reuse the body it traced for a block whose modules are hooked otherwise (a hook on one
-    layer's MLP never ran), so such a call is not marked."""
-    if any(getattr(_module, name) for name in (
-            "_global_forward_hooks", "_global_forward_pre_hooks",
-            "_global_backward_hooks", "_global_backward_pre_hooks")):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-               or m._backward_pre_hooks for b, _ in blocks for m in b.modules())
+    """Whether a module hook (on a module of a block, fxprobe's included, or a global one) is
+    set: dynamo would reuse the body it traced for a block whose modules are hooked otherwise
+    (a hook on one layer's MLP never ran), so such a call is not marked."""
+    return any(global_keys()) or any(any_hooks(m) for b, _ in blocks for m in b.modules())
 
 
 class HookCheck:
     """:func:`hooked` for one list of blocks, looked at again only after a hook was
-    registered anywhere (every registration draws a number; a removal draws none, so blocks
+    registered anywhere (``mirror.Registrations``; a removal draws no number, so blocks
     found hooked stay so until the next registration: they are traced unmarked meanwhile)."""
 
     def __init__(self, blocks: list[tuple[nn.Module, Any]]) -> None:
         self.blocks = blocks
-        self.epoch = -1
+        self.registrations = Registrations(seen=False)
         self.found = False
 
     def __call__(self) -> bool:
-        if self.blocks and RemovableHandle.next_id != self.epoch:
-            self.epoch = RemovableHandle.next_id
+        if self.blocks and self.registrations.moved():
             self.found = hooked(self.blocks)
         return self.found
 

@@ -90,23 +90,32 @@ class Table:
         self._here: dict[tuple[str, tuple[str, ...]], tuple[tuple[Fn, ...], bool]] = {}
         self.owners: dict[str, set[str]] = {}
         """The sites each canonical name names in some graph (one: the name is unambiguous)."""
-        self.fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
-        """The deferred modules running as written when the selectors last met their sites."""
+        self.met = (life, frozenset(p for p, s in life.state.items() if s is State.FALLBACK))
+        """The lifecycle the forwards ran when the selectors last met the hook sites of its
+        deferred modules running as written, and those modules."""
 
-    def refresh(self, state: TapState) -> None:
-        """Resolve the selectors against the hook sites of the deferred modules that dynamo
-        stopped capturing since (hidden until then), and install the hooks they reach: run
-        as written, such a module would otherwise go unedited, its selector unmatched."""
-        life = self.life
-        fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
-        if fallen <= self.fallen:
+    def refresh(self, life: Lifecycle, state: TapState) -> None:
+        """Resolve the selectors against the hook sites of the deferred modules of ``life``
+        (the lifecycle a forward runs: the model may have been traced again inside the block)
+        that dynamo stopped capturing since (hidden until then, or known by the name dynamo
+        gives the call), and install the hooks they reach: run as written, such a module
+        would otherwise go unedited, its selector unmatched. The table this one was composed
+        with meets them too (told of their later calls, :meth:`see`)."""
+        if self.outer is not None:
+            self.outer.refresh(life, state)
+        if life.program.training != self.training:  # an outer block's, in the other mode
             return
-        names = {n for p in fallen - self.fallen for n in life.program.deferred[p].sites}
-        self.fallen = fallen
-        fresh = [s for s in life.known_sites() if s.name in names and s.how == "hook"
-                 and s.name not in self.sites]
-        self.resolve(fresh)
-        _hook(state, self, fresh)
+        fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
+        met, before = self.met
+        new = fallen - before if met is life else fallen
+        self.met = (life, fallen)  # one that left, falling again, is met again (its hooks
+        if not new:  # were dropped as it left)
+            return
+        names = {n for p in new for n in life.program.deferred[p].sites}
+        sites = [s for s in life.known_sites() if s.name in names and s.how == "hook"]
+        self.resolve([s for s in sites if s.name not in self.sites
+                      or self.sites[s.name].how != "hook"])
+        _hook(state, self, sites)
 
     def check(self, region: DynamoRegion) -> None:
         """Resolve the selectors against ``region``'s sites if it found new ones since."""
@@ -322,7 +331,7 @@ class Intervention:
         per_call.table = self.outer
         if kind is not None or table is None:
             return
-        table.refresh(self.state)
+        table.refresh(self.state.lives.get(table.training) or table.life, self.state)
         regions = _regions(table.life)
         if all(r.finished for r in regions):
             for region in regions:  # sites found by a forward under another table (a cache)

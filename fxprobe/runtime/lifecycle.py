@@ -98,7 +98,7 @@ class Lifecycle:
         self.program = program
         self.rec = rec
         self.on_move = on_move
-        self.lives = lives or {}
+        self.lives = lives if lives is not None else {}  # the modes' own, even while empty
         self.state: dict[str, State] = {path: State.PENDING for path in program.deferred}
         self.reasons: dict[str, str] = {}
         """Why dynamo failed on a deferred module, by path."""
@@ -192,8 +192,17 @@ class Lifecycle:
         # mode (dynamo's limit) found no site here, but runs the same code.
         found = {n: s for life in self.lives.values() if path in life.program.dynamo
                  for n, s in life.program.dynamo[path].sites.items()}
+        # So do those the table resolved here under a program traced away since (a hook
+        # registered inside the block): the new one may have captured none before the limit.
+        found.update({n: s for n, s in table.sites.items() if s.how == "dynamo" and (
+            not path or s.module_path == path or s.module_path.startswith(path + "."))})
         lost = [n for n, s in {**found, **region.sites}.items() if not hooked.fullmatch(n)
                 and (n in table.fns or any(sel(s) for sel, _, _ in table.entries))]
+        # A plain name inside the module that no site met: no graph of it was captured here
+        # (another tap of the model used up the limit), and no hooked call is named so.
+        lost += [n for i, (_, _, n) in enumerate(table.entries) if n is not None and path
+                 and i not in table.matched and n.startswith(path + ".")
+                 and not hooked.fullmatch(n) and n not in lost]
         if lost:
             raise DynamoError(
                 f"{region.what} runs as written since torch dynamo stopped capturing it "

@@ -155,11 +155,9 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
             # block's selectors were resolved against its own mode's sites, and only that
             # mode's lifecycle knows which of its edits a fallen module would drop
             raise other_mode(root.training)
-        # a module fallen since the block began: its hook sites (runtime.intervene's Table)
-        if table is not None and getattr(table, "life", None) is life:
-            table.refresh(state)  # type: ignore[attr-defined]
-        if table is not None:  # the graphs with points watch their own
-            points = state.points.get(root.training)
+        if table is not None:
+            table.refresh(life, state)  # a module fallen since the block began: its hook sites
+            points = state.points.get(root.training)  # the graphs with points watch their own
             if points is not None and points.watch is not None:
                 life = _rehooked(state, points.watch) or life
                 pointed(state, life)

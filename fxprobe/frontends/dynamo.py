@@ -54,7 +54,7 @@ from .dynamo_names import (
 )
 from .dynamo_quiet import quiet_compile
 from .dynamo_shapes import static_inputs
-from .dynamo_versions import Instrumented
+from .dynamo_versions import Instrumented, forget_when_freed
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
 
@@ -155,6 +155,8 @@ class _Captured:
             found.count = (f"\0dynamo:{self.region.path}:"
                            f"{self.frame if self.frame is not None else id(self)}:{found.prefix}")
             self.versions[(key, repeat) if repeat else key] = found
+            if self.anchor is not None:  # its address is another parameter's once freed
+                forget_when_freed(self, args[self.anchor], (key, repeat) if repeat else key)
         return found
 
     def __call__(self, *args: Any) -> Any:
@@ -279,7 +281,7 @@ class DynamoRegion:
     def _versions(self) -> list[tuple[str, int, _Captured, Instrumented]]:
         out = []
         for i, captured in enumerate(self.captured):
-            for version in captured.versions.values():
+            for version in list(captured.versions.values()):  # (forget_when_freed)
                 key = f"dynamo:{self.path}:{i}"
                 if version.prefix != captured.captured_prefix:
                     key += f"@{join(self.path, version.prefix)}"

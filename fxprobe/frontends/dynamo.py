@@ -109,6 +109,8 @@ class _Captured:
         self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
         self.versions: dict[int | tuple[int, int], Instrumented] = {}
+        """Each version by ``id()`` of the anchor it ran with (and its repeat)."""
+        self.named_for: dict[tuple[str, int], Instrumented] = {}  # by instance and repeat
         self.stamp = -1
 
     def _locate(self) -> str:
@@ -149,8 +151,11 @@ class _Captured:
         key = id(args[self.anchor]) if self.anchor is not None else 0
         found = self.versions.get((key, repeat) if repeat else key)
         if found is None:
-            found = self.region.instrument(
-                self.gm, self.captured_prefix, self.prefix_of(args), repeat)
+            prefix = self.prefix_of(args)
+            found = self.named_for.get((prefix, repeat))
+            if found is None:  # (an instance whose anchor was replaced keeps its version)
+                found = self.named_for[prefix, repeat] = self.region.instrument(
+                    self.gm, self.captured_prefix, prefix, repeat)
             # Graphs of one frame (recompilations) run the same code, under the same names.
             found.count = (f"\0dynamo:{self.region.path}:"
                            f"{self.frame if self.frame is not None else id(self)}:{found.prefix}")
@@ -281,7 +286,7 @@ class DynamoRegion:
     def _versions(self) -> list[tuple[str, int, _Captured, Instrumented]]:
         out = []
         for i, captured in enumerate(self.captured):
-            for version in list(captured.versions.values()):  # (forget_when_freed)
+            for version in captured.named_for.values():
                 key = f"dynamo:{self.path}:{i}"
                 if version.prefix != captured.captured_prefix:
                     key += f"@{join(self.path, version.prefix)}"

@@ -55,7 +55,7 @@ from .dynamo_names import (
 )
 from .dynamo_quiet import quiet_compile
 from .dynamo_shapes import static_inputs
-from .dynamo_versions import Instrumented
+from .dynamo_versions import Instrumented, forget_when_freed
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
 
@@ -110,6 +110,8 @@ class _Captured:
         self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
         self.versions: dict[int | tuple[int, int], Instrumented] = {}
+        """Each version by ``id()`` of the anchor it ran with (and its repeat)."""
+        self.named_for: dict[tuple[str, int], Instrumented] = {}  # by instance and repeat
         self.stamp = -1
 
     def _locate(self) -> str:
@@ -150,12 +152,17 @@ class _Captured:
         key = id(args[self.anchor]) if self.anchor is not None else 0
         found = self.versions.get((key, repeat) if repeat else key)
         if found is None:
-            found = self.region.instrument(
-                self.gm, self.captured_prefix, self.prefix_of(args), repeat)
+            prefix = self.prefix_of(args)
+            found = self.named_for.get((prefix, repeat))
+            if found is None:  # (an instance whose anchor was replaced keeps its version)
+                found = self.named_for[prefix, repeat] = self.region.instrument(
+                    self.gm, self.captured_prefix, prefix, repeat)
             # Graphs of one frame (recompilations) run the same code, under the same names.
             found.count = (f"\0dynamo:{self.region.path}:"
                            f"{self.frame if self.frame is not None else id(self)}:{found.prefix}")
             self.versions[(key, repeat) if repeat else key] = found
+            if self.anchor is not None:  # its address is another parameter's once freed
+                forget_when_freed(self, args[self.anchor], (key, repeat) if repeat else key)
         return found
 
     def __call__(self, *args: Any) -> Any:
@@ -283,7 +290,7 @@ class DynamoRegion:
     def _versions(self) -> list[tuple[str, int, _Captured, Instrumented]]:
         out = []
         for i, captured in enumerate(self.captured):
-            for version in captured.versions.values():
+            for version in captured.named_for.values():
                 key = f"dynamo:{self.path}:{i}"
                 if version.prefix != captured.captured_prefix:
                     key += f"@{join(self.path, version.prefix)}"

@@ -7,6 +7,9 @@ instance of the module gets a version of its own, named for that instance.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 from torch import fx
 
 from ..capture.pipeline import CallTable
@@ -74,3 +77,17 @@ class Instrumented:
             n in points for n in table.cache if n in sites)
         self.served = (*key, ok)
         return ok
+
+
+def forget_when_freed(owner: Any, anchor: Any, key: Any) -> None:
+    """Drop ``owner.versions[key]`` (a version looked up by ``id(anchor)``, the parameter that
+    tells which instance runs the graph) once ``anchor`` is freed: Python may give its address
+    to a new parameter of another instance (a block's weights replaced, a checkpoint loaded
+    with ``assign=True``), which would otherwise run under this instance's names."""
+    weakref.finalize(anchor, _forget, weakref.ref(owner), key).atexit = False
+
+
+def _forget(owner: weakref.ref[Any], key: Any) -> None:
+    found = owner()
+    if found is not None:
+        found.versions.pop(key, None)

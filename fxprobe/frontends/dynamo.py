@@ -260,8 +260,10 @@ class DynamoRegion:
         self.blocks = inline.marks(found)
         self.hooked = inline.HookCheck(self.blocks)
         """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
+        # One forward (the first block's class) runs every shared block: blocks of two
+        # classes (an encoder's and a decoder's layers) are marked instead.
         self.shared = Blocks(found, self.backend, self.module_ids) if found and \
-            inline.shared() else None  # the layers captured once for all (dynamo_blocks)
+            inline.shared() and len({type(b) for b in found}) == 1 else None
         """The same layers captured once for every instance (``dynamo_blocks``)."""
         self.shared_kv = KVBlocks(self.shared, self.backend, self.module_ids) if \
             self.shared is not None else None  # and called with a KV cache

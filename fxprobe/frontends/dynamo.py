@@ -149,8 +149,9 @@ class _Captured:
         return ""
 
     def version(self, args: Sequence[Any], repeat: int = 0) -> Instrumented:
-        key = id(args[self.anchor]) if self.anchor is not None else 0
-        found = self.versions.get((key, repeat) if repeat else key)
+        anchor = id(args[self.anchor]) if self.anchor is not None else 0
+        key = (anchor, repeat) if repeat else anchor
+        found = self.versions.get(key)
         if found is None:
             prefix = self.prefix_of(args)
             found = self.named_for.get((prefix, repeat))
@@ -160,9 +161,9 @@ class _Captured:
             # Graphs of one frame (recompilations) run the same code, under the same names.
             found.count = (f"\0dynamo:{self.region.path}:"
                            f"{self.frame if self.frame is not None else id(self)}:{found.prefix}")
-            self.versions[(key, repeat) if repeat else key] = found
+            self.versions[key] = found
             if self.anchor is not None:  # its address is another parameter's once freed
-                forget_when_freed(self, args[self.anchor], (key, repeat) if repeat else key)
+                forget_when_freed(self, args[self.anchor], key)
         return found
 
     def __call__(self, *args: Any) -> Any:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -67,7 +68,6 @@ def reads_kv(node: Any) -> bool:
         return False
     if node.target is block_kv:
         return True
-    import operator
     return node.target is operator.getitem and getattr(node.args[0], "target", None) is block_kv
 
 

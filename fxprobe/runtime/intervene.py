@@ -90,7 +90,7 @@ class Table:
         self._here: dict[tuple[str, tuple[str, ...]], tuple[tuple[Fn, ...], bool]] = {}
         self.owners: dict[str, set[str]] = {}
         """The sites each canonical name names in some graph (one: the name is unambiguous)."""
-        self.met = (life, frozenset(p for p, s in life.state.items() if s is State.FALLBACK))
+        self.met = (life, life.fallen())
         """The lifecycle the forwards ran when the selectors last met the hook sites of its
         deferred modules running as written, and those modules."""
 
@@ -105,7 +105,7 @@ class Table:
             self.outer.refresh(life, state)
         if life.program.training != self.training:  # an outer block's, in the other mode
             return
-        fallen = frozenset(p for p, s in life.state.items() if s is State.FALLBACK)
+        fallen = life.fallen()
         met, before = self.met
         new = fallen - before if met is life else fallen
         self.met = (life, fallen)  # one that left, falling again, is met again (its hooks

@@ -321,6 +321,10 @@ class Lifecycle:
     def _in(self, state: State) -> list[str]:
         return [path for path, s in self.state.items() if s is state]
 
+    def fallen(self) -> frozenset[str]:
+        """The deferred modules that run as written (dynamo stopped capturing them)."""
+        return frozenset(self._in(State.FALLBACK))
+
     def hidden(self) -> frozenset[str]:
         """Site names of fallbacks that dynamo runs instead (or will, before the first call)."""
         deferred = self.program.deferred

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import fx, nn
 
 from ..capture.pipeline import Pipeline
 from ..capture.points import insert_points
-from ..capture.rewrite import compile_region, copy_graph, insert_taps
+from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import DynamoError
 from ..core.names import join, one_line
 from ..core.options import Capture, CopyPolicy
@@ -269,6 +270,8 @@ class DynamoRegion:
         self.shared_kv = KVBlocks(self.shared, self.backend, self.module_ids) if \
             self.shared is not None else None  # and called with a KV cache
         """The shared layers for a call with a key/value cache (``dynamo_blocks_cache``)."""
+        self.bare: weakref.WeakKeyDictionary[fx.GraphModule, Compiled] = \
+            weakref.WeakKeyDictionary()  # each captured graph untapped (_untapped)
         self.inlined = (0, 0)  # block calls inlined so far, and the bodies dynamo traced
         self.marking: list[tuple[nn.Module, Any]] = []  # the blocks marked in this call
 
@@ -377,6 +380,12 @@ class DynamoRegion:
                    probs)
         if self.on_sites is not None:
             self.on_sites(new, selected)
+        if not chosen and not points and not self.pipeline.options.gather:
+            # Nothing to tap or point here (a layer whose only selected site is its output,
+            # named in the graph around it; a layer outside the selection): every instance
+            # runs one untapped function of the captured graph, compiled once.
+            return Instrumented(dataclasses.replace(self._untapped(gm), graph=graph), prefix,
+                                graph, repeat, frozenset(), frozenset(s.name for s in named.order))
         if self.pipeline.options.gather:  # the full values of sharded sites (tap(gather=True))
             sharding.gather(graph, {s.name for s in named.order} if points else chosen)
         named_graph = drawn if drawn is not None else copy_graph(graph)
@@ -403,6 +412,18 @@ class DynamoRegion:
         return Instrumented(compile_region(self.path, gm, graph, order, copied, outplaced),
                              prefix, named_graph, repeat, pointed,
                              frozenset(s.name for s in named.order))
+
+    def _untapped(self, gm: fx.GraphModule) -> Compiled:
+        """The captured graph as it is (no site kept), as one function for every instance."""
+        found = self.bare.get(gm)
+        if found is None:
+            graph = copy_graph(gm.graph)
+            order, copied, outplaced = insert_taps(
+                graph, gm.get_submodule, set(), capture=self.capture, copy=self.copy,
+                pipeline=self.pipeline, escapes=True)
+            found = self.bare[gm] = compile_region(self.path, gm, graph, order, copied,
+                                                   outplaced)
+        return found
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.finished = False  # until this call ends: an error inside leaves sites unseen

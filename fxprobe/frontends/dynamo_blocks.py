@@ -58,7 +58,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..core.errors import DynamoError
-from .dynamo_inline import hooked
+from .dynamo_inline import HookCheck
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
 _LIVE: weakref.WeakValueDictionary[int, Blocks] = weakref.WeakValueDictionary()
@@ -153,6 +153,8 @@ class Blocks:
         self.twins: dict[int, int] = {}  # block -> the block whose output made its own
         self.ran: dict[int, tuple[Any, Any]] = {}  # block -> its last shapes in and out
         self.unchecked: set[int] = set()  # twins and their models not checked since a trace
+        self.places = _places(blocks)
+        """The attributes that hold each block's place (``_settings``)."""
         self.paths = frozenset(module_ids[id(b)] for b in blocks)
         """The blocks' paths relative to the region."""
         self.stream_out = False
@@ -165,6 +167,8 @@ class Blocks:
             fn = functools.partial(block_call, self.key, i)
             setattr(fn, _OVERRIDE, True)  # not a forward the user replaced (frontends.mirror)
             self.forwards.append((block, fn))
+        self.hooked = HookCheck(self.forwards)
+        """Whether a module of a block has a hook (looked at again after a registration)."""
 
     def run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         block = self.blocks[index]
@@ -186,7 +190,7 @@ class Blocks:
             if index in self.unchecked:  # once per trace
                 self._check(index, args, kwargs, out)
             return out
-        if hooked(self.forwards):  # set inside the model's forward (transformers' recorder
+        if self.hooked():  # set inside the model's forward (transformers' recorder
             # of output_attentions): it would see fake tensors. Not a graph break, which would
             # run the block's own graph with the hook and lose what it records: the capture
             # fails, and the call runs again unshared (dynamo_inline.run_marked).
@@ -195,7 +199,7 @@ class Blocks:
             self.mode, self.fake_state, self.made, self.first = mode, {}, {}, {}
             self.unchecked = set()
         key = _meta((args, kwargs, dict(block.named_parameters()),
-                     dict(block.named_buffers()))) + _settings(block, index)
+                     dict(block.named_buffers()))) + _settings(block, self.places)
         made = self.made.get(key)
         if made is not None:  # a block like one whose output was made in this trace
             self.twins[index] = self.first[key]
@@ -289,13 +293,25 @@ def _shapes(tree: Any) -> tuple[Any, ...]:
 _MODULE_OWN = frozenset(vars(nn.Module())) - {"training"}  # nn.Module's bookkeeping
 
 
-def _settings(block: nn.Module, index: int) -> str:
+def _places(blocks: list[nn.Module]) -> frozenset[tuple[str, str]]:
+    """The integer attributes (module path, name) equal to the block's place in its list in
+    every block (``layer_idx``), not those that only happen to equal it in one (block 16's
+    ``head_dim`` of 16)."""
+    found: set[tuple[str, str]] | None = None
+    for i, block in enumerate(blocks):
+        here = {(path, k) for path, m in block.named_modules() for k, v in vars(m).items()
+                if type(v) is int and v == i}
+        found = here if found is None else found & here
+    return frozenset(found or ())
+
+
+def _settings(block: nn.Module, places: frozenset[tuple[str, str]]) -> str:
     """What else a block's output may depend on: every other attribute of each of its modules
     (a convolution's ``stride``, a layer's ``sliding_window``), a number, string or tuple of
     them by value, any other object by identity (one config shared by every block is equal);
-    not an integer equal to the block's place (``layer_idx``: every layer would differ, where
-    it reads a cache the blocks are not shared; what it may still change is checked when the
-    blocks run, ``Blocks._check``)."""
+    not an integer that is every block's place (``places``, ``layer_idx``: every layer would
+    differ, where it reads a cache the blocks are not shared; what it may still change is
+    checked when the blocks run, ``Blocks._check``)."""
 
     def value(v: Any) -> Any:
         if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
@@ -305,7 +321,7 @@ def _settings(block: nn.Module, index: int) -> str:
         return "id", id(v)
 
     return repr([(path, sorted((k, value(v)) for k, v in vars(m).items()
-                               if k not in _MODULE_OWN and not (type(v) is int and v == index)
+                               if k not in _MODULE_OWN and (path, k) not in places
                                and not getattr(v, _OVERRIDE, False)))  # fxprobe's forward
                  for path, m in block.named_modules()])
 

@@ -5,6 +5,7 @@ one op each (``dynamo_blocks``), whose own graphs name what is inside each block
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,13 +97,22 @@ def around_shared(g: GraphIndex, out: Any) -> None:
     blocks: dict[int, _Stream] = {}
     for n, p in zip(calls, paths, strict=True):
         stream = n.args[2] if len(n.args) > 2 else None
-        shape = g.shape(n)
+        returned = _first_of(n) if g.shape(n) is None else n  # (output, attention weights)
+        shape = None if returned is None else g.shape(returned)
         if not isinstance(stream, fx.Node) or shape is None or g.shape(stream) != shape:
             return
-        blocks[keys.index(str(p).rpartition(".")[2])] = _Stream(stream, [n])
+        blocks[keys.index(str(p).rpartition(".")[2])] = _Stream(stream, [returned])
     for i, blk in blocks.items():
         out.put(blk.stream_in, f"blocks.{i}.resid_pre")
         out.put(blk.resid[0], f"blocks.{i}.resid_post")  # what the block returns
     names_stream(calls[0])
     last = max(blocks, key=lambda i: g.index[blocks[i].resid[0]])  # type: ignore[index]
     ends(g, blocks, "", out, last=True, lst=lst, last_ran=last)
+
+
+def _first_of(call: fx.Node) -> fx.Node | None:
+    """The one read of element 0 of what a block call returns as a tuple (Bloom's and
+    Falcon's layers return ``(output, attention weights)``): the stream after the block."""
+    firsts = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem
+              and u.args[1] == 0]
+    return firsts[0] if len(firsts) == 1 else None

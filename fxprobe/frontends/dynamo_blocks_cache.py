@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..capture.inplace import OUT_OF_PLACE
 from ..core.errors import DynamoError
 from . import dynamo_inline
 from .dynamo_blocks import _LIVE, Blocks, block_call
@@ -59,6 +60,11 @@ def block_kv(key: int, index: int, out: Any) -> Any:
     """The keys and values block ``index`` of the :class:`KVBlocks` numbered ``key`` left in
     its cache entry when it returned ``out`` (read after it: ``out`` orders the two ops)."""
     return _LIVE[key].kv_out(index)  # type: ignore[attr-defined]
+
+
+# It reads the stash, never ``out`` (for the in-place analysis: no write into what the block
+# returned, so the stream after a block that returns a tuple, Bloom's, is the block's output).
+setattr(block_kv, OUT_OF_PLACE, True)
 
 
 def reads_kv(node: Any) -> bool:

@@ -27,6 +27,7 @@ from ..core.errors import (
     DynamoError,
     InterventionError,
     SelectorError,
+    SiteNotRunError,
     UnknownSiteError,
 )
 from ..core.names import did_you_mean
@@ -392,7 +393,13 @@ def run_with_cache(state: TapState, call: Callable[..., Any], args: tuple[Any, .
     aliases = {c: n for n in [*values, *calls, *others] if n in sites
                for c in sites[n].canonical}
     aliases.update(table.aliases)  # as the graph that ran named them
-    return out, Cache(values, aliases, others, calls)
+    # Selected sites this call did not run (an encoder given its outputs, a branch not
+    # taken): looked up, they say so; nothing of an earlier call stands in for them.
+    ran = {*values, *calls, *others}
+    absent = {n: n for n in table.cache if n not in ran}
+    absent.update({c: n for n in list(absent) if n in sites for c in sites[n].canonical
+                   if c not in aliases})
+    return out, Cache(values, aliases, others, calls, absent)
 
 
 def _tensors(value: Any) -> bool:
@@ -413,7 +420,8 @@ class Cache(Mapping[str, Any]):
 
     def __init__(self, values: dict[str, Any], aliases: Mapping[str, str] | None = None,
                  others: Mapping[str, str] | None = None,
-                 calls: Mapping[str, Any] | None = None) -> None:
+                 calls: Mapping[str, Any] | None = None,
+                 absent: Mapping[str, str] | None = None) -> None:
         self._values = values
         self._aliases = dict(aliases or {})
         self._others = dict(others or {})
@@ -421,6 +429,9 @@ class Cache(Mapping[str, Any]):
         self._calls = dict(calls or {})
         """Cached without ``names=``: the values of module calls fx would keep whole
         (``transformer.h.0``), readable by name but not listed: each is another site's."""
+        self._absent = dict(absent or {})
+        """The selected sites that did not run in the call (and their canonical names), to
+        their site names."""
 
     def __getitem__(self, name: str) -> Any:
         key = name if name in self._values else self._aliases.get(name, name)
@@ -432,6 +443,14 @@ class Cache(Mapping[str, Any]):
                     f"site {key!r} ran, but its value is a {self._others[key]}, not a tensor: "
                     "a cache keeps tensors (and tuples, lists and dicts of them) only"
                     ) from None
+            if name in self._absent:
+                site = self._absent[name]
+                asked = f" ({name!r})" if site != name else ""
+                raise SiteNotRunError(
+                    f"site {site!r}{asked} is selected by names= but did not run in this call "
+                    "(a module the call did not reach, as an encoder given encoder_outputs, "
+                    f"or a branch not taken); the cache holds the {len(self._values)} "
+                    "selected site(s) that ran") from None
             hint = did_you_mean(name, [*self._values, *self._aliases])
             raise UnknownSiteError(
                 f"{name!r} is not in this cache ({len(self._values)} site(s) that ran and "

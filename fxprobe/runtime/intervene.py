@@ -354,7 +354,7 @@ class Intervention:
         per_call.table = self.outer
         if kind is not None or table is None:
             return
-        table.refresh(self.state.lives.get(table.training) or table.life, self.state)
+        table.refresh(table.life, self.state)  # the program the forwards ran, as it stands
         regions = _regions(table.life)
         if all(r.finished for r in regions):
             for region in regions:  # sites found by a forward under another table (a cache)

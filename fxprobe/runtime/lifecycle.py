@@ -116,10 +116,12 @@ class Lifecycle:
         self.hook_names: frozenset[str] = frozenset()
         """The hooked sites that record now (not those inside a module dynamo runs)."""
         self.waiting = False
-        self.completed: set[str] = set()
-        """The deferred modules a call of which dynamo ran to its end (the graphs of its code
-        all captured, for that call's path through it)."""
         """Whether a deferred module does not run as written yet (see :meth:`traced_through`)."""
+        self.called: set[str] = set()
+        """The deferred modules dynamo ran a call of in the forward running now."""
+        self.completed: set[str] = set()
+        """The deferred modules dynamo ran (every call of them) in a forward that ran to its
+        end: the sites of such a forward's calls are all known (:meth:`ran_through`)."""
         for path, region in program.dynamo.items():
             region.on_sites = self._on_sites(path)
         self._refresh()
@@ -143,7 +145,7 @@ class Lifecycle:
         stored = len(frame.parts)
         try:
             out = region(*args, **kwargs)
-            self.completed.add(path)
+            self.called.add(path)
             return out
         except Exception as e:
             if not dynamo_failed(e):
@@ -217,23 +219,22 @@ class Lifecycle:
             raise _unmet(region.what, self.reasons.get(path, "failed"), unmet, known, table,
                          sorted(covers))
 
+    def ran(self) -> None:
+        """A forward ran to its end: the modules dynamo ran in it, and runs still, complete."""
+        self.completed |= {p for p in self.called if self.state[p] is State.DYNAMO}
+        self.called.clear()
+
     def ran_through(self, path: str, table: Any) -> bool:
-        """Whether dynamo ran a call of the deferred module at ``path`` to its end under a
-        program of either mode, or one traced away inside the block of ``table`` (its
-        ``completed``): then a name inside it that none of its sites has is misspelt (or on a
-        path the model never took), not one of the graphs dynamo stopped before capturing (a
-        first graph, before a graph break, does not tell)."""
+        """Whether dynamo ran the module at ``path`` in a whole forward (:meth:`ran`), of either
+        mode, or of a program traced away inside ``table``'s block: a name no site there has
+        is then misspelt, not one of graphs dynamo stopped before capturing."""
         return (any(path in life.completed for life in self.lives.values())
                 or path in self.completed or path in table.completed)
 
     def captured(self, path: str, sites: Mapping[str, Site]) -> dict[str, Site]:
-        """The sites any graph torch dynamo captured of the deferred module at ``path`` has:
-        this program's, the other mode's (a module refused at its first forward in this mode,
-        past dynamo's limit, found no site here, but runs the same code), and those among
-        ``sites`` (a per-call table's) resolved there under a program traced away since (a
-        hook registered inside the block: the new one may have captured none before the
-        limit). Empty: no graph of the module is known, so a name inside it may or may not be
-        a site."""
+        """The sites of the deferred module at ``path`` that dynamo's graphs have: this
+        program's, the other mode's (same code), and those of ``sites`` (a per-call table's)
+        resolved there under a program traced away since (a hook registered in the block)."""
         found = {n: s for life in self.lives.values() if path in life.program.dynamo
                  for n, s in life.program.dynamo[path].sites.items()}
         found.update({n: s for n, s in sites.items() if s.how == "dynamo" and (

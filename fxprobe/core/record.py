@@ -214,7 +214,8 @@ class Taps(Mapping[str, Any]):
     """
 
     _what = "value from the last forward"
-    _why = "a branch not taken, or no forward yet"
+    _why = ("a module it did not reach, as an encoder given encoder_outputs, a branch not "
+            "taken, or no forward yet")
 
     def __init__(self, recording: Recording, order: dict[str, int],
                  frame: Frame | None = None, aliases: Mapping[str, str] | None = None) -> None:
@@ -246,6 +247,7 @@ class Taps(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         vals = self._values()
+        asked = name
         if name not in vals and name not in self._order:
             name = self._frame.aliases.get(name) or self._aliases.get(name, name)
         if name in vals:
@@ -255,7 +257,8 @@ class Taps(Mapping[str, Any]):
             return vals[name]
         if name in self._order:
             raise SiteNotRunError(
-                f"site {name!r} is selected but has no {self._what} "
+                f"site {name!r}{f' ({asked!r})' if asked != name else ''} is selected but "
+                f"has no {self._what} "
                 f"({self._why}); the sites that have one are: "
                 f"{', '.join(list(self._ordered())[:20]) or 'none'}"
             )

@@ -239,11 +239,19 @@ def _cache_place(forward: Callable[..., Any]) -> int | None:
     return None
 
 
+@functools.cache
+def _cache_base() -> type | None:
+    """transformers' ``Cache`` (every cache's base), imported once; None without it."""
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:
+        return None
+    return Cache
+
+
 def _is_cache(value: Any, types: tuple[type, type, type] | None) -> bool:
-    if types is None:
-        return False
-    from transformers.cache_utils import Cache
-    return isinstance(value, Cache)
+    base = _cache_base() if types is not None else None
+    return base is not None and isinstance(value, base)
 
 
 def _entry(cache: Any, index: int, types: tuple[type, type, type] | None) -> Any:

@@ -27,6 +27,7 @@ from ..core.errors import (
     DynamoError,
     InterventionError,
     SelectorError,
+    SiteNotRunError,
     UnknownSiteError,
 )
 from ..core.names import did_you_mean
@@ -54,6 +55,8 @@ class Table:
 
     Args:
         life: the lifecycle of the tapped module's program (which sites are selected now).
+        lives: the tapped module's lifecycles by mode (``TapState.lives``): the model may be
+            traced again inside the block (a hook registered there), which replaces ``life``.
         fns: ``(selector, fn, name)`` entries, applied in this order where several match a site.
         cache: the selectors of the sites to keep (None: every site; ``()``: none).
         model: the model's name, for messages.
@@ -64,8 +67,9 @@ class Table:
 
     def __init__(self, life: Lifecycle, fns: list[Entry],
                  cache: list[Selector] | None | tuple[()], model: str,
-                 pointed: frozenset[str], literals: frozenset[str] = frozenset()) -> None:
-        self.life = life
+                 pointed: frozenset[str], literals: frozenset[str] = frozenset(),
+                 lives: Mapping[bool, Lifecycle] | None = None) -> None:
+        self.lives: Mapping[bool, Lifecycle] = lives if lives is not None else {}
         self.training = life.program.training
         self.serial = next(_serials)
         self.literals = literals
@@ -93,6 +97,17 @@ class Table:
         self.met = (life, life.fallen())
         """The lifecycle the forwards ran when the selectors last met the hook sites of its
         deferred modules running as written, and those modules."""
+        self.completed: set[str] = set()
+        """The deferred modules dynamo ran a call of to its end under a program traced away
+        inside the block (:meth:`Lifecycle.ran_through`)."""
+
+    @property
+    def life(self) -> Lifecycle:
+        """The lifecycle of the program the block's mode runs now: the one the table was made
+        with until the model is traced again (then the new one; the last one a forward ran
+        while none is built yet). Which modules fell past dynamo's limit, which regions
+        finished and which sites are selected are that program's, not the one traced away."""
+        return self.lives.get(self.training) or self.met[0]
 
     def refresh(self, life: Lifecycle, state: TapState) -> None:
         """Resolve the selectors against the hook sites of the deferred modules of ``life``
@@ -107,6 +122,8 @@ class Table:
             return
         fallen = life.fallen()
         met, before = self.met
+        if met is not life:
+            self.completed |= met.completed
         new = fallen - before if met is life else fallen
         self.met = (life, fallen)  # one that left, falling again, is met again (its hooks
         if not new:  # were dropped as it left)
@@ -207,14 +224,20 @@ class Table:
     def _no_match(self, sel: Selector, error: SelectorError) -> Exception:
         """``error``, or where ``sel`` matched sites of a module that dynamo stopped capturing
         past its recompile limit (it runs as written since, said once; or one that it stopped
-        before capturing anything), a ``DynamoError`` that says so: the sites are gone because
-        of the limit, not absent from the model."""
+        before any graph of it was known), a ``DynamoError`` that says so: the sites are gone
+        because of the limit, not absent from the model. A name no graph of the module has,
+        where one was captured (under this program, the other mode's, or one traced away
+        inside the block), is ``error``: a misspelt name is not the limit's doing."""
         life = self.life
-        gone = [r.what for path, r in life.program.dynamo.items()
-                if life.state.get(path) is State.FALLBACK
-                and "recompile_limit" in life.reasons.get(path, "")
-                and (not r.sites or any(sel(site) for site in r.sites.values())
-                     or self._later_call(sel, path))]
+        gone = []
+        for path, region in life.program.dynamo.items():
+            if (life.state.get(path) is State.FALLBACK
+                    and "recompile_limit" in life.reasons.get(path, "")):
+                found = life.captured(path, self.sites)
+                if (not life.ran_through(path, self)
+                        or any(sel(site) for site in found.values())
+                        or self._later_call(sel, path)):
+                    gone.append(region.what)
         if not gone:
             return error
         fallen = DynamoError(
@@ -253,7 +276,7 @@ def _start(state: TapState, fns: list[Entry], cache: list[Selector] | None | tup
     if isinstance(outer, Table):
         fns = [*outer.entries, *fns]
     literals = literals | {name for _, _, name in fns if name is not None}
-    table = Table(life, fns, cache, state.model_name, points.names, literals)
+    table = Table(life, fns, cache, state.model_name, points.names, literals, state.lives)
     table.outer = outer if isinstance(outer, Table) else None
     regions = _regions(life)
     dynamo = {n for r in regions for n in r.sites}
@@ -331,7 +354,7 @@ class Intervention:
         per_call.table = self.outer
         if kind is not None or table is None:
             return
-        table.refresh(self.state.lives.get(table.training) or table.life, self.state)
+        table.refresh(table.life, self.state)  # the program the forwards ran, as it stands
         regions = _regions(table.life)
         if all(r.finished for r in regions):
             for region in regions:  # sites found by a forward under another table (a cache)
@@ -370,7 +393,13 @@ def run_with_cache(state: TapState, call: Callable[..., Any], args: tuple[Any, .
     aliases = {c: n for n in [*values, *calls, *others] if n in sites
                for c in sites[n].canonical}
     aliases.update(table.aliases)  # as the graph that ran named them
-    return out, Cache(values, aliases, others, calls)
+    # Selected sites this call did not run (an encoder given its outputs, a branch not
+    # taken): looked up, they say so; nothing of an earlier call stands in for them.
+    ran = {*values, *calls, *others}
+    absent = {n: n for n in table.cache if n not in ran}
+    absent.update({c: n for n in list(absent) if n in sites for c in sites[n].canonical
+                   if c not in aliases})
+    return out, Cache(values, aliases, others, calls, absent)
 
 
 def _tensors(value: Any) -> bool:
@@ -391,7 +420,8 @@ class Cache(Mapping[str, Any]):
 
     def __init__(self, values: dict[str, Any], aliases: Mapping[str, str] | None = None,
                  others: Mapping[str, str] | None = None,
-                 calls: Mapping[str, Any] | None = None) -> None:
+                 calls: Mapping[str, Any] | None = None,
+                 absent: Mapping[str, str] | None = None) -> None:
         self._values = values
         self._aliases = dict(aliases or {})
         self._others = dict(others or {})
@@ -399,6 +429,9 @@ class Cache(Mapping[str, Any]):
         self._calls = dict(calls or {})
         """Cached without ``names=``: the values of module calls fx would keep whole
         (``transformer.h.0``), readable by name but not listed: each is another site's."""
+        self._absent = dict(absent or {})
+        """The selected sites that did not run in the call (and their canonical names), to
+        their site names."""
 
     def __getitem__(self, name: str) -> Any:
         key = name if name in self._values else self._aliases.get(name, name)
@@ -410,6 +443,14 @@ class Cache(Mapping[str, Any]):
                     f"site {key!r} ran, but its value is a {self._others[key]}, not a tensor: "
                     "a cache keeps tensors (and tuples, lists and dicts of them) only"
                     ) from None
+            if name in self._absent:
+                site = self._absent[name]
+                asked = f" ({name!r})" if site != name else ""
+                raise SiteNotRunError(
+                    f"site {site!r}{asked} is selected by names= but did not run in this call "
+                    "(a module the call did not reach, as an encoder given encoder_outputs, "
+                    f"or a branch not taken); the cache holds the {len(self._values)} "
+                    "selected site(s) that ran") from None
             hint = did_you_mean(name, [*self._values, *self._aliases])
             raise UnknownSiteError(
                 f"{name!r} is not in this cache ({len(self._values)} site(s) that ran and "

@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 import torch
 
-from ..core.errors import DynamoError, SelectorError
+from ..core.errors import DynamoError, FxProbeError, SelectorError
 from ..core.names import one_line, some
 from ..core.record import Frame, Recording
-from ..core.select import Selector, select
+from ..core.select import Selector, no_match_message, select
 from ..core.site import Site
 from ..core.view import CapturedGraph, DynamoInfo, Fallback, Plan
 from ..frontends.dynamo import DynamoRegion, dynamo_failed
@@ -117,6 +117,11 @@ class Lifecycle:
         """The hooked sites that record now (not those inside a module dynamo runs)."""
         self.waiting = False
         """Whether a deferred module does not run as written yet (see :meth:`traced_through`)."""
+        self.called: set[str] = set()
+        """The deferred modules dynamo ran a call of in the forward running now."""
+        self.completed: set[str] = set()
+        """The deferred modules dynamo ran (every call of them) in a forward that ran to its
+        end: the sites of such a forward's calls are all known (:meth:`ran_through`)."""
         for path, region in program.dynamo.items():
             region.on_sites = self._on_sites(path)
         self._refresh()
@@ -139,7 +144,9 @@ class Lifecycle:
         frame = self.rec.frame
         stored = len(frame.parts)
         try:
-            return region(*args, **kwargs)
+            out = region(*args, **kwargs)
+            self.called.add(path)
+            return out
         except Exception as e:
             if not dynamo_failed(e):
                 if state is State.PENDING:  # the model's own error: dynamo may still work
@@ -188,21 +195,11 @@ class Lifecycle:
         region = self.program.dynamo[path]
         covers = self.program.deferred[path].sites
         hooked = re.compile("|".join(re.escape(k) + r"(_\d+)?" for k in covers) or "(?!)")
-        # The other mode's graphs count too: a module refused at its first forward in this
-        # mode (dynamo's limit) found no site here, but runs the same code.
-        found = {n: s for life in self.lives.values() if path in life.program.dynamo
-                 for n, s in life.program.dynamo[path].sites.items()}
-        # So do those the table resolved here under a program traced away since (a hook
-        # registered inside the block): the new one may have captured none before the limit.
-        found.update({n: s for n, s in table.sites.items() if s.how == "dynamo" and (
-            not path or s.module_path == path or s.module_path.startswith(path + "."))})
-        lost = [n for n, s in {**found, **region.sites}.items() if not hooked.fullmatch(n)
+        found = self.captured(path, table.sites)
+        lost = [n for n, s in found.items() if not hooked.fullmatch(n)
                 and (n in table.fns or any(sel(s) for sel, _, _ in table.entries))]
         # A plain name inside the module that no site met: no graph of it was captured here
         # (another tap of the model used up the limit), and no hooked call is named so.
-        lost += [n for i, (_, _, n) in enumerate(table.entries) if n is not None and path
-                 and i not in table.matched and n.startswith(path + ".")
-                 and not hooked.fullmatch(n) and n not in lost]
         if lost:
             raise DynamoError(
                 f"{region.what} runs as written since torch dynamo stopped capturing it "
@@ -211,6 +208,39 @@ class Lifecycle:
                 "edit. Edit the module's calls instead (its hook sites), or raise "
                 "torch._dynamo.config.recompile_limit / call torch._dynamo.reset() and tap "
                 "again.")
+        # A plain name inside the module that no site met: misspelt where a graph of the
+        # module is known (it is none of its sites); else unknown (no graph of it was
+        # captured here: another tap of the model used up the limit), and no hooked call.
+        unmet = [(sel, n) for i, (sel, _, n) in enumerate(table.entries) if n is not None
+                 and path and i not in table.matched and n.startswith(path + ".")
+                 and not hooked.fullmatch(n)]
+        if unmet:
+            known = found if self.ran_through(path, table) else {}
+            raise _unmet(region.what, self.reasons.get(path, "failed"), unmet, known, table,
+                         sorted(covers))
+
+    def ran(self) -> None:
+        """A forward ran to its end: the modules dynamo ran in it, and runs still, complete."""
+        self.completed |= {p for p in self.called if self.state[p] is State.DYNAMO}
+        self.called.clear()
+
+    def ran_through(self, path: str, table: Any) -> bool:
+        """Whether dynamo ran the module at ``path`` in a whole forward (:meth:`ran`), of either
+        mode, or of a program traced away inside ``table``'s block: a name no site there has
+        is then misspelt, not one of graphs dynamo stopped before capturing."""
+        return (any(path in life.completed for life in self.lives.values())
+                or path in self.completed or path in table.completed)
+
+    def captured(self, path: str, sites: Mapping[str, Site]) -> dict[str, Site]:
+        """The sites of the deferred module at ``path`` that dynamo's graphs have: this
+        program's, the other mode's (same code), and those of ``sites`` (a per-call table's)
+        resolved there under a program traced away since (a hook registered in the block)."""
+        found = {n: s for life in self.lives.values() if path in life.program.dynamo
+                 for n, s in life.program.dynamo[path].sites.items()}
+        found.update({n: s for n, s in sites.items() if s.how == "dynamo" and (
+            not path or s.module_path == path or s.module_path.startswith(path + "."))})
+        found.update(self.program.dynamo[path].sites)
+        return found
 
     def _warn_fallen(self, path: str, what: str, reason: str,
                      before: Sequence[Site], earlier: bool) -> None:
@@ -431,6 +461,30 @@ class Lifecycle:
         """The graphs dynamo captured so far in the modules it runs, for the pictures."""
         return tuple(g for path, region in self.program.dynamo.items()
                      if self.state.get(path) is not State.FALLBACK for g in region.drawn())
+
+
+def _unmet(what: str, reason: str, unmet: list[tuple[Selector, str]],
+           found: Mapping[str, Site], table: Any, calls: list[str]) -> FxProbeError:
+    """The refusal of a forward of the fallen module ``what`` whose block names ``unmet``
+    inside it, which no site met: a misspelt name's ``SelectorError`` where the graphs of a
+    whole call are known (``found``), else a ``DynamoError`` saying it is unknown whether
+    the names are sites (``calls``: the module's hook sites, which are)."""
+    if found:
+        sel, _ = unmet[0]
+        return SelectorError(
+            f"{what} runs as written since torch dynamo stopped capturing it, and the block's "
+            + no_match_message(sel, [*found.values(), *table.sites.values()],
+                               f"{table.model} (its sites, with those torch dynamo captured "
+                               "so far)"))
+    plain = [n for _, n in unmet]
+    return DynamoError(
+        f"{what} runs as written since torch dynamo stopped capturing it ({reason}) before "
+        f"it captured any graph of it for this tap, and this block names {some(plain, 5)} "
+        "inside it, which no site met: an op that only dynamo's graphs would reach, or a "
+        "misspelt name. The forward is not run with the name unmatched. Check the name, name "
+        f"the module's calls instead (its hook sites: {some(calls, 5)}, and their later calls "
+        "in a forward, _1, _2 ...), or raise "
+        "torch._dynamo.config.recompile_limit / call torch._dynamo.reset() and tap again.")
 
 
 def _count_calls(region: DynamoRegion, frame: Frame) -> None:

@@ -170,6 +170,7 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
     # The recording through the pipeline, as Pipeline.store reaches it: one path to it,
     # so that torch.compile adds no Python guard that the two paths agree.
     rec_state = pipeline.rec.begin(life.hook_names)
+    life.called.clear()
     try:
         if through_root:  # the root's own hooks run around the body (its override)
             out = root(*args, **kwargs)
@@ -181,6 +182,7 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
         if rec_state.frame.deferred:
             pipeline.finish(rec_state.frame)
         rec_state.active = False
+    life.ran()  # the modules dynamo ran in this whole forward: their sites are all known
     sink = state.sink
     if life.unchecked:  # before anything is written: a failed selection writes nothing
         try:

@@ -263,3 +263,38 @@ def test_shared_hooks_added_and_removed_after_untapped_forwards(
         out = tapped(torch.randn(3, 9, 8))
     assert out.shape == (3, 9, 8)
     check()
+
+
+def test_shared_gpt2_cache_steps_one_layer_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2 (``layer_idx`` the blocks' place) with a key/value cache, shared: layer 2's
+    ``mlp.c_proj`` selected; a step editing layer 1 (untapped), a step reading layers 0 and 3
+    inside, each as the model with hooks on a copy of its cache."""
+    tf = pytest.importorskip("transformers")
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "shared")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100,
+                                             n_positions=64)).eval()
+    proj = [f"transformer.h.{i}.mlp.c_proj" for i in range(4)]
+    tapped = fxprobe.tap(model, ops=proj[2], tracer="dynamo")
+    ids = torch.randint(1, 100, (2, 6))
+    with torch.no_grad():
+        ours = tapped(ids, use_cache=True)
+        ref, kept = _hooked(model, lambda: model(ids, use_cache=True), keep=(proj[2],))
+        torch.testing.assert_close(ours.logits, ref.logits)
+        torch.testing.assert_close(tapped.taps[proj[2]], kept[proj[2]][0])
+        step = torch.randint(1, 100, (2, 1))
+        with tapped.intervene({proj[1]: lambda s, v: v * 0}):
+            ours = tapped(step, cache=ours.cache, use_cache=True)
+        ref, kept = _hooked(model, lambda: model(step, cache=ref.cache,
+                                                 use_cache=True),
+                            {proj[1]: lambda v: v * 0}, (proj[2],))
+        torch.testing.assert_close(ours.logits, ref.logits)
+        torch.testing.assert_close(tapped.taps[proj[2]], kept[proj[2]][0])
+        step = torch.randint(1, 100, (2, 1))
+        ours, cache = tapped.run_with_cache(step, cache=ours.cache,
+                                            use_cache=True, names=[proj[0], proj[3]])
+        ref, kept = _hooked(model, lambda: model(step, cache=ref.cache,
+                                                 use_cache=True), keep=(proj[0], proj[3]))
+    torch.testing.assert_close(ours.logits, ref.logits)
+    for name in (proj[0], proj[3]):
+        torch.testing.assert_close(cache[name], kept[name][0])

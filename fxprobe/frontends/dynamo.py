@@ -85,9 +85,10 @@ class _Captured:
         self.gm = gm
         self.frame = frame_id()
         # A parameter the graph receives, to tell which module instance runs the frame:
-        # preferably one reached from the frame's ``self``.
+        # preferably one reached from the frame's ``self`` and no other module's (a weight
+        # tied across layers names both: layer 1 would run as layer 0's second call).
         self.anchor: int | None = None
-        self.anchor_rel = ""
+        self.anchor_rel, best = "", (False, False)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for node in placeholders:  # dynamo drops its grapharg when the backend returns
             kept = source_name(node)
@@ -104,9 +105,12 @@ class _Captured:
             if not isinstance(name, str) or not isinstance(example_inputs[i], nn.Parameter):
                 continue
             rel = param_path(name)
-            if rel is not None and (self.anchor is None or name.startswith("L['self']")):
-                self.anchor, self.anchor_rel = i, rel
-                if name.startswith("L['self']"):
+            if rel is None:
+                continue
+            rank = (name.startswith("L['self']"), len(region.owners(example_inputs[i])) < 2)
+            if self.anchor is None or rank > best:
+                self.anchor, self.anchor_rel, best = i, rel, rank
+                if all(rank):
                     break
         self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)

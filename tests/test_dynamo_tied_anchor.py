@@ -1,5 +1,5 @@
 """A dynamo graph reused for several instances of a block tells them apart by a parameter it
-receives (its anchor, ``dynamo._Captured``). A parameter tied across instances (layer 1's
+receives (its anchor, ``dynamo_versions._Captured``). A parameter tied across instances (layer 1's
 ``fc.weight`` is layer 0's) names both: taken as the anchor, layer 1's call ran under layer
 0's names as its second call (``layers.0.fc_1`` held layer 1's ``fc`` value, and
 ``layers.1.fc`` was no site). An anchor owned by one instance alone is preferred. Values and

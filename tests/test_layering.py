@@ -46,7 +46,7 @@ FRONTEND_FAMILIES: dict[str, tuple[str, ...]] = {
     "dynamo": ("dynamo", "dynamo_inline", "dynamo_names", "dynamo_quiet", "dynamo_shapes",
                "dynamo_versions", "dynamo_blocks", "dynamo_blocks_cache",
                "canonical", "attention", "sharding"),
-    "dynamo_versions": ("dynamo_versions",),
+    "dynamo_versions": ("dynamo_versions", "dynamo_names"),
     "dynamo_shapes": ("dynamo_shapes",),
     "attention": ("attention",),
     "dynamo_names": ("dynamo_names", "dynamo_shapes", "dynamo_blocks", "dynamo_blocks_cache"),

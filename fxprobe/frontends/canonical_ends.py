@@ -99,7 +99,8 @@ def around_shared(g: GraphIndex, out: Any) -> None:
         stream = n.args[2] if len(n.args) > 2 else None
         returned = _first_of(n) if g.shape(n) is None else n  # (output, attention weights)
         shape = None if returned is None else g.shape(returned)
-        if not isinstance(stream, fx.Node) or shape is None or g.shape(stream) != shape:
+        if returned is None or not isinstance(stream, fx.Node) or shape is None \
+                or g.shape(stream) != shape:
             return
         blocks[keys.index(str(p).rpartition(".")[2])] = _Stream(stream, [returned])
     for i, blk in blocks.items():

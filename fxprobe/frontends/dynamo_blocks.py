@@ -10,7 +10,7 @@ as one op (``torch._dynamo.allow_in_graph``) without tracing into it. Running, t
 the block through a second ``torch.compile`` of the block's forward with the region's own
 backend (:class:`Blocks`, a code object per region): dynamo captures the block's code once
 for every instance (its parameters are graph inputs), and the region names that graph for
-each instance (``dynamo._Captured.version``: ``model.layers.7.add_1``, its canonical names
+each instance (``dynamo_versions._Captured.version``: ``model.layers.7.add_1``, its canonical names
 ``blocks.7.*``). The op's own site is the block's module call (``model.layers.7``), and the
 canonical pass names the stream around the blocks (``resid_pre``, ``embed``, ``ln_final``,
 ``logits``) from the ops (``canonical_ends.around_shared``).
@@ -33,7 +33,7 @@ as a small layer's own graph. :meth:`Blocks.cached` does dynamo's cache lookup i
 first of the code's cache entries whose guards (dynamo's own guard tree, checked on this
 call's frame as dynamo checks it: shapes, strides, dtypes, devices, grad mode, autocast,
 training flags, the parameters and every module attribute and global the trace read) pass
-runs its transformed code, which calls fxprobe's graph for the block (``dynamo._Captured``,
+runs its transformed code, which calls fxprobe's graph for the block (``dynamo_versions._Captured``,
 named per instance and choosing the per-call version as always). Only a transformed code that
 does nothing else qualifies (no graph break, whose resume function dynamo would compile; no
 side effect replayed; no global or attribute but the block's parameters): any other call,

@@ -2,19 +2,23 @@
 the function that runs it, the names of what it keeps, and which sites it can edit per call.
 
 :class:`~.dynamo.DynamoRegion` makes them (``instrument``); a graph dynamo reuses for another
-instance of the module gets a version of its own, named for that instance.
+instance of the module gets a version of its own, named for that instance. ``_Captured``, what
+the region's backend returns for each graph dynamo captured, holds a graph's versions and
+picks the one for the instance each call runs (by its anchor parameter).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
-from torch import fx
+from torch import fx, nn
 
 from ..capture.pipeline import CallTable
 from ..capture.rewrite import Compiled
-from ..core.site import sites_of
+from ..core.site import SOURCE, STATE, sites_of, source_name
+from .dynamo_names import FILE_LINE, INPUT, frame_id, input_name, param_path
 
 
 class Instrumented:
@@ -91,3 +95,133 @@ def _forget(owner: weakref.ref[Any], key: Any) -> None:
     found = owner()
     if found is not None:
         found.versions.pop(key, None)
+
+
+class _Captured:
+    """A graph dynamo handed to the backend, and its instrumented versions."""
+
+    def __init__(self, region: Any, gm: fx.GraphModule,  # a dynamo.DynamoRegion
+                 example_inputs: Sequence[Any]) -> None:
+        self.region = region
+        self.gm = gm
+        self.frame = frame_id()
+        # A parameter the graph receives, to tell which module instance runs the frame:
+        # preferably one reached from the frame's ``self`` and no other module's (a weight
+        # tied across layers names both: layer 1 would run as layer 0's second call).
+        self.anchor: int | None = None
+        self.anchor_rel, best = "", (False, False)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node in placeholders:  # dynamo drops its grapharg when the backend returns
+            kept = source_name(node)
+            if kept is not None:
+                node.meta[SOURCE] = kept
+            arg = input_name(node, region.arg_names)
+            if arg is not None:
+                node.meta[INPUT] = arg
+        for i, node in enumerate(placeholders[: len(example_inputs)]):
+            name = source_name(node)
+            if isinstance(example_inputs[i], nn.Parameter) or (
+                    isinstance(name, str) and "_buffers" in name):
+                node.meta[STATE] = True  # the module's own: no code around the graph writes it
+            if not isinstance(name, str) or not isinstance(example_inputs[i], nn.Parameter):
+                continue
+            rel = param_path(name)
+            if rel is None:
+                continue
+            rank = (name.startswith("L['self']"), len(region.owners(example_inputs[i])) < 2)
+            if self.anchor is None or rank > best:
+                self.anchor, self.anchor_rel, best = i, rel, rank
+                if all(rank):
+                    break
+        self.located = self._locate() if self.anchor is None else ""
+        self.captured_prefix = self.prefix_of(example_inputs)
+        self.versions: dict[int | tuple[int, int], Instrumented] = {}
+        """Each version by ``id()`` of the anchor it ran with (and its repeat)."""
+        self.named_for: dict[tuple[str, int], Instrumented] = {}  # by instance and repeat
+        self.stamp = -1
+
+    def _locate(self) -> str:
+        """Without a parameter to tell: the one module of the region whose ``forward`` holds
+        the frame's own code (a module's forward split by a graph break runs as a frame of
+        its own); "" (the region's module) if none or several do."""
+        lines = set()
+        for node in self.gm.graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module") and not node.meta.get(
+                    "nn_module_stack"):
+                found = FILE_LINE.findall(node.meta.get("stack_trace") or "")
+                if found:
+                    lines.add((found[-1][0], int(found[-1][1])))
+        if not lines:
+            return ""
+        owners = set()
+        for rel, m in self.region.module.named_modules():
+            code = getattr(type(m).forward, "__code__", None)
+            if code is None:
+                continue
+            last = max((ln for _, _, ln in code.co_lines() if ln is not None),
+                       default=code.co_firstlineno)
+            if all(f == code.co_filename and code.co_firstlineno <= ln <= last
+                   for f, ln in lines):
+                owners.add(rel)
+        return owners.pop() if len(owners) == 1 else ""
+
+    def prefix_of(self, args: Sequence[Any]) -> str:
+        if self.anchor is None:
+            return self.located
+        rel = self.anchor_rel
+        for owner in self.region.owners(args[self.anchor]):
+            if owner == rel or owner.endswith("." + rel):
+                return owner[: len(owner) - len(rel)].rstrip(".")
+        return ""
+
+    def version(self, args: Sequence[Any], repeat: int = 0) -> Instrumented:
+        anchor = id(args[self.anchor]) if self.anchor is not None else 0
+        key = (anchor, repeat) if repeat else anchor
+        found = self.versions.get(key)
+        if found is None:
+            prefix = self.prefix_of(args)
+            found = self.named_for.get((prefix, repeat))
+            if found is None:  # (an instance whose anchor was replaced keeps its version)
+                found = self.named_for[prefix, repeat] = self.region.instrument(
+                    self.gm, self.captured_prefix, prefix, repeat)
+            # Graphs of one frame (recompilations) run the same code, under the same names.
+            found.count = (f"\0dynamo:{self.region.path}:"
+                           f"{self.frame if self.frame is not None else id(self)}:{found.prefix}")
+            self.versions[key] = found
+            if self.anchor is not None:  # its address is another parameter's once freed
+                forget_when_freed(self, args[self.anchor], key)
+        return found
+
+    def __call__(self, *args: Any) -> Any:
+        region = self.region
+        anchor = self.anchor
+        version = self.versions.get(id(args[anchor]) if anchor is not None else 0)
+        if version is None:
+            version = self.version(args)
+        state = region.pipeline.rec.state
+        if state.active:
+            # The same code for the same module ran before in this forward (code around the
+            # graphs called the module again): the values of this run are sites of their own.
+            calls = state.frame.hook_calls
+            n = calls.get(version.count, 0)
+            calls[version.count] = n + 1
+            if n:
+                version = self.version(args, n)
+        table = region.pipeline.per_call.table
+        if table is not None:  # one check per graph run: per-call interventions or a cache
+            table.check(region)
+            if not version.serves(table):
+                if version.pointed is None:  # no dynamo: the captured graph, rewritten again
+                    version.pointed = region.instrument(self.gm, self.captured_prefix,
+                                                        version.prefix, version.repeat,
+                                                        drawn=version.named)
+                version = version.pointed
+        result = version.fn(version.holder, *args)
+        if self.stamp != region.calls:  # the first run of this graph in this forward
+            self.stamp = region.calls
+            region.runs += 1
+        if version.ran[0] != region.calls:
+            region.steps += 1
+            version.ran = (region.calls, region.steps)
+        region.pipeline.store(version.names, result[1], version.aliases)
+        return result[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,10 +121,20 @@ def committed(tmp_path: Path, forwards: int = 40) -> list[str]:
     return [s["file"] for s in json.loads((tmp_path / "index.json").read_text())["shards"]]
 
 
+@pytest.fixture(scope="module")
+def harvested(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One committed harvest for the damage tests: each damages a copy of its own (the
+    harvest is the same every time; starting its process is what took the time)."""
+    path = tmp_path_factory.mktemp("harvested")
+    committed(path)
+    return path
+
+
 @pytest.mark.parametrize("damage", ["truncated", "header", "swapped", "missing"])
-def test_a_corrupted_shard_is_reported_by_name_and_never_read(tmp_path: Path,
-                                                              damage: str) -> None:
-    shards = committed(tmp_path)
+def test_a_corrupted_shard_is_reported_by_name_and_never_read(tmp_path: Path, damage: str,
+                                                              harvested: Path) -> None:
+    shutil.copytree(harvested, tmp_path, dirs_exist_ok=True)
+    shards = [s["file"] for s in json.loads((tmp_path / "index.json").read_text())["shards"]]
     assert len(shards) >= 2
     bad = tmp_path / shards[1]
     data = bad.read_bytes()

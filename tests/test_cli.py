@@ -356,12 +356,22 @@ SIZED = textwrap.dedent("""\
     """)
 
 
-@pytest.fixture
-def artifacts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
+@pytest.fixture(scope="module")
+def saved_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The scripted and the exported model, saved once for the module (each test reads a copy
+    of its own: scripting and exporting were most of each test's time)."""
+    path = tmp_path_factory.mktemp("artifacts")
     model, args, _ = zoo.make("resnet")
-    torch.jit.save(torch.jit.script(model), "m.pt")
-    torch.export.save(torch.export.export(model, args), "m.pt2")
+    torch.jit.save(torch.jit.script(model), path / "m.pt")
+    torch.export.save(torch.export.export(model, args), path / "m.pt2")
+    return path
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved_artifacts: Path) -> Path:
+    monkeypatch.chdir(tmp_path)
+    for name in ("m.pt", "m.pt2"):
+        shutil.copyfile(saved_artifacts / name, tmp_path / name)
     (tmp_path / "sized.py").write_text(SIZED)
     return tmp_path
 

@@ -51,6 +51,7 @@ from .dynamo_names import (
     positional,
 )
 from .dynamo_quiet import quiet_compile
+from .dynamo_rearm import forward_codes, rearm
 from .dynamo_shapes import static_inputs
 from .dynamo_versions import Instrumented, _Captured
 from .mirror import has_patched_forward
@@ -300,7 +301,15 @@ class DynamoRegion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.finished = False  # until this call ends: an error inside leaves sites unseen
-        result = self._call(*args, **kwargs)
+        try:
+            result = self._call(*args, **kwargs)
+        except Exception as e:
+            if not dynamo_failed(e) and self._run is not None:  # the model's own error:
+                # dynamo skips for good a frame that raised while it traced it
+                rearm([self._run.__code__, *forward_codes(self.module), *(
+                    b.run_block.__code__ for b in (self.shared, self.shared_kv)
+                    if b is not None)])
+            raise
         self.finished = True
         return result
 

@@ -95,9 +95,10 @@ def around_shared(g: GraphIndex, out: Any) -> None:
         return
     keys = list(holder._modules)
     blocks: dict[int, _Stream] = {}
+    k = _element(calls)
     for n, p in zip(calls, paths, strict=True):
         stream = n.args[2] if len(n.args) > 2 else None
-        returned = _first_of(n) if g.shape(n) is None else n  # (output, attention weights)
+        returned = n if g.shape(n) is not None else None if k is None else _read_of(n, k)
         shape = None if returned is None else g.shape(returned)
         if returned is None or not isinstance(stream, fx.Node) or shape is None \
                 or g.shape(stream) != shape:
@@ -111,9 +112,22 @@ def around_shared(g: GraphIndex, out: Any) -> None:
     ends(g, blocks, "", out, last=True, lst=lst, last_ran=last)
 
 
-def _first_of(call: fx.Node) -> fx.Node | None:
-    """The one read of element 0 of what a block call returns as a tuple (Bloom's and
-    Falcon's layers return ``(output, attention weights)``): the stream after the block."""
-    firsts = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem
-              and u.args[1] == 0]
-    return firsts[0] if len(firsts) == 1 else None
+def _element(calls: list[fx.Node]) -> int | None:
+    """Which element of the tuple each block returns (Bloom's and Falcon's layers return
+    ``(output, attention weights)``) the next block reads as its stream: one for all the
+    calls, else (or with one block, where nothing tells) None."""
+    found: set[Any] = set()
+    for n, nxt in zip(calls, calls[1:], strict=False):
+        s = nxt.args[2] if len(nxt.args) > 2 else None
+        if not (isinstance(s, fx.Node) and s.op == "call_function"
+                and s.target is operator.getitem and s.args[0] is n):
+            return None
+        found.add(s.args[1])
+    return found.pop() if len(found) == 1 else None
+
+
+def _read_of(call: fx.Node, k: int) -> fx.Node | None:
+    """The one read of element ``k`` of what a block call returns as a tuple: the stream."""
+    reads = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem
+             and u.args[1] == k]
+    return reads[0] if len(reads) == 1 else None

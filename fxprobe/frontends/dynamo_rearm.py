@@ -14,7 +14,6 @@ serve it).
 
 from __future__ import annotations
 
-import inspect
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -23,19 +22,17 @@ from torch import nn
 
 
 def forward_codes(module: nn.Module) -> list[types.CodeType]:
-    """The code objects of the forwards of ``module``'s modules (and of what decorates them)."""
+    """The code objects of the forwards of ``module``'s modules (and of what decorates them),
+    short of a function marked for dynamo to leave alone (``torch.compiler.disable``,
+    ``torch._dynamo.skip``): its code, and the code it wraps, stay as the user marked them."""
     codes: dict[int, types.CodeType] = {}
     for m in module.modules():
         fn: Any = type(m).forward
-        while fn is not None:
+        while fn is not None and not getattr(fn, "_torchdynamo_disable", False):
             code = getattr(fn, "__code__", None)
             if isinstance(code, types.CodeType):
                 codes[id(code)] = code
             fn = getattr(fn, "__wrapped__", None)
-        real = inspect.unwrap(type(m).forward)
-        code = getattr(real, "__code__", None)
-        if isinstance(code, types.CodeType):
-            codes[id(code)] = code
     return list(codes.values())
 
 
@@ -48,12 +45,14 @@ def rearm(codes: Iterable[types.CodeType]) -> None:
             _FrameExecStrategy,
             set_code_exec_strategy,
         )
+        from torch._dynamo.decorators import _nonrecursive_disable_wrapper_code as wrapper
         from torch._dynamo.resume_execution import ContinueExecutionCache
     except ImportError:
         return
     made: dict[int, Any] = getattr(ContinueExecutionCache.cache, "values", {})
     default = _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT)
-    todo, seen = list(codes), set()
+    # the wrapper of every function disabled non-recursively in the process: skipped for good
+    todo, seen = list(codes), {id(wrapper)}
     while todo:
         code = todo.pop()
         if id(code) in seen:

@@ -1,10 +1,26 @@
-"""What test_dynamo_auto, test_dynamo share."""
+"""What test_dynamo_auto, test_dynamo, test_dynamo_tied_anchor and test_untapped_sequences
+share."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class SplitBlock(nn.Module):
+    """A residual block (``x + out(relu(fc(x)))``), its frame split by a graph break where
+    ``split``: then each block's frame is its own graph, reused for every instance."""
+
+    def __init__(self, split: bool) -> None:
+        super().__init__()
+        self.fc, self.out, self.split = nn.Linear(8, 8), nn.Linear(8, 8), split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc(x))
+        if self.split:
+            torch._dynamo.graph_break()
+        return x + self.out(h)
 
 
 class Attention(nn.Module):

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from life_models import SPECS
 from life_reference import run
@@ -30,6 +31,21 @@ def tapped_twice(ops: Any = None) -> Iterator[Any]:
             yield tapped
         finally:
             tapped.remove()
+
+
+def fails(site: object, value: torch.Tensor) -> torch.Tensor:
+    """An edit that raises."""
+    raise ValueError("the edit failed")
+
+
+def use_up_limit(x: torch.Tensor) -> None:
+    """Use up dynamo's limit for the model's inner module's code with a first tap (a block
+    whose edit raises, then a forward), as a second tap of the same model then meets it."""
+    with tapped_twice() as first:
+        with pytest.raises(ValueError):
+            with first.intervene({"inner.fc": fails}):
+                first(x)
+        first(x)
 
 
 def x_of(shape: tuple[int, ...], seed: int) -> torch.Tensor:

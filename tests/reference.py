@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,24 @@ def hook_values(model: nn.Module, paths: list[str], *args: Any, **kwargs: Any
         for h in handles:
             h.remove()
     return out, seen
+
+
+def hooked(model: nn.Module, call: Callable[[], Any],
+           edits: dict[str, Callable[[Any], Any]] | None = None, keep: tuple[str, ...] = ()
+           ) -> tuple[Any, dict[str, list[torch.Tensor]]]:
+    """``call()`` on the untapped model with forward hooks editing (``edits``: each named
+    module's output replaced by ``fn(output)``) and cloning (``keep``: every call's output, in
+    order) the outputs of the named modules; the hooks removed after."""
+    kept: dict[str, list[torch.Tensor]] = {n: [] for n in keep}
+    handles = [model.get_submodule(n).register_forward_hook(
+        lambda m, a, out, fn=fn: fn(out)) for n, fn in (edits or {}).items()]
+    handles += [model.get_submodule(n).register_forward_hook(
+        lambda m, a, out, n=n: kept[n].append(out.detach().clone())) for n in keep]
+    try:
+        return call(), kept
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def same(a: Any, b: Any) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import hooked
 from torch import nn
 
 import fxprobe
@@ -124,11 +125,7 @@ def test_an_edit_function_that_raises_then_edits_and_plain_calls() -> None:
         _check(tapped, model, x, tapped(x))  # no edit left behind
         with tapped.intervene({"layers.1.fc": lambda site, t: t * 2}):
             out = tapped(x)
-        handle = model.layers[1].fc.register_forward_hook(lambda m, a, o: o * 2)
-        try:
-            ref = model(x)
-        finally:
-            handle.remove()
+        ref, _ = hooked(model, lambda: model(x), {"layers.1.fc": lambda o: o * 2})
         torch.testing.assert_close(out, ref)
         _check(tapped, model, x, tapped(x))
 

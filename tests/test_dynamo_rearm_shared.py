@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
+from reference import hooked
 from torch import nn
 
 import fxprobe
@@ -59,11 +60,7 @@ def test_a_raise_inside_a_shared_block(monkeypatch: pytest.MonkeyPatch) -> None:
                     h = layer(h)
         with tapped.intervene({"layers.1.fc": lambda s, v: v * 3}):
             edited = tapped(x)
-        handle = model.layers[1].fc.register_forward_hook(lambda m, a, o: o * 3)
-        try:
-            ref = model(x)
-        finally:
-            handle.remove()
+        ref, _ = hooked(model, lambda: model(x), {"layers.1.fc": lambda o: o * 3})
         torch.testing.assert_close(edited, ref)
 
 

@@ -12,21 +12,10 @@ import types
 
 import pytest
 import torch
+from dynamo_support import SplitBlock
 from torch import nn
 
 import fxprobe
-
-
-class _Block(nn.Module):
-    def __init__(self, split: bool) -> None:
-        super().__init__()
-        self.fc, self.out, self.split = nn.Linear(8, 8), nn.Linear(8, 8), split
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.fc(x))
-        if self.split:
-            torch._dynamo.graph_break()
-        return x + self.out(h)
 
 
 class _Tied(nn.Module):
@@ -34,7 +23,7 @@ class _Tied(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.config = types.SimpleNamespace(use_cache=False)
-        self.layers = nn.ModuleList([_Block(split) for _ in range(3)])
+        self.layers = nn.ModuleList([SplitBlock(split) for _ in range(3)])
         self.layers[1].fc.weight = self.layers[0].fc.weight  # tied across layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

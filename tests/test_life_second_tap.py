@@ -14,7 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 from life_reference import edit_fn
-from life_twice import SPEC, check_taps, forward_or_refused, tapped_twice, x_of
+from life_twice import (
+    SPEC,
+    check_taps,
+    fails,
+    forward_or_refused,
+    tapped_twice,
+    use_up_limit,
+    x_of,
+)
 
 import fxprobe
 
@@ -24,24 +32,16 @@ def _fresh() -> None:
     torch._dynamo.reset()  # dynamo caches per code object: each test starts afresh
 
 
-def _fails(site: object, value: torch.Tensor) -> torch.Tensor:
-    raise ValueError("the edit failed")
-
-
 def test_a_block_in_a_second_tap_past_the_limit_edits_or_refuses() -> None:
     reference = SPEC.build()
     x = x_of((3, 4), 0)
-    with tapped_twice() as first:
-        with pytest.raises(ValueError):
-            with first.intervene({"inner.fc": _fails}):
-                first(x)
-        first(x)
+    use_up_limit(x)  # dynamo's limit for Inner's code
     fn = edit_fn(2.0, None)
     with tapped_twice() as tapped:
         ctx = tapped.intervene({"inner.relu_1": fn})
         ctx.__enter__()
         with pytest.raises((ValueError, fxprobe.DynamoError)):
-            with tapped.intervene({"inner.fc": _fails}):
+            with tapped.intervene({"inner.fc": fails}):
                 tapped(x)
         for shape in [(3, 4), (2, 3, 4)]:
             x = x_of(shape, 1)

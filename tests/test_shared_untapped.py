@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers as tf
 from canonical_support import DECODER, TOKENS
+from reference import hooked
 from torch import nn
 
 import fxprobe
@@ -39,21 +40,10 @@ def _region(tapped: Any) -> Any:
 def _eager(model: nn.Module, ids: torch.Tensor, edits: dict[str, Any] | None = None,
            keep: tuple[str, ...] = ()) -> tuple[Any, dict[str, torch.Tensor]]:
     """The untapped model's output with forward hooks editing (``edits``) and cloning
-    (``keep``) the outputs of the named modules."""
-    kept: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, fn in (edits or {}).items():
-        handles.append(model.get_submodule(name).register_forward_hook(
-            lambda m, a, out, fn=fn: fn(out)))
-    for name in keep:
-        handles.append(model.get_submodule(name).register_forward_hook(
-            lambda m, a, out, name=name: kept.__setitem__(name, out.detach().clone())))
-    try:
-        with torch.no_grad():
-            return model(ids), kept
-    finally:
-        for h in handles:
-            h.remove()
+    (``keep``) the outputs of the named modules (each called once)."""
+    with torch.no_grad():
+        out, kept = hooked(model, lambda: model(ids), edits, keep)
+    return out, {n: v for n, (v,) in kept.items()}
 
 
 def test_every_layer_runs_one_function_under_its_own_names(

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from dynamo_support import SplitBlock
+from reference import hooked
 from torch import nn
 
 import fxprobe
@@ -24,23 +26,11 @@ from fxprobe.core.errors import DynamoError
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
 
-class _Block(nn.Module):
-    def __init__(self, split: bool) -> None:
-        super().__init__()
-        self.fc, self.out, self.split = nn.Linear(8, 8), nn.Linear(8, 8), split
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.fc(x))
-        if self.split:  # each block's frame is its own graph, reused for every instance
-            torch._dynamo.graph_break()
-        return x + self.out(h)
-
-
 class _Stack(nn.Module):
     def __init__(self, split: bool = True, twice: bool = False) -> None:
         super().__init__()
         self.config = types.SimpleNamespace(use_cache=False)
-        self.layers = nn.ModuleList([_Block(split) for _ in range(3)])
+        self.layers = nn.ModuleList([SplitBlock(split) for _ in range(3)])
         self.twice = twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,22 +38,6 @@ class _Stack(nn.Module):
             for layer in self.layers:
                 x = layer(x)
         return x
-
-
-def _hooked(model: nn.Module, call: Callable[[], Any], edits: dict[str, Edit] | None = None,
-            keep: tuple[str, ...] = ()) -> tuple[Any, dict[str, list[torch.Tensor]]]:
-    """``call()`` on the untapped model with forward hooks editing (``edits``) and cloning
-    (``keep``, every call of the module) the outputs of the named modules."""
-    kept: dict[str, list[torch.Tensor]] = {n: [] for n in keep}
-    handles = [model.get_submodule(n).register_forward_hook(
-        lambda m, a, out, fn=fn: fn(out)) for n, fn in (edits or {}).items()]
-    handles += [model.get_submodule(n).register_forward_hook(
-        lambda m, a, out, n=n: kept[n].append(out.detach().clone())) for n in keep]
-    try:
-        return call(), kept
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _versions(tapped: Any) -> dict[str, Any]:
@@ -81,7 +55,7 @@ def test_graph_break_blocks_one_layer_selected_then_edits_reads_and_grads() -> N
     x = torch.randn(2, 8)
     with torch.no_grad():
         out = tapped(x)
-    ref, kept = _hooked(model, lambda: model(x), keep=("layers.1.fc",))
+    ref, kept = hooked(model, lambda: model(x), keep=("layers.1.fc",))
     torch.testing.assert_close(out, ref)
     assert list(tapped.taps) == ["layers.1.fc"]
     torch.testing.assert_close(tapped.taps["layers.1.fc"], kept["layers.1.fc"][0])
@@ -100,7 +74,7 @@ def test_graph_break_blocks_one_layer_selected_then_edits_reads_and_grads() -> N
     with torch.no_grad():  # an edit in layer 0 (untapped) reaches layer 1's tap
         with tapped.intervene({"layers.0.out": lambda s, v: double(v)}):
             edited = tapped(x)
-    ref, kept = _hooked(model, lambda: model(x), {"layers.0.out": double}, ("layers.1.fc",))
+    ref, kept = hooked(model, lambda: model(x), {"layers.0.out": double}, ("layers.1.fc",))
     torch.testing.assert_close(edited, ref)
     torch.testing.assert_close(tapped.taps["layers.1.fc"], kept["layers.1.fc"][0])
     x3 = torch.randn(5, 8)
@@ -109,10 +83,10 @@ def test_graph_break_blocks_one_layer_selected_then_edits_reads_and_grads() -> N
                 tapped.intervene({"layers.0.relu": lambda s, v: v * 0.5}):
             edited = tapped(x3)
         out, cache = tapped.run_with_cache(x3, names=["layers.0.fc", "layers.2.out"])
-    ref, _ = _hooked(model, lambda: model(x3), {"layers.2.fc": lambda v: -v,
+    ref, _ = hooked(model, lambda: model(x3), {"layers.2.fc": lambda v: -v,
                                                 "layers.0.fc": lambda v: v.relu() * 0.5})
     torch.testing.assert_close(edited, ref)
-    ref, kept = _hooked(model, lambda: model(x3),
+    ref, kept = hooked(model, lambda: model(x3),
                         keep=("layers.0.fc", "layers.1.fc", "layers.2.out"))
     torch.testing.assert_close(out, ref)
     assert set(cache) == {"layers.0.fc", "layers.2.out"}
@@ -129,7 +103,7 @@ def test_graph_break_blocks_one_layer_selected_then_edits_reads_and_grads() -> N
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     model.train()
-    _hooked(model, lambda: model(x).square().sum().backward(), {"layers.0.fc": lambda v: v * 3})
+    hooked(model, lambda: model(x).square().sum().backward(), {"layers.0.fc": lambda v: v * 3})
     for n, p in model.named_parameters():
         torch.testing.assert_close(ours[n], p.grad, msg=n)
 
@@ -144,7 +118,7 @@ def test_module_called_twice_only_its_second_call_selected() -> None:
     x = torch.randn(2, 8)
     with torch.no_grad():
         out = tapped(x)
-    ref, kept = _hooked(model, lambda: model(x), keep=("layers.1.fc", "layers.0.fc"))
+    ref, kept = hooked(model, lambda: model(x), keep=("layers.1.fc", "layers.0.fc"))
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(tapped.taps["layers.1.fc_1"], kept["layers.1.fc"][1])
     calls = [0]
@@ -157,10 +131,10 @@ def test_module_called_twice_only_its_second_call_selected() -> None:
         with tapped.intervene({"layers.2.fc": lambda s, v: v * 0}):
             edited = tapped(x)
         out, cache = tapped.run_with_cache(x, names="layers.0.fc_1")
-    ref, kept = _hooked(model, lambda: model(x), {"layers.2.fc": first_only}, ("layers.1.fc",))
+    ref, kept = hooked(model, lambda: model(x), {"layers.2.fc": first_only}, ("layers.1.fc",))
     torch.testing.assert_close(edited, ref)
     assert not torch.allclose(edited, model(x))
-    _, plain = _hooked(model, lambda: model(x), keep=("layers.0.fc", "layers.1.fc"))
+    _, plain = hooked(model, lambda: model(x), keep=("layers.0.fc", "layers.1.fc"))
     torch.testing.assert_close(cache["layers.0.fc_1"], plain["layers.0.fc"][1])
     torch.testing.assert_close(tapped.taps["layers.1.fc_1"], plain["layers.1.fc"][1])
 
@@ -181,7 +155,7 @@ def test_shared_attribute_equal_to_one_layers_place_is_compared(
             with tapped.intervene({"layers.1.fc": lambda s, v: v * 0}):
                 edited = tapped(x)
         torch.testing.assert_close(out, model(x))
-        ref, kept = _hooked(model, lambda x=x: model(x), {"layers.1.fc": lambda v: v * 0},
+        ref, kept = hooked(model, lambda x=x: model(x), {"layers.1.fc": lambda v: v * 0},
                             keep=("layers.2.fc",))
         torch.testing.assert_close(edited, ref)
         torch.testing.assert_close(tapped.taps["layers.2.fc"], kept["layers.2.fc"][0])
@@ -239,7 +213,7 @@ def test_shared_hooks_added_and_removed_after_untapped_forwards(
     def check(edits: dict[str, Edit] | None = None) -> None:
         with torch.no_grad():
             out = tapped(x)
-        ref, kept = _hooked(model, lambda: model(x), edits, ("layers.2.fc",))
+        ref, kept = hooked(model, lambda: model(x), edits, ("layers.2.fc",))
         torch.testing.assert_close(out, ref)
         torch.testing.assert_close(tapped.taps["layers.2.fc"], kept["layers.2.fc"][0])
 
@@ -279,13 +253,13 @@ def test_shared_gpt2_cache_steps_one_layer_selected(monkeypatch: pytest.MonkeyPa
     ids = torch.randint(1, 100, (2, 6))
     with torch.no_grad():
         ours = tapped(ids, use_cache=True)
-        ref, kept = _hooked(model, lambda: model(ids, use_cache=True), keep=(proj[2],))
+        ref, kept = hooked(model, lambda: model(ids, use_cache=True), keep=(proj[2],))
         torch.testing.assert_close(ours.logits, ref.logits)
         torch.testing.assert_close(tapped.taps[proj[2]], kept[proj[2]][0])
         step = torch.randint(1, 100, (2, 1))
         with tapped.intervene({proj[1]: lambda s, v: v * 0}):
             ours = tapped(step, cache=ours.cache, use_cache=True)
-        ref, kept = _hooked(model, lambda: model(step, cache=ref.cache,
+        ref, kept = hooked(model, lambda: model(step, cache=ref.cache,
                                                  use_cache=True),
                             {proj[1]: lambda v: v * 0}, (proj[2],))
         torch.testing.assert_close(ours.logits, ref.logits)
@@ -293,7 +267,7 @@ def test_shared_gpt2_cache_steps_one_layer_selected(monkeypatch: pytest.MonkeyPa
         step = torch.randint(1, 100, (2, 1))
         ours, cache = tapped.run_with_cache(step, cache=ours.cache,
                                             use_cache=True, names=[proj[0], proj[3]])
-        ref, kept = _hooked(model, lambda: model(step, cache=ref.cache,
+        ref, kept = hooked(model, lambda: model(step, cache=ref.cache,
                                                  use_cache=True), keep=(proj[0], proj[3]))
     torch.testing.assert_close(ours.logits, ref.logits)
     for name in (proj[0], proj[3]):

@@ -43,6 +43,7 @@ from .attention import attention_probs, attention_scores, beside, drive_output
 from .canonical import annotate
 from .dynamo_blocks import Blocks, inner_names
 from .dynamo_blocks_cache import KVBlocks, marks
+from .dynamo_kv import made_cache
 from .dynamo_names import (
     INPUT,
     NamedGraph,
@@ -120,6 +121,9 @@ class DynamoRegion:
         self._forward = (type(module).forward if patched is None
                          else lambda _module, *a, **k: patched(*a, **k))
         self.arg_names = positional(self._forward)
+        self.made_cache = made_cache(module, self._forward)
+        """The key/value cache the model would make for a call, made before dynamo traces it
+        (``dynamo_kv``), where the model's code says it makes one."""
         """The forward's positional parameters (none for a replaced forward): its inputs are sites
         by these names."""
         self._compiled: Callable[..., Any] | None = None
@@ -340,6 +344,8 @@ class DynamoRegion:
             config = torch._dynamo.config  # its settings are thread-local
             hard = config.fail_on_recompile_limit_hit
             config.fail_on_recompile_limit_hit = True
+            if self.made_cache is not None:
+                kwargs = self.made_cache.call(args, kwargs)
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):

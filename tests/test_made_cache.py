@@ -173,3 +173,20 @@ def test_train_mode_and_a_model_that_makes_another_cache_make_their_own(
     assert made and all(made)
     torch.testing.assert_close(out.logits, ref.logits)
     _same_cache(out.past_key_values, ref.past_key_values)
+
+
+def test_the_decoder_itself_called_with_cache_none(
+        made: list[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LlamaModel`` tapped on its own, called as its ``...ForCausalLM`` calls it (``cache=None``
+    given): the cache it would make is made before the capture."""
+    model, twin = _llama(), _llama()
+    tapped = _tap(model.model, None, monkeypatch)
+    for n, seed in ((6, 8), (4, 9)):
+        ids = _ids(n, seed)
+        with torch.no_grad():
+            ref = twin.model(ids, cache=None, use_cache=None)
+            made.clear()
+            out = tapped(ids, cache=None, use_cache=None)
+        assert made == [False]
+        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state)
+        _same_cache(out.cache, ref.cache)

@@ -60,14 +60,14 @@ class MadeCache:
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` with the cache the model would make added, where it would make it."""
-        if self.module.training or torch.compiler.is_compiling() or any(
-                k in kwargs for k in ("cache", "past_key_values")):
-            return kwargs
+        if self.module.training or torch.compiler.is_compiling() or (
+                "past_key_values" in kwargs and self.keyword != "past_key_values"):
+            return kwargs  # (transformers maps the deprecated keyword onto the cache)
         try:
             bound = self.signature.bind_partial(self.module, *args, **kwargs).arguments
         except TypeError:  # the model's own call raises it
             return kwargs
-        if bound.get(self.keyword) is not None:
+        if bound.get(self.keyword) is not None:  # given (None: the model makes one)
             return kwargs
         use = bound.get("use_cache")
         if use is None:  # as transformers' merge_with_config_defaults resolves it

@@ -197,10 +197,15 @@ def _layer_forward(blocks: KVBlocks, index: int, block: nn.Module, handled: bool
     types = blocks.types
     place = _cache_place(forward)
 
+    # Traced by dynamo once per block in each capture: no nested function (a generator, a
+    # comprehension), each of which dynamo sets up a frame for.
     def call(*args: Any, **kwargs: Any) -> Any:
-        where: str | int | None = next((n for n in CACHE_ARGS if kwargs.get(n) is not None),
-                                       None)
-        cache = kwargs[where] if isinstance(where, str) else None
+        where: str | int | None = None
+        cache = None
+        for name in CACHE_ARGS:
+            if kwargs.get(name) is not None:
+                where, cache = name, kwargs[name]
+                break
         if where is None and place is not None and len(args) > place:
             where, cache = place, args[place]
         layer = _entry(cache, index, types) if cache is not None and handled else None
@@ -211,10 +216,11 @@ def _layer_forward(blocks: KVBlocks, index: int, block: nn.Module, handled: bool
         init = layer.is_initialized
         if isinstance(where, int):
             args = (*args[:where], None, *args[where + 1:])
-        else:
-            kwargs = {k: v for k, v in kwargs.items() if k != where}
-        out = block_call(key, index, *args, **kwargs, **{KV: (
-            where, layer.keys if init else None, layer.values if init else None)})
+        elif where is not None:  # always, here: the entry's cache was given by keyword
+            kwargs = {**kwargs}  # (dict(kwargs): dynamo runs a Python polyfill)
+            del kwargs[where]
+        kwargs[KV] = (where, layer.keys if init else None, layer.values if init else None)
+        out = block_call(key, index, *args, **kwargs)
         keys, values = block_kv(key, index, out)
         if not init:
             layer.device = keys.device

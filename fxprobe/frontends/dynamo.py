@@ -51,7 +51,7 @@ from .dynamo_names import (
     name_graph,
     positional,
 )
-from .dynamo_quiet import quiet_compile
+from .dynamo_quiet import quiet_compile, side_effects_logged
 from .dynamo_rearm import forward_codes, rearm
 from .dynamo_shapes import static_inputs
 from .dynamo_versions import Instrumented, _Captured
@@ -341,11 +341,15 @@ class DynamoRegion:
             # A frame past recompile_limit runs as written, its sites silently not captured:
             # the resume frame after a graph break too, while the graphs before it ran.
             # Dynamo raises instead, and the caller falls back (runs the module as written).
-            config = torch._dynamo.config  # its settings are thread-local
-            hard = config.fail_on_recompile_limit_hit
-            config.fail_on_recompile_limit_hit = True
             if self.made_cache is not None:
                 kwargs = self.made_cache.call(args, kwargs)
+            config = torch._dynamo.config  # its settings are thread-local
+            hard, policy = config.fail_on_recompile_limit_hit, config.side_effect_replay_policy
+            config.fail_on_recompile_limit_hit = True
+            if policy == "info" and not side_effects_logged():
+                # Dynamo keeps the stack of each write into an object it replays (every
+                # layer's cache entry) for a log message: ~5 ms a layer, for no reader.
+                config.side_effect_replay_policy = "silent"
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
                 with weights_loaded(self.offloaded):
@@ -361,6 +365,7 @@ class DynamoRegion:
                     "captured")) from e
             finally:
                 config.fail_on_recompile_limit_hit = hard
+                config.side_effect_replay_policy = policy
         self.last_runs = ran = self.runs - before
         if ran == 0:
             raise DynamoError(self._limit_hit(

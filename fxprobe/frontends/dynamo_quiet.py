@@ -66,3 +66,10 @@ def quiet_compile(what: str, graphs: Callable[[], int]) -> Iterator[None]:
         "tapped.dynamo_info lists graphs and breaks per module, tapped.fallbacks what fell back; "
         "set TORCH_LOGS=graph_breaks to see dynamo's own messages.",
         UserWarning, stacklevel=2)
+
+
+def side_effects_logged() -> bool:
+    """Whether dynamo's log of the writes a capture replays is asked for (``TORCH_LOGS`` with
+    ``side_effects``, or its logger set to DEBUG): its messages are then worth their cost."""
+    from torch._dynamo.side_effects import side_effects_log
+    return bool(os.environ.get("TORCH_LOGS")) or side_effects_log.isEnabledFor(logging.DEBUG)

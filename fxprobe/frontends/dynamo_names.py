@@ -32,6 +32,7 @@ from ..core.view import is_state
 from .dynamo_blocks import block_call
 from .dynamo_blocks_cache import OWN_FILE, reads_kv
 from .dynamo_shapes import is_size
+from .mirror import own_forward
 
 _SOURCE_ROOT = re.compile(r"^L\[['\"](\w+)['\"]\]")
 _ITEM = re.compile(r"(?:\._modules)?\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -441,7 +442,11 @@ def _stack_upto(node: fx.Node, first: fx.Node, key: str) -> None:
 
 
 def _forward_code(m: nn.Module | None) -> Any:
-    forward = getattr(m, "forward", None)
+    """The code of the forward the model runs for ``m``: not one fxprobe installed on its
+    copy (a marked or shared block's), whose frames are not where the model called it."""
+    if m is None:
+        return None
+    forward = own_forward(m)
     return getattr(getattr(forward, "__func__", forward), "__code__", None)
 
 

@@ -17,7 +17,8 @@ the one the model would have made, filled the same way).
 Only where the model's code says it would make exactly this cache (:func:`made_cache`): the
 region's forward takes the cache by a keyword, and the forward that makes it (the region's
 own, or that of a direct submodule the region's forward hands its cache to, as a
-``...ForCausalLM`` hands it to its ``model``) holds the two lines above as written. Anything
+``...ForCausalLM`` hands it to its ``model``, with its ``use_cache`` as it came: by name or in
+``**kwargs``, never set nor replaced by another flag) holds the two lines above as written. Anything
 else (GPT-2's forward, which may wrap its cache; an encoder-decoder's; a model of one's own)
 is left to make its cache as it does. Per call, only where the call gives no cache, the
 model is in eval mode, ``use_cache`` (the argument, else the making module's
@@ -46,6 +47,18 @@ def _source(fn: Any) -> str:
         return ""
 
 
+_USE_CACHE = re.compile(r"\buse_cache\s*=(?!=)(?!\s*use_cache\b)")
+"""``use_cache`` set, or handed on, as anything but itself (``use_cache = False`` given labels,
+``use_cache=use_streaming``)."""
+
+
+def _hands_on(source: str, keyword: str) -> bool:
+    """Whether a forward hands its cache, and its ``use_cache`` (by name or in ``**kwargs``),
+    on as they came: only then is the call's ``use_cache`` the one its decoder sees."""
+    return (re.search(rf"\b{keyword}={keyword}\b", source) is not None
+            and _USE_CACHE.search(source.split('"""')[-1]) is None)
+
+
 class MadeCache:
     """How one region's calls get the cache their model would make (see the module
     docstring)."""
@@ -69,7 +82,7 @@ class MadeCache:
             return kwargs
         if bound.get(self.keyword) is not None:  # given (None: the model makes one)
             return kwargs
-        use = bound.get("use_cache")
+        use = bound.get("use_cache", kwargs.get("use_cache"))  # a parameter, or **kwargs
         if use is None:  # as transformers' merge_with_config_defaults resolves it
             use = getattr(self.maker.config, "use_cache", None)
         if use is not True:
@@ -96,8 +109,7 @@ def made_cache(module: nn.Module, forward: Callable[..., Any]) -> MadeCache | No
         keyword = found.group(2)
         if keyword not in signature.parameters:
             return None
-        if maker is not module and not re.search(
-                rf"\b{keyword}={keyword}\b", _source(forward)):  # not handed on as it is
+        if maker is not module and not _hands_on(_source(forward), keyword):
             return None
         return MadeCache(module, maker, keyword, signature, DynamicCache)
     return None

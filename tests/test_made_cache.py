@@ -190,3 +190,20 @@ def test_the_decoder_itself_called_with_cache_none(
         assert made == [False]
         torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state)
         _same_cache(out.cache, ref.cache)
+
+
+def test_a_cache_given_as_none_by_position_is_made_in_its_slot(
+        made: list[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, twin = _llama(), _llama()
+    tapped = _tap(model, None, monkeypatch)
+    region = tapped._lifecycle().program.dynamo[""]
+    ids = _ids(5, 11)
+    args, kwargs = region.made_cache.call((ids, None, None, None), {})
+    assert "cache" not in kwargs and isinstance(args[3], DynamicCache)  # no second value
+    with torch.no_grad():
+        ref = twin(ids, None, None, None)
+        made.clear()
+        out = tapped(ids, None, None, None)
+    assert made == [False]
+    torch.testing.assert_close(out.logits, ref.logits)
+    _same_cache(out.cache, ref.cache)

@@ -342,7 +342,7 @@ class DynamoRegion:
             # the resume frame after a graph break too, while the graphs before it ran.
             # Dynamo raises instead, and the caller falls back (runs the module as written).
             if self.made_cache is not None:
-                kwargs = self.made_cache.call(args, kwargs)
+                args, kwargs = self.made_cache.call(args, kwargs)
             config = torch._dynamo.config  # its settings are thread-local
             hard, policy = config.fail_on_recompile_limit_hit, config.side_effect_replay_policy
             config.fail_on_recompile_limit_hit = True

@@ -21,7 +21,7 @@ own, or that of a direct submodule the region's forward hands its cache to, as a
 ``**kwargs``, never set nor replaced by another flag) holds the two lines above as written. Anything
 else (GPT-2's forward, which may wrap its cache; an encoder-decoder's; a model of one's own)
 is left to make its cache as it does. Per call, only where the call gives no cache, the
-model is in eval mode, ``use_cache`` (the argument, else the making module's
+model and the making module are in eval mode, ``use_cache`` (the argument, else the making module's
 ``config.use_cache``) is true, and no outer ``torch.compile`` traces the call.
 """
 
@@ -71,23 +71,29 @@ class MadeCache:
         self.signature = signature
         self.cache_type = cache_type
 
-    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``kwargs`` with the cache the model would make added, where it would make it."""
-        if self.module.training or torch.compiler.is_compiling() or (
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with the cache the model would make, where it would make it:
+        in the slot the call gave ``None`` in (by position or keyword), else by keyword."""
+        if self.module.training or self.maker.training or torch.compiler.is_compiling() or (
                 "past_key_values" in kwargs and self.keyword != "past_key_values"):
-            return kwargs  # (transformers maps the deprecated keyword onto the cache)
+            return args, kwargs  # (transformers maps the deprecated keyword onto the cache)
         try:
             bound = self.signature.bind_partial(self.module, *args, **kwargs).arguments
         except TypeError:  # the model's own call raises it
-            return kwargs
+            return args, kwargs
         if bound.get(self.keyword) is not None:  # given (None: the model makes one)
-            return kwargs
+            return args, kwargs
         use = bound.get("use_cache", kwargs.get("use_cache"))  # a parameter, or **kwargs
         if use is None:  # as transformers' merge_with_config_defaults resolves it
             use = getattr(self.maker.config, "use_cache", None)
         if use is not True:
-            return kwargs
-        return {**kwargs, self.keyword: self.cache_type(config=self.maker.config)}
+            return args, kwargs
+        made = self.cache_type(config=self.maker.config)
+        at = list(self.signature.parameters).index(self.keyword) - 1  # after ``self``
+        if at < len(args):  # given as None by position
+            return (*args[:at], made, *args[at + 1:]), kwargs
+        return args, {**kwargs, self.keyword: made}
 
 
 def made_cache(module: nn.Module, forward: Callable[..., Any]) -> MadeCache | None:

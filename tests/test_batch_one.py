@@ -208,8 +208,11 @@ def test_the_users_own_torch_compile_is_untouched() -> None:
     model, _ = _model("llama")
     tapped = fxprobe.tap(model, ops="blocks.*.resid_post", tracer="dynamo")
     ids, mask = torch.randint(0, 100, (1, 5)), torch.ones(1, 5, dtype=torch.long)
+    torch._dynamo.maybe_mark_dynamic(mask, 1)  # the user's own mark stays
     tapped(ids, attention_mask=mask)
     assert not hasattr(ids, "_dynamo_static_indices")
+    assert not hasattr(ids, "_has_dynamo_dim_marking")
     assert not hasattr(mask, "_dynamo_static_indices")
+    assert mask._dynamo_weak_dynamic_indices == {1} and mask._has_dynamo_dim_marking
     assert not torch.fx.experimental._config.backed_size_oblivious
     assert user(1) == before

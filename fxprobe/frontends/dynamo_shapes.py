@@ -31,7 +31,7 @@ import torch.fx.experimental._config as fx_config
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-_MARK = "_dynamo_static_indices"  # torch._dynamo.mark_static's attribute on a tensor
+_MARKS = ("_dynamo_static_indices", "_has_dynamo_dim_marking")  # mark_static's attributes
 _ENTRIES: Callable[[types.CodeType], list[Any]] | None = getattr(
     torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
 
@@ -88,7 +88,7 @@ def symbolic_batch(tensors: list[torch.Tensor], keep: Callable[[int, torch.Tenso
     (a prompt) is a symbol and a later batch of 2 reuses the graphs, while a dim that
     broadcasts stays 1. Scoped to this call: the tensors' marks are taken off after it, and a
     torch.compile of the user's own, outside it, sees dynamo's settings as they were."""
-    saved = [(t, getattr(t, _MARK, None)) for t in tensors]
+    saved = [(t, {k: t.__dict__[k] for k in _MARKS if k in t.__dict__}) for t in tensors]
     try:
         for i, t in enumerate(tensors):
             for d in (d for d in keep(i, t) if d < t.dim() and t.shape[d] == 1):
@@ -97,12 +97,10 @@ def symbolic_batch(tensors: list[torch.Tensor], keep: Callable[[int, torch.Tenso
                 backed_size_oblivious=True, use_duck_shape=False):
             yield
     finally:
-        for t, mark in saved:
-            if mark is None:
-                t.__dict__.pop(_MARK, None)
-                t.__dict__.pop("_has_dynamo_dim_marking", None)
-            else:
-                setattr(t, _MARK, mark)
+        for t, marks in saved:  # the user's own marks as they were
+            for k in _MARKS:
+                t.__dict__.pop(k, None)
+            t.__dict__.update(marks)
 
 
 def is_size(node: fx.Node) -> bool:

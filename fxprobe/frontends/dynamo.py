@@ -53,7 +53,7 @@ from .dynamo_names import (
 )
 from .dynamo_quiet import quiet_compile, side_effects_logged
 from .dynamo_rearm import forward_codes, rearm
-from .dynamo_shapes import static_inputs
+from .dynamo_shapes import batch_of_one, cached, static_inputs, symbolic_batch
 from .dynamo_versions import Instrumented, _Captured
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
@@ -148,6 +148,9 @@ class DynamoRegion:
         self.shared_kv = KVBlocks(self.shared, self.backend, self.module_ids) if \
             self.shared is not None else None  # and called with a KV cache
         """The shared layers for a call with a key/value cache (``dynamo_blocks_cache``)."""
+        for shared in (self.shared, self.shared_kv):
+            if shared is not None:  # a batch of one a symbol in the blocks' graphs too
+                shared.symbolic = symbolic_batch
         self.bare: weakref.WeakKeyDictionary[fx.GraphModule, Compiled] = \
             weakref.WeakKeyDictionary()  # each captured graph untapped (_untapped)
         self.inlined = (0, 0)  # block calls inlined so far, and the bodies dynamo traced
@@ -352,7 +355,8 @@ class DynamoRegion:
                 config.side_effect_replay_policy = "silent"
             try:
                 # accelerate's offloaded weights are loaded for the whole region (wrappers.py).
-                with weights_loaded(self.offloaded):
+                with weights_loaded(self.offloaded), batch_of_one(
+                        (args, kwargs), lambda: self.calls > 1 and self._cached(args, kwargs)):
                     self.marking = [] if self.hooked() else marks(self, kwargs)
                     result = inline.run_marked(  # 1st call: dynamo's pages of messages made one
                         self.marking, lambda: self._first(*args, **kwargs) if self.calls == 1
@@ -402,6 +406,14 @@ class DynamoRegion:
                 "a branch on a length), so a new size there is captured again (values stay "
                 "right); every other size is dynamic.", stacklevel=5)
         return result
+
+    def _cached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a graph dynamo compiled serves this call (``dynamo_shapes.cached``)."""
+        run = self._run
+        assert run is not None
+        return cached(run, {"module": self.module, "args": args, "kwargs": kwargs, **{
+            name: cell.cell_contents for name, cell in zip(
+                run.__code__.co_freevars, run.__closure__ or (), strict=True)}})
 
     def _unmark(self) -> None:
         self.blocks, self.marking, self.shared, self.shared_kv = [], [], None, None

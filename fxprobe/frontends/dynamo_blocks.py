@@ -42,6 +42,7 @@ and any call no entry's guards pass, goes through dynamo as before (which compil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import dis
 import functools
@@ -51,6 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch._dynamo import eval_frame
 from torch._guards import detect_fake_mode
@@ -158,6 +160,10 @@ class Blocks:
         self.paths = frozenset(module_ids[id(b)] for b in blocks)
         """The blocks' paths relative to the region."""
         self.stream_out = False
+        self.ones: list[set[int]] | None = None
+        """Each tensor argument's dims of size exactly 1 in the region's last trace."""
+        self.symbolic: Callable[..., Any] | None = None
+        """``dynamo_shapes.symbolic_batch``, set by the region (:meth:`batch`)."""
         """Whether the graph around the blocks names each call ``blocks.L.resid_post``
         (``canonical``): the blocks' own graphs then do not."""
         self.key = id(self)
@@ -184,7 +190,8 @@ class Blocks:
                 limit = config.recompile_limit
                 config.recompile_limit = limit * len(self.blocks)
                 try:
-                    out = self.compiled(block, *args, **kwargs)
+                    with self.batch((args, kwargs)):
+                        out = self.compiled(block, *args, **kwargs)
                 finally:
                     config.recompile_limit = limit
             if index in self.unchecked:  # once per trace
@@ -213,10 +220,23 @@ class Blocks:
             state = self.fake_state[index] = {
                 n: mode.from_tensor(t, static_shapes=True)
                 for n, t in [*block.named_parameters(), *block.named_buffers()]}
+        self.ones = [{d for d, n in enumerate(t.shape) if type(n) is int and n == 1}
+                     for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with torch.nn.utils.stateless._reparametrize_module(block, state), mode:
             out = self.forward(block, *args, **kwargs)
         self.made[key], self.first[key] = out, index
         return out
+
+    def batch(self, values: Any) -> Any:
+        """Within the region's first call (``dynamo_shapes.symbolic_batch``), the block's
+        first capture too: a size 1 the region's trace kept exact stays exact (the batch of
+        rotary embeddings, which broadcasts), the others are symbols."""
+        if not fx_config.backed_size_oblivious or self.ones is None or self.symbolic is None:
+            return contextlib.nullcontext()
+        ones = self.ones
+        tensors = [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+        return self.symbolic(tensors, lambda i, t: ones[i] if i < len(ones) else set(
+            range(t.dim())))
 
     def cached(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call through the graph dynamo compiled for it, looked up as dynamo looks it up

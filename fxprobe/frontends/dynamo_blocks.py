@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._dynamo import eval_frame
+from torch.fx.experimental import _config as shape_config
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
@@ -184,7 +185,11 @@ class Blocks:
                 limit = config.recompile_limit
                 config.recompile_limit = limit * len(self.blocks)
                 try:
-                    out = self.compiled(block, *args, **kwargs)
+                    # Each size its own symbol: dynamo's duck sizing would give a head
+                    # dimension of 8 (RoPE's cos) and a first sequence length of 8 one
+                    # symbol, and the head dimension's fixed size would fix the length.
+                    with shape_config.patch(use_duck_shape=False):
+                        out = self.compiled(block, *args, **kwargs)
                 finally:
                     config.recompile_limit = limit
             if index in self.unchecked:  # once per trace

@@ -134,12 +134,11 @@ class DynamoRegion:
         self.hooked = inline.HookCheck(self.blocks)
         """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
         # One list of blocks of one class is shared: blocks of two classes (FSMT's encoder
-        # and decoder layers) or in two lists (T5's encoder and decoder stacks of T5Block,
-        # whose canonical names say which stack) are marked instead.
-        lists = {self.module_ids[id(b)].rpartition(".")[0] for b in found}
-        self.shared = Blocks(found, self.backend, self.module_ids) if found and \
-            inline.shared() and len({type(b) for b in found}) == 1 and len(lists) == 1 \
-            else None
+        # and decoder layers), in two lists (T5's encoder and decoder stacks of T5Block,
+        # whose canonical names say which stack) or beside another list (an encoder-decoder
+        # with a one-layer stack) are marked instead.
+        self.shared = Blocks(found, self.backend, self.module_ids) if inline.shared() and \
+            inline.shareable(module, found) else None
         """The same layers captured once for every instance (``dynamo_blocks``)."""
         self.shared_kv = KVBlocks(self.shared, self.backend, self.module_ids) if \
             self.shared is not None else None  # and called with a KV cache

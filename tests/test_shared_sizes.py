@@ -1,7 +1,8 @@
 """Shared blocks (``frontends/dynamo_blocks.py``) capture a block's code with dynamic sizes
 from its first call: a first sequence length equal to the heads' dimension (8 here, the last
 dim of RoPE's cos) must not fix the length, so a new length or batch runs the graphs already
-captured, with the values of forward hooks that clone on an untapped copy."""
+captured, with the values of forward hooks that clone on an untapped copy; and the layers' own
+graph is not reported as a graph break (``DynamoInfo.breaks``)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,4 @@ def test_a_first_length_equal_to_the_head_dim_captures_nothing_new_later(
         (info,) = tapped.dynamo_info
         graphs = info.graphs if graphs is None else graphs
         assert info.graphs == graphs, (shape, info)  # the first capture serves every shape
+        assert info.breaks == 0, info  # the layers' own graph is no graph break

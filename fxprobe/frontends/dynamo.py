@@ -149,6 +149,11 @@ class DynamoRegion:
         self.marking: list[tuple[nn.Module, Any]] = []  # the blocks marked in this call
 
     @property
+    def in_block_capture(self) -> bool:
+        """Whether dynamo is capturing a shared block's own code now (``dynamo_versions``)."""
+        return any(b is not None and b.capturing for b in (self.shared, self.shared_kv))
+
+    @property
     def what(self) -> str:
         """``GPT2Model ('transformer')``, for messages."""
         return type(self.module).__name__ + (f" ({self.path!r})" if self.path else "")

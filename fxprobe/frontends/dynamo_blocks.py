@@ -158,6 +158,9 @@ class Blocks:
         """The attributes that hold each block's place (``_settings``)."""
         self.paths = frozenset(module_ids[id(b)] for b in blocks)
         """The blocks' paths relative to the region."""
+        self.capturing = False
+        """Whether dynamo is capturing the blocks' own code now (not a graph break: the
+        region's ``DynamoInfo.breaks`` counts only the graphs around the blocks)."""
         self.stream_out = False
         """Whether the graph around the blocks names each call ``blocks.L.resid_post``
         (``canonical``): the blocks' own graphs then do not."""
@@ -188,10 +191,12 @@ class Blocks:
                     # Each size its own symbol: dynamo's duck sizing would give a head
                     # dimension of 8 (RoPE's cos) and a first sequence length of 8 one
                     # symbol, and the head dimension's fixed size would fix the length.
+                    self.capturing = True  # a graph captured now is a block's own
                     with shape_config.patch(use_duck_shape=False):
                         out = self.compiled(block, *args, **kwargs)
                 finally:
                     config.recompile_limit = limit
+                    self.capturing = False
             if index in self.unchecked:  # once per trace
                 self._check(index, args, kwargs, out)
             return out

@@ -138,12 +138,11 @@ class DynamoRegion:
         self.hooked = inline.HookCheck(self.blocks)
         """The layers dynamo traces once per call without a cache (``dynamo_inline``)."""
         # One list of blocks of one class is shared: blocks of two classes (FSMT's encoder
-        # and decoder layers) or in two lists (T5's encoder and decoder stacks of T5Block,
-        # whose canonical names say which stack) are marked instead.
-        lists = {self.module_ids[id(b)].rpartition(".")[0] for b in found}
-        self.shared = Blocks(found, self.backend, self.module_ids) if found and \
-            inline.shared() and len({type(b) for b in found}) == 1 and len(lists) == 1 \
-            else None
+        # and decoder layers), in two lists (T5's encoder and decoder stacks of T5Block,
+        # whose canonical names say which stack) or beside another list (an encoder-decoder
+        # with a one-layer stack) are marked instead.
+        self.shared = Blocks(found, self.backend, self.module_ids) if inline.shared() and \
+            inline.shareable(module, found) else None
         """The same layers captured once for every instance (``dynamo_blocks``)."""
         self.shared_kv = KVBlocks(self.shared, self.backend, self.module_ids) if \
             self.shared is not None else None  # and called with a KV cache
@@ -155,6 +154,11 @@ class DynamoRegion:
             weakref.WeakKeyDictionary()  # each captured graph untapped (_untapped)
         self.inlined = (0, 0)  # block calls inlined so far, and the bodies dynamo traced
         self.marking: list[tuple[nn.Module, Any]] = []  # the blocks marked in this call
+
+    @property
+    def in_block_capture(self) -> bool:
+        """Whether dynamo is capturing a shared block's own code now (``dynamo_versions``)."""
+        return any(b is not None and b.capturing for b in (self.shared, self.shared_kv))
 
     @property
     def what(self) -> str:

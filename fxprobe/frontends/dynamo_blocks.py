@@ -159,6 +159,9 @@ class Blocks:
         """The attributes that hold each block's place (``_settings``)."""
         self.paths = frozenset(module_ids[id(b)] for b in blocks)
         """The blocks' paths relative to the region."""
+        self.capturing = False
+        """Whether dynamo is capturing the blocks' own code now (not a graph break: the
+        region's ``DynamoInfo.breaks`` counts only the graphs around the blocks)."""
         self.stream_out = False
         self.ones: list[set[int]] | None = None
         """Each tensor argument's dims of size exactly 1 in the region's last trace."""
@@ -190,10 +193,16 @@ class Blocks:
                 limit = config.recompile_limit
                 config.recompile_limit = limit * len(self.blocks)
                 try:
-                    with self.batch((args, kwargs)):
+                    # Each size its own symbol: dynamo's duck sizing would give a head
+                    # dimension of 8 (RoPE's cos) and a first sequence length of 8 one
+                    # symbol, and the head dimension's fixed size would fix the length.
+                    self.capturing = True  # a graph captured now is a block's own
+                    with fx_config.patch(  # type: ignore[attr-defined]
+                            use_duck_shape=False), self.batch((args, kwargs)):
                         out = self.compiled(block, *args, **kwargs)
                 finally:
                     config.recompile_limit = limit
+                    self.capturing = False
             if index in self.unchecked:  # once per trace
                 self._check(index, args, kwargs, out)
             return out

@@ -76,6 +76,23 @@ def repeated_blocks(root: nn.Module) -> list[nn.Module]:
     return found
 
 
+def shareable(root: nn.Module, blocks: list[nn.Module]) -> bool:
+    """Whether ``blocks`` (:func:`repeated_blocks`) may be shared (``dynamo_blocks``): one list
+    of one class, and no other list of modules outside them. An encoder-decoder whose other
+    stack has one layer (T5's one-layer encoder, BART's one-layer decoder) has such a list; the
+    canonical pass names two stacks only where both are traced in the graph, so it is marked
+    instead."""
+    if not blocks or len({type(b) for b in blocks}) != 1:
+        return False
+    if getattr(getattr(root, "config", None), "is_encoder_decoder", False):
+        return False
+    inside = {id(x) for b in blocks for x in b.modules()}
+    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList) and len(m)
+             and id(m) not in inside]
+    return sum(any(id(c) in inside for c in m) for m in lists) == 1 and all(
+        any(id(x) in inside for x in m.modules()) for m in lists)
+
+
 def carries_cache(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
     """Whether a call may carry a key/value cache (the blocks are then not marked): a module
     without a ``config`` (a model of the user's own, whose blocks may keep state), or

@@ -105,6 +105,9 @@ class _Captured:
         self.region = region
         self.gm = gm
         self.frame = frame_id()
+        self.block = bool(getattr(region, "in_block_capture", False))
+        """Whether this is a shared block's own graph (``dynamo_blocks``), run inside an op
+        of the graph around it: not a graph break."""
         # A parameter the graph receives, to tell which module instance runs the frame:
         # preferably one reached from the frame's ``self`` and no other module's (a weight
         # tied across layers names both: layer 1 would run as layer 0's second call).
@@ -219,7 +222,7 @@ class _Captured:
         result = version.fn(version.holder, *args)
         if self.stamp != region.calls:  # the first run of this graph in this forward
             self.stamp = region.calls
-            region.runs += 1
+            region.runs += not self.block
         if version.ran[0] != region.calls:
             region.steps += 1
             version.ran = (region.calls, region.steps)

@@ -121,11 +121,11 @@ class DynamoRegion:
         self._forward = (type(module).forward if patched is None
                          else lambda _module, *a, **k: patched(*a, **k))
         self.arg_names = positional(self._forward)
+        """The forward's positional parameters (none for a replaced forward): its inputs are sites
+        by these names."""
         self.made_cache = made_cache(module, self._forward)
         """The key/value cache the model would make for a call, made before dynamo traces it
         (``dynamo_kv``), where the model's code says it makes one."""
-        """The forward's positional parameters (none for a replaced forward): its inputs are sites
-        by these names."""
         self._compiled: Callable[..., Any] | None = None
         self._run: Callable[..., Any] | None = None
         self.static: list[tuple[str, tuple[int, ...]]] = []

@@ -163,12 +163,12 @@ class Blocks:
         """Whether dynamo is capturing the blocks' own code now (not a graph break: the
         region's ``DynamoInfo.breaks`` counts only the graphs around the blocks)."""
         self.stream_out = False
+        """Whether the graph around the blocks names each call ``blocks.L.resid_post``
+        (``canonical``): the blocks' own graphs then do not."""
         self.ones: list[set[int]] | None = None
         """Each tensor argument's dims of size exactly 1 in the region's last trace."""
         self.symbolic: Callable[..., Any] | None = None
         """``dynamo_shapes.symbolic_batch``, set by the region (:meth:`batch`)."""
-        """Whether the graph around the blocks names each call ``blocks.L.resid_post``
-        (``canonical``): the blocks' own graphs then do not."""
         self.key = id(self)
         _LIVE[self.key] = self
         self.forwards: list[tuple[nn.Module, Any]] = []

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from reference import hooked
 from torch import nn
 
 import fxprobe
@@ -26,18 +27,12 @@ def _llama() -> nn.Module:
 
 
 def _hooked(model: nn.Module, x: torch.Tensor, **kwargs: object) -> list[torch.Tensor]:
+    """Each layer's output, then the logits, by hooks that clone on an untapped copy."""
     ref = copy.deepcopy(model)
-    seen: list[torch.Tensor] = []
-    handles = [layer.register_forward_hook(
-        lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o).detach().clone()))
-        for layer in ref.model.layers]
-    try:
-        with torch.no_grad():
-            seen.append(ref(x, **kwargs).logits)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+    paths = [f"model.layers.{i}" for i in range(len(ref.model.layers))]
+    with torch.no_grad():
+        out, kept = hooked(ref, lambda: ref(x, **kwargs), keep=tuple(paths))
+    return [*(kept[p][0] for p in paths), out.logits]
 
 
 @pytest.mark.parametrize("use_cache", [False, True])

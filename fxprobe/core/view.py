@@ -127,6 +127,15 @@ class CapturedGraph:
     ran: tuple[int, int]
     """When it last ran: (forward, place among the graphs that forward ran), (-1, -1) if never;
     the graphs of the last forward sorted by it are in the order they ran."""
+    called_by: str = ""
+    """For a graph that runs inside one op of another graph (a repeated block captured once
+    and called as one op, ``frontends/dynamo_blocks``), the path of the module whose call
+    that op is (``model.layers.7``); "" for a graph that runs on its own."""
+    inputs: Mapping[str, tuple[int | str, ...]] = field(default_factory=dict, compare=False,
+                                                        hash=False)
+    """For such a graph, where each of its inputs comes from in that op's arguments, by
+    placeholder name: ``(0, i, ...)`` indexes the op node's ``args``, ``(1, name, ...)`` its
+    ``kwargs``, the rest into the tuples they hold."""
 
 
 def is_state(node: fx.Node) -> bool:

@@ -41,7 +41,7 @@ from . import dynamo_inline as inline
 from . import sharding
 from .attention import attention_probs, attention_scores, beside, drive_output
 from .canonical import annotate
-from .dynamo_blocks import Blocks, inner_names
+from .dynamo_blocks import Blocks, block_inputs, inner_names
 from .dynamo_blocks_cache import KVBlocks, marks
 from .dynamo_kv import made_cache
 from .dynamo_names import (
@@ -192,9 +192,16 @@ class DynamoRegion:
 
     def drawn(self) -> list[CapturedGraph]:
         """Every named graph so far (see :meth:`instrumented`), for the pictures."""
-        return [CapturedGraph(key, self.path, number, captured.frame,
-                              join(self.path, version.prefix), version.named, version.ran)
-                for key, number, captured, version in self._versions() if not version.repeat]
+        out = []
+        for key, number, captured, version in self._versions():
+            if version.repeat:
+                continue
+            instance = join(self.path, version.prefix)
+            out.append(CapturedGraph(
+                key, self.path, number, captured.frame, instance, version.named, version.ran,
+                called_by=instance if captured.block else "",
+                inputs=block_inputs(version.named) if captured.block else {}))
+        return out
 
     @property
     def info(self) -> DynamoInfo:

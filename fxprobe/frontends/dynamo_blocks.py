@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import dis
 import functools
+import re
 import types
 import weakref
 from collections.abc import Callable
@@ -53,13 +54,14 @@ from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
-from torch import nn
+from torch import fx, nn
 from torch._dynamo import eval_frame
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..core.errors import DynamoError
+from ..core.site import source_name
 from .dynamo_inline import HookCheck
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
@@ -118,6 +120,28 @@ def _callable(ins: Any) -> bool:
     """Whether ``ins`` loads one of the functions a plain transformed code calls."""
     return ins is not None and ins.opcode in dis.hasname and isinstance(ins.argval, str) \
         and ins.argval not in _STATE_NAMES and not ins.argval.startswith("__import_")
+
+
+_SOURCE = re.compile(r"^L\['(args|kwargs)'\]((?:\[(?:\d+|'\w+')\])+)(?:\.size\(\)\[\d+\])?$")
+_STEP = re.compile(r"\[(?:(\d+)|'(\w+)')\]")
+
+
+def block_inputs(graph: fx.Graph) -> dict[str, tuple[int | str, ...]]:
+    """Where each input of a block's own graph comes from among the arguments of the
+    :func:`block_call` op that runs it (``CapturedGraph.inputs``): ``(0, 2 + i, ...)`` for the
+    forward's argument ``i`` (the op's first two are the :class:`Blocks` key and the block's
+    index), ``(1, name, ...)`` for a keyword, then the indices into the tuples it holds (a
+    size the graph takes as an input comes from the tensor it measures)."""
+    out: dict[str, tuple[int | str, ...]] = {}
+    for node in graph.nodes:
+        found = _SOURCE.match(source_name(node) or "") if node.op == "placeholder" else None
+        if found is None:
+            continue
+        steps = [int(i) if i else key for i, key in _STEP.findall(found.group(2))]
+        first = steps[0]
+        out[node.name] = ((0, 2 + first, *steps[1:]) if found.group(1) == "args"
+                          and isinstance(first, int) else (1, *steps))
+    return out
 
 
 @torch._dynamo.allow_in_graph

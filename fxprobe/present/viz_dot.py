@@ -3,11 +3,11 @@ classes and colours of the items ``fxprobe.present.viz_items`` collected, and th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core.site import node_site
-from ..core.view import Fallback, ValueInfo
+from ..core.view import CapturedGraph, Fallback, ValueInfo
 from .summary import describe_value
 from .viz_items import (
     Folded,
@@ -256,10 +256,23 @@ def _dynamo_note(scene: Scene, path: str, tapped: int) -> str:
         return (f"{tapped} tapped site(s) in its graphs, drawn as one call: its ops are drawn "
                 "after a forward")
     ops = sum(1 for g in graphs for n in g.graph.nodes if node_site(n) is not None)
-    note = f"{len(graphs)} graph(s) of the last capture drawn op by op"
-    if len(graphs) > 1:
+    own = sum(1 for g in graphs if not g.called_by)
+    note = f"{own} graph(s) of the last capture drawn op by op"
+    if own > 1:
         note += ", one after another (graph breaks)"
-    return note + f", {ops} sites, {tapped} tapped"
+    return note + f"{_blocks_text(graphs)}, {ops} sites, {tapped} tapped"
+
+
+def _blocks_text(graphs: Sequence[CapturedGraph]) -> str:
+    """The graphs of the repeated blocks a module dynamo runs calls as one op each, captured
+    once for all of them and drawn in each block; "" for none."""
+    called = [g for g in graphs if g.called_by]
+    if not called:
+        return ""
+    kinds = len({g.number for g in called})
+    return (f", and {kinds} graph{'s' if kinds > 1 else ''} of repeated blocks captured "
+            f"once, drawn in each of the {len(called)} blocks that run "
+            f"{'them' if kinds > 1 else 'it'}")
 
 
 def _node_attrs(it: Item, scene: Scene, fallbacks: Mapping[str, Any],
@@ -427,9 +440,10 @@ def _cluster_attrs(path: str, scene: Scene, fallbacks: Mapping[str, Any]) -> dic
     f = fallbacks.get(path)
     graphs = scene.graphs.get(path)
     if graphs:
+        own = sum(1 for g in graphs if not g.called_by)
         label = f"{name} ({mtype}): runs under torch dynamo, " + (
-            f"{len(graphs)} graphs, one after another (graph breaks)" if len(graphs) > 1
-            else "1 graph")
+            f"{own} graphs, one after another (graph breaks)" if own > 1
+            else "1 graph") + _blocks_text(graphs)
         tip = [label, *(f"tapped.graphs[{g.key!r}]" for g in graphs)]
         return {"label": _text(label), "style": "rounded,filled", "fillcolor": "#F3F8FC",
                 "color": "#0072B2", "penwidth": "1", "fontcolor": "#222222", "fontsize": "9",

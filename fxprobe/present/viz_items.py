@@ -168,12 +168,15 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
         for _node, site in region.sites():
             regions_by_site[site.name] = region.path
     node_ids: dict[tuple[str, fx.Node], str] = {}
+    stood: dict[tuple[str, fx.Node], list[str]] = {}  # the items a folded node stands for
     graphs = graphs or {}
     whole = graphs.get("") if p.root_region is None else None  # the model, under dynamo
 
     def add_graph(key: str, path: str, graph: fx.Graph, out: str | None,
-                  dynamo: CapturedGraph | None = None) -> None:
-        """The items of one graph; ``key`` tells its nodes apart from other graphs'."""
+                  dynamo: CapturedGraph | None = None,
+                  feeds: Mapping[fx.Node, list[str]] | None = None) -> None:
+        """The items of one graph; ``key`` tells its nodes apart from other graphs'. ``feeds``:
+        the items its inputs are drawn from (a block's graph, fed by the op that calls it)."""
         gkey = dynamo.key if dynamo is not None else None
         optional: list[fx.Node] = []
         folded: set[fx.Node] = set()
@@ -201,7 +204,7 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
                     through.add(node)
                     kind = type(root.get_submodule(own.module_path)).__name__
                     folds.modules.setdefault(kind, []).append(own.name)
-        sources: dict[fx.Node, list[str]] = {}  # what a folded node stands for, by item id
+        sources: dict[fx.Node, list[str]] = dict(feeds or {})  # what a folded node stands for
         names: dict[fx.Node, list[str]] = {}  # the folded sites behind a folded node
 
         def source_ids(n: fx.Node) -> list[str]:
@@ -219,7 +222,7 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
             if node in folded:
                 if node not in optional:
                     ids = [i for a in node.all_input_nodes for i in source_ids(a)]
-                    sources[node] = list(dict.fromkeys(ids))
+                    sources[node] = stood[(key, node)] = list(dict.fromkeys(ids))
                     own = node_site(node)
                     behind = [x for a in node.all_input_nodes for x in names.get(a, [])]
                     names[node] = behind + ([own.name] if own is not None
@@ -229,7 +232,8 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
                 # Not the key itself: graphviz reads a colon in an edge's end as a port.
                 oid = out or (f"{path}/dynamo{key.split(':', 2)[2]}/return" if dynamo
                               else f"{path}/return")
-                if oid != "/output" or dynamo is None:  # the whole model's: appended last
+                if out is None or dynamo is None:  # the whole model's: appended last; an
+                    # item of another graph (the op calling a block): there already
                     items.append(Item(oid, "output" if oid == "/output" else "return", path,
                                       graph=gkey))
                 node_ids[(key, node)] = oid
@@ -285,7 +289,7 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
             add_region(path)
     after: list[tuple[str, str]] = []
     for path, drawn in graphs.items():
-        after += _add_dynamo(path, drawn, items, edges, add_graph, node_ids,
+        after += _add_dynamo(path, drawn, items, edges, add_graph, node_ids, stood,
                              not path and whole is not None)
     modules = {it.module for it in items if it.module is not None}
     for f in p.fallbacks:
@@ -298,20 +302,28 @@ def items_of(p: Plan, tapped: frozenset[str] = frozenset(), show_plumbing: bool 
 
 def _add_dynamo(path: str, drawn: Sequence[CapturedGraph], items: list[Item],
                 edges: list[tuple[str, str]], add_graph: Callable[..., None],
-                node_ids: dict[tuple[str, fx.Node], str], whole: bool) -> list[tuple[str, str]]:
+                node_ids: dict[tuple[str, fx.Node], str],
+                stood: Mapping[tuple[str, fx.Node], list[str]],
+                whole: bool) -> list[tuple[str, str]]:
     """Draw the graphs of the module dynamo runs at ``path``, one after another; return the
-    pairs that stack them (and the module's call after them) in the order they ran."""
+    pairs that stack them (and the module's call after them) in the order they ran. A graph
+    one op of another runs (a repeated block's, ``CapturedGraph.called_by``) is drawn inside
+    that op's block instead: fed from what feeds the op, into the op's value."""
     spans: list[tuple[str, str]] = []
-    for i, g in enumerate(drawn):
+    stacked = [g for g in drawn if not g.called_by]
+    for i, g in enumerate(stacked):
         start = len(items)
         if whole and i == 0:  # the model's inputs feed the first graph
             for node in g.graph.nodes:
                 if node.op == "placeholder" and not is_state(node):
                     node_ids[(g.key, node)] = "/input"
-        add_graph(g.key, path, g.graph, "/output" if whole and i == len(drawn) - 1 else None, g)
+        add_graph(g.key, path, g.graph, "/output" if whole and i == len(stacked) - 1 else None, g)
         if len(items) > start:
-            last = items[-1].id if not (whole and i == len(drawn) - 1) else "/output"
+            last = items[-1].id if not (whole and i == len(stacked) - 1) else "/output"
             spans.append((items[start].id, last))
+    for g in drawn:
+        if g.called_by:
+            _add_called(g, path, stacked, edges, add_graph, node_ids, stood)
     after = [(spans[i][1], spans[i + 1][0]) for i in range(len(spans) - 1)]
     if not spans or whole:
         return after
@@ -321,6 +333,46 @@ def _add_dynamo(path: str, drawn: Sequence[CapturedGraph], items: list[Item],
             after.append((spans[-1][1], it.id))
             after += [(a, spans[0][0]) for a, b in edges if b == it.id and a not in inside]
     return after
+
+
+def _add_called(g: CapturedGraph, path: str, stacked: Sequence[CapturedGraph],
+                edges: list[tuple[str, str]], add_graph: Callable[..., None],
+                node_ids: dict[tuple[str, fx.Node], str],
+                stood: Mapping[tuple[str, fx.Node], list[str]]) -> None:
+    """Draw the graph of a repeated block inside the op that calls it (in one of ``stacked``):
+    each input from what feeds that argument of the op, its output into the op's item (whose
+    edges from the op's arguments it replaces). Not found (the op's graph not drawn): drawn
+    on its own, its inputs unlinked."""
+    call: tuple[str, fx.Node] | None = None
+    for other in stacked:
+        for node in other.graph.nodes:
+            own = node_site(node)
+            if own is not None and own.kind == "call_module" \
+                    and own.module_path == g.called_by and (other.key, node) in node_ids:
+                call = (node_ids[(other.key, node)], node)
+                break
+        if call is not None:
+            key = other.key
+            break
+    if call is None:
+        add_graph(g.key, path, g.graph, None, g)
+        return
+    call_id, node = call
+    feeds: dict[fx.Node, list[str]] = {}
+    for ph in g.graph.find_nodes(op="placeholder"):
+        where = g.inputs.get(ph.name)
+        value: object = (node.args, node.kwargs) if where is not None else None
+        for step in where or ():
+            try:
+                value = value[step]  # type: ignore[index]
+            except (IndexError, KeyError, TypeError):
+                value = None
+                break
+        if isinstance(value, fx.Node):
+            drawn = node_ids.get((key, value))
+            feeds[ph] = [drawn] if drawn is not None else list(stood.get((key, value), []))
+    edges[:] = [e for e in edges if e[1] != call_id]
+    add_graph(g.key, path, g.graph, call_id, g, feeds)
 
 
 def _through(root: nn.Module, site: Site) -> bool:

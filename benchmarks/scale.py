@@ -12,9 +12,10 @@ heads, MLP 8192, vocabulary 32000, bfloat16) for ``--device cuda``. Each approac
 output of every decoder layer (fxprobe: ``ops="blocks.*.resid_post"``; hooks: a forward hook
 per layer keeping a detached reference; nnsight: ``.output.save()`` of every layer in one
 trace) and, as its first edit, doubles layer 0's output. ``--no-cache`` builds the model with
-``use_cache=False`` (no KV cache: what training and encoders run; fxprobe's dynamo frontend then
-traces the repeated layers once, ``frontends/dynamo_inline.py``); ``FXPROBE_DYNAMO_REGIONS=0``
-in the environment turns that off, for the comparison.
+``use_cache=False`` (no KV cache: what training and encoders run). fxprobe's dynamo frontend
+captures each distinct decoder layer once for all of them (``frontends/dynamo_blocks.py``);
+``--approaches fxprobe-marked`` marks them instead (``frontends/dynamo_inline.py``) and
+``FXPROBE_DYNAMO_REGIONS=0`` in the environment captures every layer in the model's graph.
 
 Per (approach, depth), in a fresh subprocess (so that first-call costs include everything a
 new process pays: dynamo's caches are empty), wall-clock seconds (``time.perf_counter``;
@@ -67,7 +68,12 @@ _ROOT = Path(__file__).resolve().parent
 APPROACHES = ("fxprobe", "hooks", "nnsight")
 SHARED = "fxprobe-shared"
 """fxprobe with ``FXPROBE_DYNAMO_REGIONS=shared`` (``frontends/dynamo_blocks.py``): the blocks
-captured once for every instance, each called as one op of the graph around them."""
+captured once for every instance, each called as one op of the graph around them (the default
+now; named to compare with a checkout where it was not)."""
+MARKED = "fxprobe-marked"
+"""fxprobe with ``FXPROBE_DYNAMO_REGIONS=marked`` (``frontends/dynamo_inline.py``): the blocks
+marked, traced once where no cache is carried and inlined into one graph of the whole model."""
+MODES = {SHARED: "shared", MARKED: "marked"}
 REFERENCES = ("compile", "regional")
 """torch alone, hooks recording as ``hooks`` does: ``torch.compile`` of the whole model, and of
 each decoder layer on its own (regional compilation), both with a backend that runs dynamo's
@@ -219,10 +225,11 @@ def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, 
     bare = _hooks(llama(layers, size, device, cache), layers)["run"]  # an untapped twin
     with torch.no_grad():
         bare_first = clock(lambda: bare(ids))
-        if approach == SHARED:
-            os.environ["FXPROBE_DYNAMO_REGIONS"] = "shared"
+        if approach in MODES:
+            os.environ["FXPROBE_DYNAMO_REGIONS"] = MODES[approach]
         ops = {"fxprobe": lambda: _fxprobe(model, layers, tracer),
                SHARED: lambda: _fxprobe(model, layers, tracer),
+               MARKED: lambda: _fxprobe(model, layers, tracer),
                "hooks": lambda: _hooks(model, layers),
                "nnsight": lambda: _nnsight(model, layers),
                "compile": lambda: _compiled(model, layers, regional=False),
@@ -438,10 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         print(json.dumps(measure(**json.loads(args.child))), flush=True)
         return 0
-    unknown = sorted(set(args.approaches) - {*APPROACHES, SHARED, *REFERENCES})
+    unknown = sorted(set(args.approaches) - {*APPROACHES, *MODES, *REFERENCES})
     if unknown:
         raise SystemExit(f"unknown approach(es) {unknown}: choose from "
-                         f"{[*APPROACHES, SHARED, *REFERENCES]}")
+                         f"{[*APPROACHES, *MODES, *REFERENCES]}")
     args.size = args.size or ("tiny" if args.device == "cpu" else "1b")
     env = {**environment(), "device": args.device}
     rows = run_all(args)

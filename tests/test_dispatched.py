@@ -85,7 +85,7 @@ HOWS = ["device_map", "dispatch_model", "cpu_offload"]
 
 @pytest.mark.parametrize("how", HOWS)
 def test_values_sites_and_canonical_names_equal_the_untapped_model(
-        how: str, saved: str, tmp_path: object) -> None:
+        how: str, saved: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     model = load(how, saved, str(tmp_path))
     forward_before = model.__dict__["forward"]
     plain = load("plain", saved, "")
@@ -108,9 +108,13 @@ def test_values_sites_and_canonical_names_equal_the_untapped_model(
     assert devices["model.layers.1.self_attn.q_proj"] == (
         "cpu" if kept is None else f"cpu (weights offloaded to {kept})")
     assert fxprobe.tap(load("plain", saved, ""), ops=nn.Linear).devices == {}
-    # Every site the plain model has under dynamo, with its canonical names.
+    # Every site the plain model has under dynamo, with its canonical names. accelerate's
+    # hooks keep the layers from being shared (captured once, called as one op each): they
+    # are captured in the model's graph, as the plain model's marked layers are.
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "marked")
     ref = fxprobe.tap(plain, ops="*", tracer="auto")
     ref(IDS)
+    monkeypatch.delenv("FXPROBE_DYNAMO_REGIONS")
     mine = fxprobe.tap(model, ops="*", tracer="auto")
     with torch.no_grad():
         mine(IDS)

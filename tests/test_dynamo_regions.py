@@ -335,6 +335,8 @@ def test_a_call_stamped_with_another_instances_weights_is_refused(
     parameters, refuses, and the blocks are traced each on its own, with the right values."""
     from fxprobe.frontends import dynamo_inline
 
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "marked")
+
     monkeypatch.setattr(dynamo_inline, "marks", lambda blocks: [
         (b, types.MethodType(dynamo_inline._marked(type(b).forward), b)) for b in blocks])
     x = torch.randn(2, 8)
@@ -459,3 +461,11 @@ def test_a_write_that_returns_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -
     for name, value in seen[False][1].items():
         if "empty_like" not in name:  # memory never written: no value to compare
             assert torch.equal(seen[True][1][name], value), name
+
+
+def test_an_unknown_regions_mode_is_refused_naming_the_modes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "on")
+    with pytest.raises(fxprobe.ConfigError, match="'shared'.*'marked'.*'0'"):
+        tapped = fxprobe.tap(_Stack(), ops="blocks.*.lin", tracer="dynamo")
+        tapped(torch.randn(2, 8))

@@ -279,8 +279,8 @@ def test_canonical_names_select_per_call_and_read_the_cache(gpt2: Any) -> None:
     model(input_ids=ids)
     handle.remove()
     _, cache = tapped.run_with_cache(input_ids=ids, names="blocks.*.resid_post")
-    assert list(cache) == [f"transformer.h.{i}.add_1" for i in range(3)]  # own names
+    assert list(cache) == [f"transformer.h.{i}" for i in range(3)]  # own names: the layers' calls
     assert torch.equal(cache["blocks.0.resid_post"], kept[0])
-    assert cache["blocks.1.resid_pre"] is cache["transformer.h.0.add_1"]
+    assert cache["blocks.1.resid_pre"] is cache["transformer.h.0"]
     with pytest.raises(fxprobe.UnknownSiteError, match="blocks.1.resid_post"):
         cache["blocks.1.resid_psot"]

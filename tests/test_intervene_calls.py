@@ -364,12 +364,14 @@ def test_a_transformer_cache_of_every_site_holds_tensors_only(family: Any) -> No
                isinstance(t, torch.Tensor) for t in v))}
     assert not odd
     assert torch.equal(cache["logits"], model(input_ids=ids).logits)
-    # the calls of modules dynamo traced through, by name too (each is another site's value)
+    # the calls of modules dynamo traced through, by name too (each is another site's value);
+    # a layer's call is a site of its own: the op that runs the layer's graph, captured once
+    # for every layer (frontends/dynamo_blocks.py)
     calls = {n: where[n] for n in ("blocks.1.resid_post", "blocks.1.mlp_out")}
     ref = _cloned(model, calls, input_ids=ids)
     for name, (path, _) in calls.items():
         assert torch.equal(cache[path], ref[name]), path
-        assert path not in list(cache)
+        assert (path in list(cache)) == (name == "blocks.1.resid_post"), path
 
 
 class _Attn(nn.Module):

@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicCache
 
 import fxprobe
 
-MODES = [None, "0", "shared"]
+MODES = ["marked", "0", None]
 
 
 def _llama() -> nn.Module:

@@ -69,7 +69,7 @@ CALLS = {  # kind: calls (keyword arguments besides the ids), each after a plain
 }
 
 
-@pytest.mark.parametrize("mode", [None, "shared"])
+@pytest.mark.parametrize("mode", ["marked", None])
 @pytest.mark.parametrize("kind", sorted(CALLS))
 def test_the_cache_returned_is_the_models(kind: str, mode: str | None,
                                           monkeypatch: pytest.MonkeyPatch) -> None:

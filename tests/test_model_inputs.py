@@ -123,7 +123,7 @@ def test_the_padding_recipe_of_the_disk_docs(monkeypatch: pytest.MonkeyPatch,
     scope: dict[str, Any] = {"__name__": "__docs__"}
     exec(compile(code, "docs/disk.md (padded batches)", "exec"), scope)
     assert capsys.readouterr().out.split("\n")[:2] == [
-        "['attention_mask', 'transformer.h.0.add_1']", "24"]
+        "['attention_mask', 'transformer.h.0']", "24"]
     ids, mask, acts = scope["ids"], scope["mask"], scope["acts"]
     model = _gpt2()
     model.config._attn_implementation = "sdpa"  # the recipe's default attention

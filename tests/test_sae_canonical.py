@@ -41,11 +41,11 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_rows_by_canonical_name_equal_hooks(written: Path) -> None:
     ids = IDS
     caps = fxprobe.open_captures(written)
-    assert caps.canonical["blocks.0.resid_post"] == "transformer.h.0.add_1"
+    assert caps.canonical["blocks.0.resid_post"] == "transformer.h.0"
     assert caps.resolve("blocks.0.resid_post") in caps.names
     assert "blocks.1.mlp_out" in caps
     by_canon = caps.dataset("blocks.0.resid_post")
-    by_own = caps.dataset("transformer.h.0.add_1")
+    by_own = caps.dataset("transformer.h.0")
     assert by_canon.names == by_own.names
     model = gpt2()
     seen: list[torch.Tensor] = []
@@ -68,6 +68,6 @@ def test_older_captures_read_by_own_names_and_say_so(written: Path, tmp_path: Pa
     del index["canonical"]  # as written before canonical names were stored
     (tmp_path / "index.json").write_text(json.dumps(index))
     caps = fxprobe.open_captures(tmp_path)
-    assert caps.canonical == {} and len(caps.dataset("transformer.h.0.add_1")) == 20
+    assert caps.canonical == {} and len(caps.dataset("transformer.h.0")) == 20
     with pytest.raises(fxprobe.UnknownSiteError, match="store no canonical names"):
         caps.dataset("blocks.0.resid_post")

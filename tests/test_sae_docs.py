@@ -26,7 +26,7 @@ def test_the_sae_training_walkthrough_runs(monkeypatch: pytest.MonkeyPatch, tmp_
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/disk.md (SAE training {i})", "exec"), scope)
     out = [line for line in capsys.readouterr().out.splitlines() if line]
-    assert out == ["transformer.h.1.add_1 448", "32", "7 4", "448", "448"]
+    assert out == ["transformer.h.1 448", "32", "7 4", "448", "448"]
     # The rows are block 1's output at real, non-BOS tokens (a hook on an untapped copy),
     # scaled by the factor the dataset holds.
     model = scope["transformers"].GPT2LMHeadModel(scope["config"]).eval()
@@ -41,7 +41,7 @@ def test_the_sae_training_walkthrough_runs(monkeypatch: pytest.MonkeyPatch, tmp_
             keep = batch["attention_mask"].bool() & (batch["input_ids"] != scope["BOS"])
             rows.append(seen[-1][keep])
     acts = scope["acts"]
-    expected = torch.cat(rows) * acts.scale.factors["transformer.h.1.add_1"]
+    expected = torch.cat(rows) * acts.scale.factors["transformer.h.1"]
     torch.testing.assert_close(acts[list(range(len(acts)))], expected)
     # The stream's rows are the same rows (its own factor, estimated on its first buffer).
     stream = scope["stream"]

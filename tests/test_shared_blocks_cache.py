@@ -114,14 +114,14 @@ def test_cached_sequence_as_the_whole_capture_and_the_model(
     model = _llama()
     ref = _drive(_llama(), None)
     runs, sites = {}, {}
-    for mode in (None, "shared"):
+    for mode in ("marked", "shared"):
         tapped = _tap(model, mode, monkeypatch)
         runs[mode] = _drive(model, tapped)
         sites[mode] = {s.name: s.canonical for s in tapped.known_sites()}
         if mode == "shared":  # the layers ran as shared ops with their cache entries
             assert _kv_calls(tapped) == [LAYERS, LAYERS]  # prefill, and a step
         assert not any("forward" in m.__dict__ for m in model.modules())  # model untouched
-    whole, shared = sites[None], sites["shared"]
+    whole, shared = sites["marked"], sites["shared"]
     calls = {f"model.layers.{L}" for L in range(LAYERS)}  # the op of each shared block
     assert set(shared) - set(whole) == calls and set(whole) <= set(shared)
     # Every canonical name, the stream between blocks named on the calls (what each returns)
@@ -133,7 +133,7 @@ def test_cached_sequence_as_the_whole_capture_and_the_model(
     assert set(by_name[0]) == set(by_name[1]) >= {
         f"blocks.{L}.{r}" for L in range(LAYERS)
         for r in ("attn.k", "attn.v", "attn.pattern", "resid_pre", "resid_post")}
-    for step, (w, s, r) in enumerate(zip(runs[None], runs["shared"], ref, strict=True)):
+    for step, (w, s, r) in enumerate(zip(runs["marked"], runs["shared"], ref, strict=True)):
         torch.testing.assert_close(s[0], r[0], msg=f"step {step}")
         assert torch.equal(s[0], w[0]), step
         _same_cache(s[2], r[2])

@@ -45,10 +45,15 @@ def _versions(tapped: Any) -> dict[str, Any]:
             for k, v in region.instrumented().items()}
 
 
-def test_graph_break_blocks_one_layer_selected_then_edits_reads_and_grads() -> None:
-    """The default capture: each block's two graphs are captured for layer 0 and reused for
-    layers 1 and 2; only layer 1 selects a site, so layers 0 and 2 run the untapped
-    functions. Edits and reads in those layers, a new batch, train mode with gradients."""
+@pytest.mark.parametrize("mode", ["marked", "shared"])
+def test_graph_break_blocks_one_layer_selected_then_edits_reads_and_grads(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marked (the blocks' graph break leaves them unmarked: the whole capture), each block's
+    two graphs are captured for layer 0 and reused for layers 1 and 2; only layer 1 selects a
+    site, so layers 0 and 2 run the untapped functions. Shared (the default), the blocks' own
+    capture has the graph break. Edits and reads in those layers, a new batch, train mode
+    with gradients."""
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", mode)
     torch.manual_seed(0)
     model = _Stack().eval()
     tapped = fxprobe.tap(model, ops="layers.1.fc", tracer="dynamo")
@@ -61,10 +66,13 @@ def test_graph_break_blocks_one_layer_selected_then_edits_reads_and_grads() -> N
     torch.testing.assert_close(tapped.taps["layers.1.fc"], kept["layers.1.fc"][0])
     versions = _versions(tapped)
     first = [v for k, v in versions.items() if k.startswith("dynamo::0")]
-    assert len(first) == 3  # layer 0's graph, and the same named for layers 1 and 2
-    assert len({id(v.fn) for v in first if not v.names}) == 1  # one untapped function
-    assert [v.prefix for v in first if v.names] == ["layers.1"]
+    if mode == "marked":
+        assert len(first) == 3  # layer 0's graph, and the same named for layers 1 and 2
+        assert len({id(v.fn) for v in first if not v.names}) == 1  # one untapped function
+        assert [v.prefix for v in first if v.names] == ["layers.1"]
     for v in versions.values():  # each names its own layer's ops, untapped or not
+        if mode == "shared" and not v.prefix:
+            continue  # the graph around the shared layers: their calls and the input
         named = {s.name for n in v.graph.nodes for s in n.meta.get("fxprobe_sites", ())}
         assert named and all(n.startswith(v.prefix + ".") for n in named), (v.prefix, named)
 

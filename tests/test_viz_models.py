@@ -209,7 +209,9 @@ def _node_statements(source: str) -> list[str]:
 
 
 @needs_dot
-def test_dynamo_graphs_are_drawn_op_by_op(tmp_path: Path) -> None:
+def test_dynamo_graphs_are_drawn_op_by_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the layers in the model's one graph (tests/test_viz_shared.py draws them shared)
+    monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", "marked")
     model = _tiny_gpt2()
     torch._dynamo.reset()  # so that a new sequence length recompiles below
     tapped = fxprobe.tap(model, ops=[F.softmax, torch.matmul])  # tracer="auto"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from viz_support import parse_dot
 
 import fxprobe
-from viz_support import parse_dot
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,13 +30,18 @@ def _picture(model: torch.nn.Module, mode: str, use_cache: bool,
              monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict, set[tuple[str, str]]]:
     monkeypatch.setenv("FXPROBE_DYNAMO_REGIONS", mode)
     tapped = fxprobe.tap(model, ops="blocks.*.resid_post", tracer="dynamo")
-    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got = tapped(ids, use_cache=use_cache).logits
-        want = model(ids, use_cache=use_cache).logits
-    torch.testing.assert_close(got, want)
+    for grad, length in [(False, 5), (True, 6)]:  # then captured again, with gradients
+        ids = torch.randint(0, 100, (1, length), generator=torch.Generator().manual_seed(1))
+        with torch.set_grad_enabled(grad):
+            got = tapped(ids, use_cache=use_cache).logits
+        with torch.no_grad():
+            want = model(ids, use_cache=use_cache).logits
+        torch.testing.assert_close(got, want)
     source = fxprobe.to_dot(tapped, fold=False).source
     nodes, edges = parse_dot(source)
+    statements = [line.split(" [", 1)[0].strip() for line in source.splitlines()
+                  if " [" in line and "->" not in line]
+    assert len(statements) == len(set(statements)), "a node is drawn twice"
     return source, nodes, set(edges)
 
 
@@ -54,7 +59,7 @@ def test_shared_blocks_drawn_inside_their_calls(llama, use_cache, monkeypatch):
     assert ("model.embed_tokens", "model.layers.0.input_layernorm.to") in shared
     for i in range(1, LAYERS):
         assert (calls[i - 1], f"model.layers.{i}.input_layernorm.to") in shared
-    for i, call in enumerate(calls):
+    for call in calls:
         into = {a for a, b in shared if b == call}
         assert into and all(a.startswith(f"{call}.") for a in into), (call, into)
     assert (calls[-1], "model.norm.to") in shared

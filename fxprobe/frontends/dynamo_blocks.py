@@ -2,8 +2,8 @@
 
 Dynamo's tracing of a whole model costs about the same again for every decoder layer, and so
 does torch's ``nested_compile_region`` (which traces each call to check it against the
-body): at 32 layers a first forward costs several times a 2-layer one. Under
-``FXPROBE_DYNAMO_REGIONS=shared`` a :class:`~.dynamo.DynamoRegion` installs, on fxprobe's copy
+body): at 32 layers a first forward costs several times a 2-layer one. By default
+(``FXPROBE_DYNAMO_REGIONS=shared``) a :class:`~.dynamo.DynamoRegion` installs, on fxprobe's copy
 and for a call without a cache, the forward of each repeated block (``dynamo_inline.
 repeated_blocks``) as a call of :func:`block_call`, which dynamo puts in the region's graph
 as one op (``torch._dynamo.allow_in_graph``) without tracing into it. Running, that op calls
@@ -322,8 +322,8 @@ class Blocks:
                 f"fxprobe: blocks {self.twins[index]} and {index} of "
                 f"{type(self.blocks[0]).__name__} return values of different shapes for "
                 f"inputs of the same shapes ({twin[1]} and {seen[1]}), which the shared "
-                "capture (FXPROBE_DYNAMO_REGIONS=shared) took to be alike; unset it for "
-                "this model.")
+                "capture (the default, FXPROBE_DYNAMO_REGIONS=shared) took to be alike; set "
+                "FXPROBE_DYNAMO_REGIONS=marked for this model.")
 
 
 class _Hooked(RuntimeError):

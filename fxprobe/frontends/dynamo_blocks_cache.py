@@ -2,7 +2,7 @@
 
 A decoder layer updates the model's cache as a side effect (``cache.update(k, v,
 self.layer_idx)`` in its attention), and the cache is a Python object, which an op of the
-graph (``allow_in_graph``) cannot take. Under ``FXPROBE_DYNAMO_REGIONS=shared``, for a call
+graph (``allow_in_graph``) cannot take. By default (``FXPROBE_DYNAMO_REGIONS=shared``), for a call
 that carries a cache (``dynamo_inline.carries_cache``), each block's forward on fxprobe's copy
 is a plain function (:func:`_layer_forward`) dynamo traces in the graph around the blocks: it
 reads the block's entry of a transformers ``DynamicCache`` (``cache.layers[i]``, exactly a
@@ -165,7 +165,8 @@ class KVBlocks(Blocks):
             raise DynamoError(
                 f"fxprobe: block {index} of {type(self.blocks[0]).__name__} updated its "
                 f"key/value cache {updates} times in one call, where the shared capture "
-                "(FXPROBE_DYNAMO_REGIONS=shared) expects once; unset it for this model.")
+                "(the default, FXPROBE_DYNAMO_REGIONS=shared) expects once; set "
+                "FXPROBE_DYNAMO_REGIONS=marked for this model.")
         self._stash()[index] = (keys, values)
         return out
 

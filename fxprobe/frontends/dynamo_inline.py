@@ -18,7 +18,8 @@ see the graph dynamo captures without the marking, node for node::
 
     getitem(invoke_subgraph(body, "subgraph_0", x, w7...), 0)  ->  body's nodes on (x, w7...)
 
-``FXPROBE_DYNAMO_REGIONS=0`` turns the marking off.
+Repeated blocks are marked under ``FXPROBE_DYNAMO_REGIONS=marked``; the default shares them
+instead (:func:`shared`, ``dynamo_blocks``); ``FXPROBE_DYNAMO_REGIONS=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..core.errors import DynamoError
+from ..core.errors import ConfigError, DynamoError
 from .mirror import (
     _OVERRIDE,  # the mark of a forward fxprobe installed on its copy
     Registrations,
@@ -42,18 +43,38 @@ from .mirror import (
     global_keys,
 )
 
+MODES = {"shared": "shared", "marked": "marked", "1": "marked", "0": "off"}
+"""The values of ``FXPROBE_DYNAMO_REGIONS`` and what each does with repeated blocks: captured
+once and called as one op (``shared``, the default, ``dynamo_blocks``), marked and inlined
+(``marked``, or ``1``), or traced in every call like the rest (``0``)."""
+
+
+def mode() -> str:
+    """``shared``, ``marked`` or ``off`` (``FXPROBE_DYNAMO_REGIONS``, read as each tapped module
+    is built).
+
+    Raises:
+        ConfigError: another value.
+    """
+    value = os.environ.get("FXPROBE_DYNAMO_REGIONS") or "shared"  # set empty: the default
+    if value not in MODES:
+        raise ConfigError(
+            f"FXPROBE_DYNAMO_REGIONS={value!r} is not a mode; use 'shared' (the default: each "
+            "distinct block captured once), 'marked' (blocks marked and inlined into one graph) "
+            "or '0' (every block traced in every capture)")
+    return MODES[value]
+
 
 def enabled() -> bool:
-    """Whether repeated blocks are marked (``FXPROBE_DYNAMO_REGIONS=0`` turns it off; read as
-    each tapped module is built)."""
-    return os.environ.get("FXPROBE_DYNAMO_REGIONS", "1") != "0"
+    """Whether repeated blocks are shared or marked (``FXPROBE_DYNAMO_REGIONS=0`` turns it off)."""
+    return mode() != "off"
 
 
 def shared() -> bool:
     """Whether repeated blocks are captured once for all and called as one op of the graph
-    around them (``FXPROBE_DYNAMO_REGIONS=shared``, ``dynamo_blocks``) instead of marked."""
-    return os.environ.get("FXPROBE_DYNAMO_REGIONS") == "shared"
-
+    around them (the default, ``dynamo_blocks``) instead of marked
+    (``FXPROBE_DYNAMO_REGIONS=marked``)."""
+    return mode() == "shared"
 
 
 def repeated_blocks(root: nn.Module) -> list[nn.Module]:

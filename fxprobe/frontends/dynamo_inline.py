@@ -24,10 +24,12 @@ instead (:func:`shared`, ``dynamo_blocks``); ``FXPROBE_DYNAMO_REGIONS=0`` turns 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import operator
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -166,17 +168,49 @@ def marks(blocks: list[nn.Module]) -> list[tuple[nn.Module, Any]]:
     return out
 
 
+_INSTALLS = threading.Condition()
+_ACTIVE: dict[nn.Module, tuple[Any, collections.Counter[int]]] = {}
+"""Each block whose forward a call running now installed: that forward, and how many calls
+of each thread run with it."""
+
+
 @contextlib.contextmanager
 def marked(blocks: list[tuple[nn.Module, Any]]) -> Iterator[None]:
     """The marked forwards (:func:`marks`) installed on fxprobe's copy for the duration of a
-    call; code run as written inside it runs the same function."""
-    try:
+    call; code run as written inside it runs the same function.
+
+    Calls in several threads share the copy: a forward stays installed until the last call
+    running with it returns (another thread's call that ended first would otherwise take it
+    away before dynamo checks its guards, and dynamo would capture the call again without
+    the forward, under other names: an edit by the first name silently lost), and a call
+    that needs other forwards (with a cache where the running ones carry none) waits for
+    the running calls to return; a call nested in one of this thread's own replaces them."""
+    me = threading.get_ident()
+    with _INSTALLS:
+        while any(block in _ACTIVE and _ACTIVE[block][0] is not forward
+                  and me not in _ACTIVE[block][1] for block, forward in blocks):
+            _INSTALLS.wait()
         for block, forward in blocks:
-            object.__setattr__(block, "forward", forward)
+            entry = _ACTIVE.get(block)
+            if entry is None or entry[0] is not forward:
+                object.__setattr__(block, "forward", forward)
+                entry = _ACTIVE[block] = (forward, collections.Counter())
+            entry[1][me] += 1
+    try:
         yield
     finally:
-        for block, _forward in blocks:
-            block.__dict__.pop("forward", None)
+        with _INSTALLS:
+            for block, forward in blocks:
+                entry = _ACTIVE.get(block)
+                if entry is None or entry[0] is not forward:
+                    continue  # replaced by a call nested in this one, which took it away
+                entry[1][me] -= 1
+                if entry[1][me] <= 0:
+                    del entry[1][me]
+                if not entry[1]:
+                    del _ACTIVE[block]
+                    block.__dict__.pop("forward", None)
+            _INSTALLS.notify_all()
 
 
 def run_marked(blocks: list[tuple[nn.Module, Any]], run: Callable[[], Any],

@@ -52,7 +52,7 @@ FRONTEND_FAMILIES: dict[str, tuple[str, ...]] = {
     "dynamo_shapes": ("dynamo_shapes",),
     "attention": ("attention",),
     "dynamo_names": ("dynamo_names", "dynamo_shapes", "dynamo_blocks", "dynamo_blocks_cache"),
-    "dynamo_blocks": ("dynamo_blocks", "dynamo_inline"),
+    "dynamo_blocks": ("dynamo_blocks", "dynamo_inline", "dynamo_shapes"),
     "dynamo_blocks_cache": ("dynamo_blocks_cache", "dynamo_blocks", "dynamo_inline"),
     "dynamo_quiet": ("dynamo_quiet",),
     "dynamo_rearm": ("dynamo_rearm",),

@@ -53,7 +53,7 @@ from .dynamo_names import (
 )
 from .dynamo_quiet import quiet_compile, side_effects_logged
 from .dynamo_rearm import forward_codes, rearm
-from .dynamo_shapes import batch_of_one, cached, static_inputs, symbolic_batch
+from .dynamo_shapes import batch_of_one, cached, call_frame, static_inputs, symbolic_batch
 from .dynamo_versions import Instrumented, _Captured
 from .mirror import has_patched_forward
 from .wrappers import offloaded, weights_loaded
@@ -422,9 +422,7 @@ class DynamoRegion:
         """Whether a graph dynamo compiled serves this call (``dynamo_shapes.cached``)."""
         run = self._run
         assert run is not None
-        return cached(run, {"module": self.module, "args": args, "kwargs": kwargs, **{
-            name: cell.cell_contents for name, cell in zip(
-                run.__code__.co_freevars, run.__closure__ or (), strict=True)}})
+        return cached(run, call_frame(run, self.module, args, kwargs))
 
     def _unmark(self) -> None:
         self.blocks, self.marking, self.shared, self.shared_kv = [], [], None, None

@@ -63,12 +63,11 @@ from torch.utils import _pytree as pytree
 from ..core.errors import DynamoError
 from ..core.site import source_name
 from .dynamo_inline import HookCheck
+from .dynamo_shapes import UNCHECKED, call_frame, serving
 from .mirror import _OVERRIDE  # the mark of a forward fxprobe installed on its copy
 
 _LIVE: weakref.WeakValueDictionary[int, Blocks] = weakref.WeakValueDictionary()
 _MISS = object()  # no cache entry served the call (Blocks.cached)
-_ENTRIES: Callable[[types.CodeType], list[Any]] | None = getattr(
-    torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
 _STATE_NAMES = frozenset({"_modules", "_parameters", "_buffers"})
 _PLAIN_NAMES = _STATE_NAMES | frozenset({  # the block's parameters, read as the graph's inputs
     "__import_torch_dot__dynamo_dot_utils", "record_pregraph_bytecode_enter",
@@ -170,7 +169,7 @@ class Blocks:
         self.run_block = run_block
         self.direct: dict[types.CodeType, Callable[..., Any] | None] = {}
         """Each transformed code of ``run_block`` as a function (None: not plain, ``_function``)."""
-        self.lookup = _ENTRIES is not None
+        self.lookup = True
         """Whether :meth:`cached` looks the graph up (until a guard tree fails to check)."""
         self.mode: Any = None  # the fake mode of the trace the two caches below belong to
         self.fake_state: dict[int, dict[str, torch.Tensor]] = {}
@@ -279,24 +278,16 @@ class Blocks:
                 stance.stance != "default" or stance.backend is not None
                 or stance.skip_guard_eval_unsafe):
             return _MISS
-        run = self.run_block  # its locals: the arguments and the closure's cells, by name
-        frame = {"module": block, "args": args, "kwargs": kwargs, **{
-            name: cell.cell_contents for name, cell in zip(
-                run.__code__.co_freevars, run.__closure__ or (), strict=True)}}
-        for entry in _ENTRIES(self.run_block.__code__):  # type: ignore[misc]
-            try:
-                hit = entry.guard_manager.check(frame)
-            except Exception:  # not a guard tree this torch checks so: dynamo runs every call
-                self.lookup = False
-                return _MISS
-            if hit:
-                code = entry.code
-                if not isinstance(code, types.CodeType):  # invalidated meanwhile
-                    return _MISS
-                fn = self.direct[code] if code in self.direct else self.direct.setdefault(
-                    code, self._function(code))
-                return _MISS if fn is None else fn(block, *args, **kwargs)
-        return _MISS
+        entry = serving(self.run_block, call_frame(self.run_block, block, args, kwargs))
+        if entry is UNCHECKED:  # not a guard tree this torch checks so: dynamo runs every call
+            self.lookup = False
+            return _MISS
+        code = getattr(entry, "code", None)
+        if not isinstance(code, types.CodeType):  # no entry serves, or invalidated meanwhile
+            return _MISS
+        fn = self.direct[code] if code in self.direct else self.direct.setdefault(
+            code, self._function(code))
+        return _MISS if fn is None else fn(block, *args, **kwargs)
 
     def _function(self, code: types.CodeType) -> Callable[..., Any] | None:
         """``code`` (a transformed code of ``run_block``) as a function, where it is plain

@@ -36,18 +36,37 @@ _ENTRIES: Callable[[types.CodeType], list[Any]] | None = getattr(
     torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
 
 
-def cached(fn: Callable[..., Any], frame: dict[str, Any]) -> bool:
-    """Whether a graph dynamo compiled for ``fn`` serves a call whose arguments and closure
-    are ``frame`` (by name): its guards pass; false where they cannot be checked."""
+UNCHECKED = object()  # a guard tree this torch cannot check from Python (serving)
+
+
+def call_frame(fn: Callable[..., Any], module: nn.Module, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The locals a call of fxprobe's region function ``fn(module, *args, **kwargs)`` starts
+    with, by name, as dynamo's guards read them: the arguments and the closure's cells."""
+    return {"module": module, "args": args, "kwargs": kwargs, **{
+        name: cell.cell_contents for name, cell in zip(
+            fn.__code__.co_freevars, fn.__closure__ or (), strict=True)}}
+
+
+def serving(fn: Callable[..., Any], frame: dict[str, Any]) -> Any:
+    """The cache entry of a graph dynamo compiled for ``fn`` that serves a call whose locals
+    are ``frame`` (:func:`call_frame`): its guards pass, as dynamo looks it up; None where no
+    entry's do; :data:`UNCHECKED` where the guards cannot be checked here."""
     if _ENTRIES is None:
-        return False
+        return UNCHECKED
     for entry in _ENTRIES(fn.__code__):
         try:
             if entry.guard_manager.check(frame):
-                return True
+                return entry
         except Exception:  # not a guard tree this torch checks so
-            return False
-    return False
+            return UNCHECKED
+    return None
+
+
+def cached(fn: Callable[..., Any], frame: dict[str, Any]) -> bool:
+    """Whether a graph dynamo compiled for ``fn`` serves a call whose locals are ``frame``
+    (:func:`serving`); false where that cannot be checked."""
+    return serving(fn, frame) not in (None, UNCHECKED)
 
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 

@@ -38,10 +38,14 @@ say so. ``--in-process`` runs the children in this process (for the smoke test o
 calls are then not first). Writes ``scale.json`` and ``scale.md`` to
 ``benchmarks/results/<device>/`` (or ``--out``).
 
-``--trees before=/tmp/old,after=.`` compares checkouts in one run: each configuration runs in
-each tree (its child started there, that tree first on ``PYTHONPATH``), the trees alternating,
-``--rounds`` times; rows are labelled ``approach@tree``, and a last table gives, per label and
-depth, the medians over the rounds.
+``--rounds N`` runs every configuration N times, round by round (each round every depth and
+approach), and adds a table of the medians over the rounds. ``--trees before=/tmp/old,after=.``
+compares checkouts in one run: each configuration runs in each tree (its child started there,
+that tree first on ``PYTHONPATH``), the trees alternating; rows are labelled
+``approach@tree``. A last table sets each fxprobe row against the targets of
+depth-independent capture (:data:`TARGETS`, :data:`NEW_SHAPE`, :data:`FIRST_EDIT`): the first
+forward as a multiple of the shallowest depth's in the same run, a new length and batch as
+multiples of the warm forward, the first edit in seconds.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ MARKED = "fxprobe-marked"
 marked, traced once where no cache is carried and inlined into one graph of the whole model."""
 MODES = {SHARED: "shared", MARKED: "marked"}
 REFERENCES = ("compile", "regional")
+FXPROBE = ("fxprobe", *MODES)
 """torch alone, hooks recording as ``hooks`` does: ``torch.compile`` of the whole model, and of
 each decoder layer on its own (regional compilation), both with a backend that runs dynamo's
 graph as it is. What capturing costs without fxprobe: the floor of a whole-model capture, and
@@ -291,37 +296,36 @@ def _child(config: dict[str, Any], tree: Path | None = None) -> dict[str, Any]:
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (approach, depth), ``--rounds`` times: round by round (each round every depth and
+    approach, the trees alternating), so that a machine's slow spell falls on all of them."""
     rows = []
     have_nnsight = importlib.util.find_spec("nnsight") is not None
-    for layers in args.layers:
-        for approach in args.approaches:
-            base = {"approach": approach, "layers": layers}
-            if approach == "nnsight" and not have_nnsight:
-                rows.append({**base, "status": "nnsight not installed"})
-                continue
-            config = dict(approach=approach, layers=layers, seq=args.seq, repeats=args.repeats,
-                          tracer=args.tracer, device=args.device, size=args.size,
-                          new_shapes=not args.no_new_shapes, iters=args.iters,
-                          cache=not args.no_cache)
-            if args.in_process:
-                try:
-                    row = measure(**config)
-                except Exception as e:  # a failed configuration is a row, not the end
-                    row = {"status": f"failed: {type(e).__name__}: {e}"[:300]}
-                rows.append({**base, **row})
-            elif not args.trees:
-                rows.append({**base, **_child({**config, "timeout": args.timeout})})
-            else:
-                for round_ in range(args.rounds):
-                    for name, tree in args.trees:
+    trees: list[tuple[str | None, Path | None]] = list(args.trees) or [(None, None)]
+    rounds = 1 if args.in_process else args.rounds
+    for round_ in range(rounds):
+        for layers in args.layers:
+            for approach in args.approaches:
+                base = {"approach": approach, "layers": layers}
+                if approach == "nnsight" and not have_nnsight:
+                    if not round_:
+                        rows.append({**base, "status": "nnsight not installed"})
+                    continue
+                config = dict(approach=approach, layers=layers, seq=args.seq,
+                              repeats=args.repeats, tracer=args.tracer, device=args.device,
+                              size=args.size, new_shapes=not args.no_new_shapes,
+                              iters=args.iters, cache=not args.no_cache)
+                for name, tree in trees:
+                    if args.in_process:
+                        try:
+                            row = measure(**config)
+                        except Exception as e:  # a failed configuration is a row, not the end
+                            row = {"status": f"failed: {type(e).__name__}: {e}"[:300]}
+                    else:
                         row = _child({**config, "timeout": args.timeout}, tree)
-                        rows.append({**base, **row, "approach": f"{approach}@{name}",
-                                     "round": round_})
-                        if not args.quiet:
-                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-                continue
-            if not args.quiet:
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    rows.append({**base, **row, "round": round_} if name is None else {
+                        **base, **row, "approach": f"{approach}@{name}", "round": round_})
+                    if not args.quiet:
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     _agree(rows)
     return rows
 
@@ -366,19 +370,71 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str,
             f"| {_s(r, 'new_batch_s')} | {r['first_edit_s']:.2f} | {r['bare_ms']:.1f} "
             f"| {r['warm_ms']:.1f} | {r['warm_ratio']:.2f} | "
             f"{_yes(r.get('agrees_with_hooks'))} |")
-    if args.trees:
-        lines += ["", f"Medians over {args.rounds} rounds (the trees alternating): "
-                  + ", ".join(f"{name} = {tree}" for name, tree in args.trees) + ".", "",
-                  "| approach | layers | first (s) | new batch (s) | bare (ms) | warm (ms) "
-                  "| warm / bare |", "|---|---|---|---|---|---|---|"]
+    if args.rounds > 1 and not args.in_process:
+        lines += ["", f"Medians over {args.rounds} rounds"
+                  + (" (the trees alternating): " + ", ".join(
+                      f"{name} = {tree}" for name, tree in args.trees) if args.trees else "")
+                  + ".", "",
+                  "| approach | layers | first (s) | new length (s) | new batch (s) "
+                  "| first edit (s) | bare (ms) | warm (ms) | warm / bare |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for (label, layers), group in _groups(rows).items():
-            med = {k: statistics.median(r[k] for r in group)
-                   for k in ("first_s", "new_batch_s", "bare_ms", "warm_ms", "warm_ratio")
-                   if all(k in r for r in group)}
+            med = _medians(group)
             lines.append(f"| {label} | {layers} | {_s(med, 'first_s')} "
-                         f"| {_s(med, 'new_batch_s')} | {med['bare_ms']:.1f} "
+                         f"| {_s(med, 'new_length_s')} | {_s(med, 'new_batch_s')} "
+                         f"| {_s(med, 'first_edit_s')} | {med['bare_ms']:.1f} "
                          f"| {med['warm_ms']:.1f} | {med['warm_ratio']:.2f} |")
+    lines += targets(rows)
     return "\n".join(lines) + "\n"
+
+
+def _medians(group: list[dict[str, Any]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in group) for k in (
+        "first_s", "new_length_s", "new_batch_s", "first_edit_s", "bare_ms", "warm_ms",
+        "warm_ratio") if all(k in r for r in group)}
+
+
+TARGETS = {32: 1.5, 80: 2.0}
+"""The first tapped forward at a depth, at most this multiple of the shallowest one's."""
+NEW_SHAPE = 1.2  # a new length or batch: at most this multiple of a warm tapped forward
+FIRST_EDIT = (32, 0.2)  # the first edit block at this depth: at most these seconds
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """Each fxprobe approach against the targets of depth-independent capture (medians over
+    the rounds, every ratio between rows of this run): the first forward as a multiple of
+    the first forward at the shallowest depth measured, a new length and batch as multiples
+    of the warm forward (the new length has 7 more tokens), the first edit in seconds."""
+    groups = _groups(rows)
+    out: list[str] = []
+    for label in dict.fromkeys(a for a, _ in groups if a.split("@")[0] in FXPROBE):
+        depths = sorted(d for a, d in groups if a == label)
+        if len(depths) < 2:
+            continue
+        meds = {d: _medians(groups[label, d]) for d in depths}
+        low = depths[0]
+        if not out:
+            out += ["", "Against the targets (medians over the rounds; a depth's first forward "
+                    f"as a multiple of the {low}-layer one; a new shape as a multiple of the "
+                    "warm tapped forward): first forward "
+                    + ", ".join(f"at {d} layers <= {t}x" for d, t in TARGETS.items())
+                    + f"; a new length or batch <= {NEW_SHAPE}x; the first edit at "
+                    f"{FIRST_EDIT[0]} layers <= {FIRST_EDIT[1]} s.", "",
+                    "| approach | layers | first / shallowest | new length / warm "
+                    "| new batch / warm | first edit (s) | met |", "|---|---|---|---|---|---|---|"]
+        for d in depths[1:]:
+            m = meds[d]
+            first = m["first_s"] / meds[low]["first_s"]
+            shapes = {k: m[k] * 1e3 / m["warm_ms"] for k in ("new_length_s", "new_batch_s")
+                      if k in m}
+            met = (first <= TARGETS.get(d, float("inf"))
+                   and all(v <= NEW_SHAPE for v in shapes.values())
+                   and (d != FIRST_EDIT[0] or m["first_edit_s"] <= FIRST_EDIT[1]))
+            out.append(f"| {label} | {d} | {first:.2f} | "
+                       + " | ".join(f"{shapes[k]:.2f}" if k in shapes else "-"
+                                    for k in ("new_length_s", "new_batch_s"))
+                       + f" | {m['first_edit_s']:.3f} | {_yes(met)} |")
+    return out
 
 
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -422,7 +478,8 @@ def parser() -> argparse.ArgumentParser:
                    help="config.use_cache=False: every forward runs without a KV cache")
     p.add_argument("--trees", type=_trees, default=[],
                    help="name=path,...: run each configuration in each checkout, alternating")
-    p.add_argument("--rounds", type=int, default=1, help="with --trees: runs per tree")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every configuration (in each tree), round by round")
     p.add_argument("--name", default="scale", help="the record's file name (name.json/.md)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

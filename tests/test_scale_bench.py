@@ -67,3 +67,24 @@ def test_the_torch_references_record_what_hooks_record(tmp_path: Path) -> None:
     for name in ("compile", "regional"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["agrees_with_hooks"] is True, rows[name]
+
+
+def test_scale_targets_table_sets_medians_against_the_shallowest_depth() -> None:
+    def row(layers: int, first: float, warm_ms: float, new: float, edit: float, round_: int,
+            approach: str = "fxprobe") -> dict[str, object]:
+        return {"approach": approach, "layers": layers, "status": "ok", "round": round_,
+                "first_s": first, "new_length_s": new, "new_batch_s": new,
+                "first_edit_s": edit, "bare_ms": warm_ms, "warm_ms": warm_ms,
+                "warm_ratio": 1.0}
+
+    rows = [row(2, 2.0, 10.0, 0.011, 0.0, 0), row(2, 9.0, 10.0, 0.011, 0.0, 1),
+            row(2, 2.2, 10.0, 0.011, 0.0, 2),  # median 2.2: a slow round does not count
+            row(32, 3.3, 20.0, 0.022, 0.05, 0), row(32, 3.0, 20.0, 0.030, 0.05, 1),
+            row(32, 3.4, 20.0, 0.022, 0.05, 2),  # 3.3 / 2.2 = 1.5, 0.022 / 0.020 = 1.1
+            row(80, 4.5, 40.0, 0.044, 0.1, 0), row(80, 4.5, 40.0, 0.044, 0.1, 1),
+            row(80, 4.5, 40.0, 0.044, 0.1, 2),  # 4.5 / 2.2 = 2.05: over 2x
+            row(2, 0.01, 1.0, 0.001, 0.0, 0, "hooks"), row(80, 0.05, 1.0, 0.001, 0.0, 0, "hooks")]
+    lines = scale.targets(rows)
+    assert "| fxprobe | 32 | 1.50 | 1.10 | 1.10 | 0.050 | yes |" in lines
+    assert "| fxprobe | 80 | 2.05 | 1.10 | 1.10 | 0.100 | no |" in lines
+    assert not any("| hooks |" in line for line in lines)  # targets are fxprobe's

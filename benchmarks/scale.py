@@ -24,6 +24,8 @@ new process pays: dynamo's caches are empty), wall-clock seconds (``time.perf_co
 - ``first``: setting up (``fxprobe.tap``, registering hooks, ``NNsight(model)``) and the first
   forward, batch 1 and ``--seq`` tokens;
 - ``new_length``: the first forward at ``--seq + 7`` tokens; ``new_batch``: the first at batch 2;
+  each followed by the median of ``max(--iters, 3)`` more at that shape (``*_warm_ms``), what
+  the call costs once nothing is captured for it any more;
 - ``first_edit``: the first forward with the edit (``tapped.intervene``, a hook returning the
   doubled output, an nnsight assignment);
 - ``warm``: ``--repeats`` rounds, each ``--iters`` bare forwards of an untapped twin of the
@@ -244,8 +246,11 @@ def measure(approach: str, layers: int, *, seq: int, repeats: int, tracer: str, 
         row["first_s"] = clock(lambda: (ops["setup"](), ops["run"](ids)))
         last = ops["last"]().double().sum().item()
         if new_shapes:
-            row["new_length_s"] = clock(lambda: ops["run"](longer))
-            row["new_batch_s"] = clock(lambda: ops["run"](batch))
+            for key, shaped in (("new_length", longer), ("new_batch", batch)):
+                row[f"{key}_s"] = clock(lambda: ops["run"](shaped))  # noqa: B023
+                # the same shape warm: what a call of that shape costs once captured
+                row[f"{key}_warm_ms"] = 1e3 * statistics.median(
+                    clock(lambda: ops["run"](shaped)) for _ in range(max(iters, 3)))  # noqa: B023
         out: dict[str, Any] = {}
         row["first_edit_s"] = clock(lambda: out.setdefault("o", ops["edit"](ids)))
         logits = out["o"].logits if hasattr(out["o"], "logits") else out["o"]
@@ -390,8 +395,8 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str,
 
 def _medians(group: list[dict[str, Any]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in group) for k in (
-        "first_s", "new_length_s", "new_batch_s", "first_edit_s", "bare_ms", "warm_ms",
-        "warm_ratio") if all(k in r for r in group)}
+        "first_s", "new_length_s", "new_batch_s", "new_length_warm_ms", "new_batch_warm_ms",
+        "first_edit_s", "bare_ms", "warm_ms", "warm_ratio") if all(k in r for r in group)}
 
 
 TARGETS = {32: 1.5, 80: 2.0}
@@ -403,8 +408,8 @@ FIRST_EDIT = (32, 0.2)  # the first edit block at this depth: at most these seco
 def targets(rows: list[dict[str, Any]]) -> list[str]:
     """Each fxprobe approach against the targets of depth-independent capture (medians over
     the rounds, every ratio between rows of this run): the first forward as a multiple of
-    the first forward at the shallowest depth measured, a new length and batch as multiples
-    of the warm forward (the new length has 7 more tokens), the first edit in seconds."""
+    the first forward at the shallowest depth measured, the first call at a new length and
+    batch as multiples of a warm call at that length and batch, the first edit in seconds."""
     groups = _groups(rows)
     out: list[str] = []
     for label in dict.fromkeys(a for a, _ in groups if a.split("@")[0] in FXPROBE):
@@ -416,7 +421,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         if not out:
             out += ["", "Against the targets (medians over the rounds; a depth's first forward "
                     f"as a multiple of the {low}-layer one; a new shape as a multiple of the "
-                    "warm tapped forward): first forward "
+                    "warm call at that shape): first forward "
                     + ", ".join(f"at {d} layers <= {t}x" for d, t in TARGETS.items())
                     + f"; a new length or batch <= {NEW_SHAPE}x; the first edit at "
                     f"{FIRST_EDIT[0]} layers <= {FIRST_EDIT[1]} s.", "",
@@ -425,14 +430,14 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         for d in depths[1:]:
             m = meds[d]
             first = m["first_s"] / meds[low]["first_s"]
-            shapes = {k: m[k] * 1e3 / m["warm_ms"] for k in ("new_length_s", "new_batch_s")
-                      if k in m}
+            shapes = {k: m[f"{k}_s"] * 1e3 / m[f"{k}_warm_ms"]
+                      for k in ("new_length", "new_batch") if f"{k}_warm_ms" in m}
             met = (first <= TARGETS.get(d, float("inf"))
                    and all(v <= NEW_SHAPE for v in shapes.values())
                    and (d != FIRST_EDIT[0] or m["first_edit_s"] <= FIRST_EDIT[1]))
             out.append(f"| {label} | {d} | {first:.2f} | "
                        + " | ".join(f"{shapes[k]:.2f}" if k in shapes else "-"
-                                    for k in ("new_length_s", "new_batch_s"))
+                                    for k in ("new_length", "new_batch"))
                        + f" | {m['first_edit_s']:.3f} | {_yes(met)} |")
     return out
 

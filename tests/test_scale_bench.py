@@ -74,7 +74,8 @@ def test_scale_targets_table_sets_medians_against_the_shallowest_depth() -> None
             approach: str = "fxprobe") -> dict[str, object]:
         return {"approach": approach, "layers": layers, "status": "ok", "round": round_,
                 "first_s": first, "new_length_s": new, "new_batch_s": new,
-                "first_edit_s": edit, "bare_ms": warm_ms, "warm_ms": warm_ms,
+                "new_length_warm_ms": warm_ms, "new_batch_warm_ms": 2 * warm_ms,
+                "first_edit_s": edit, "bare_ms": warm_ms / 2, "warm_ms": warm_ms / 2,
                 "warm_ratio": 1.0}
 
     rows = [row(2, 2.0, 10.0, 0.011, 0.0, 0), row(2, 9.0, 10.0, 0.011, 0.0, 1),
@@ -85,6 +86,7 @@ def test_scale_targets_table_sets_medians_against_the_shallowest_depth() -> None
             row(80, 4.5, 40.0, 0.044, 0.1, 2),  # 4.5 / 2.2 = 2.05: over 2x
             row(2, 0.01, 1.0, 0.001, 0.0, 0, "hooks"), row(80, 0.05, 1.0, 0.001, 0.0, 0, "hooks")]
     lines = scale.targets(rows)
-    assert "| fxprobe | 32 | 1.50 | 1.10 | 1.10 | 0.050 | yes |" in lines
-    assert "| fxprobe | 80 | 2.05 | 1.10 | 1.10 | 0.100 | no |" in lines
+    # each new shape against the warm call at that shape (the batch of 2: twice as long)
+    assert "| fxprobe | 32 | 1.50 | 1.10 | 0.55 | 0.050 | yes |" in lines
+    assert "| fxprobe | 80 | 2.05 | 1.10 | 0.55 | 0.100 | no |" in lines
     assert not any("| hooks |" in line for line in lines)  # targets are fxprobe's

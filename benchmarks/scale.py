@@ -427,7 +427,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                     f"{FIRST_EDIT[0]} layers <= {FIRST_EDIT[1]} s.", "",
                     "| approach | layers | first / shallowest | new length / warm "
                     "| new batch / warm | first edit (s) | met |", "|---|---|---|---|---|---|---|"]
-        for d in depths[1:]:
+        for d in depths:
             m = meds[d]
             first = m["first_s"] / meds[low]["first_s"]
             shapes = {k: m[f"{k}_s"] * 1e3 / m[f"{k}_warm_ms"]

@@ -89,4 +89,5 @@ def test_scale_targets_table_sets_medians_against_the_shallowest_depth() -> None
     # each new shape against the warm call at that shape (the batch of 2: twice as long)
     assert "| fxprobe | 32 | 1.50 | 1.10 | 0.55 | 0.050 | yes |" in lines
     assert "| fxprobe | 80 | 2.05 | 1.10 | 0.55 | 0.100 | no |" in lines
+    assert "| fxprobe | 2 | 1.00 | 1.10 | 0.55 | 0.000 | yes |" in lines  # its new shapes too
     assert not any("| hooks |" in line for line in lines)  # targets are fxprobe's

@@ -24,6 +24,7 @@ import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,6 +130,7 @@ class DynamoRegion:
         self._compiled: Callable[..., Any] | None = None
         self._run: Callable[..., Any] | None = None
         self.static: list[tuple[str, tuple[int, ...]]] = []
+        self.warned_unplaced: set[tuple[str, int]] = set()  # (file, line): _unplaced
         """The inputs of the forward (and their dims) that dynamo kept static at the first
         capture: a new size there is captured again (``dynamo_shapes``)."""
         self.offloaded = offloaded(module)
@@ -216,9 +218,28 @@ class DynamoRegion:
         captured = _Captured(self, gm, example_inputs)  # marks the forward's inputs
         if self.graphs == 1:
             self.static = static_inputs(gm, INPUT, {n for t in self.state for n in t.shape})
-        captured.version(example_inputs)
+        version = captured.version(example_inputs)
+        if captured.unplaced is not None and not captured.block:
+            self._unplaced(captured.unplaced, version)
         self.captured.append(captured)
         return captured
+
+    def _unplaced(self, where: tuple[str, int], version: Instrumented) -> None:
+        """Say, once per code location, that a graph's sites are named with no module path."""
+        if where in self.warned_unplaced or not version.sites:
+            return
+        self.warned_unplaced.add(where)
+        some = ", ".join(repr(n) for n in sorted(version.sites)[:3])
+        warnings.warn(
+            f"fxprobe: torch dynamo captured the code at {Path(where[0]).name}:{where[1]} "
+            f"in {self.what} as a graph of its own (a graph break split the call around it: "
+            "a function the model calls with a module as an argument, or a module class it "
+            "holds several of), and fxprobe cannot tell which module it ran for: its "
+            f"{len(version.sites)} site(s) ({some}, ...) are named with no module path and "
+            "have no canonical names. A glob over module paths does not reach them. Avoid "
+            "the graph break (tapped.dynamo_info counts them; transformers breaks the graph where "
+            "it warns through `logger.warning_once`, e.g. sdpa attention called with "
+            "output_attentions=True), or use tracer='hooks'.", stacklevel=2)
 
     def _index_parameters(self) -> None:
         self.param_names = {}

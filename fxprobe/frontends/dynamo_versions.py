@@ -9,6 +9,7 @@ picks the one for the instance each call runs (by its anchor parameter).
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -136,6 +137,10 @@ class _Captured:
                 self.anchor, self.anchor_rel, best = i, rel, rank
                 if all(rank):
                     break
+        self.unplaced: tuple[str, int] | None = None
+        """Where the frame's own code is (file, line), where it is no module's ``forward`` of
+        the region, or several modules' (set by :meth:`_locate`): its sites are named as the
+        region module's own, with no module path."""
         self.located = self._locate() if self.anchor is None else ""
         self.captured_prefix = self.prefix_of(example_inputs)
         self.versions: dict[int | tuple[int, int], Instrumented] = {}
@@ -158,14 +163,19 @@ class _Captured:
             return ""
         owners = set()
         for rel, m in self.region.module.named_modules():
-            code = getattr(type(m).forward, "__code__", None)
-            if code is None:
-                continue
-            last = max((ln for _, _, ln in code.co_lines() if ln is not None),
-                       default=code.co_firstlineno)
-            if all(f == code.co_filename and code.co_firstlineno <= ln <= last
-                   for f, ln in lines):
-                owners.add(rel)
+            forward = type(m).forward  # and the function a decorator wraps (transformers'
+            for fn in {forward, inspect.unwrap(forward)}:  # dynamic_rope_update)
+                code = getattr(fn, "__code__", None)
+                if code is None:
+                    continue
+                last = max((ln for _, _, ln in code.co_lines() if ln is not None),
+                           default=code.co_firstlineno)
+                if all(f == code.co_filename and code.co_firstlineno <= ln <= last
+                       for f, ln in lines):
+                    owners.add(rel)
+        if len(owners) != 1:  # a function of its own (after a graph break inside it), or the
+            # code of a module class the region holds several of, with no parameter to tell
+            self.unplaced = min(lines)
         return owners.pop() if len(owners) == 1 else ""
 
     def prefix_of(self, args: Sequence[Any]) -> str:

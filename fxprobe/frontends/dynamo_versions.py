@@ -98,6 +98,15 @@ def _forget(owner: weakref.ref[Any], key: Any) -> None:
         found.versions.pop(key, None)
 
 
+def _unwrapped(fn: Any) -> Any:
+    """The function a decorator's ``functools.wraps`` wrapper calls (``fn`` itself where
+    there is none, or where the chain of ``__wrapped__`` loops)."""
+    try:
+        return inspect.unwrap(fn)
+    except ValueError:
+        return fn
+
+
 class _Captured:
     """A graph dynamo handed to the backend, and its instrumented versions."""
 
@@ -164,7 +173,7 @@ class _Captured:
         owners = set()
         for rel, m in self.region.module.named_modules():
             forward = type(m).forward  # and the function a decorator wraps (transformers'
-            for fn in {forward, inspect.unwrap(forward)}:  # dynamic_rope_update)
+            for fn in {forward, _unwrapped(forward)}:  # dynamic_rope_update)
                 code = getattr(fn, "__code__", None)
                 if code is None:
                     continue

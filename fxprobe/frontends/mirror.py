@@ -322,6 +322,15 @@ class HookMirror:
         self.hooked = {p: (p, m, c) for p, m, c in pairs if any(self.synced[p])}
         """The pairs whose model module had hooks at the last sync."""
         self.registrations = Registrations()
+        self.forwards = {path: vars(m).get("forward") for path, m, _ in pairs}
+        """The forward set on each model module's instance at ``tap()`` (None: the class's)."""
+
+    def replaced(self) -> list[str]:
+        """The paths of the model's modules whose instance ``forward`` was set, replaced or
+        deleted since ``tap()``: the copy runs the one it had then (``frontends.wrappers``)."""
+        forwards = self.forwards
+        return [path for path, m, _ in self.pairs
+                if vars(m).get("forward") is not forwards[path]]
 
     def sync(self) -> list[str]:
         """Bring the copies' tables in line with the model's; return the paths that changed.

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import RemovedError, SelectorError
+from ..core.errors import RemovedError, SelectorError, UsageError
 from ..core.names import some
 from ..frontends.mirror import (
     HookWatch,
@@ -136,6 +136,14 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
     if state.removed:
         raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
     root, pipeline = state.root, state.pipeline
+    replaced = state.model_hooks.replaced()
+    if replaced:
+        shown = ", ".join(repr(p or "<the model>") for p in replaced[:3])
+        raise UsageError(
+            f"the forward of {shown}{' and more' if len(replaced) > 3 else ''} was set or "
+            "replaced on the model after fxprobe.tap() (a wrapper installed later); the "
+            "tapped module runs the forward each module had at tap(), so its values would "
+            "not be the model's: call fxprobe.tap(model, ...) again after replacing it.")
     if "" in state.model_hooks.sync():  # the model's hooks as set now: the root's changed
         state.root_hooked = user_hooks(root)  # fxprobe calls the root exactly while it has
         for other in state.lives.values():  # hooks

@@ -130,9 +130,9 @@ class DynamoRegion:
         self._compiled: Callable[..., Any] | None = None
         self._run: Callable[..., Any] | None = None
         self.static: list[tuple[str, tuple[int, ...]]] = []
-        self.warned_unplaced: set[tuple[str, int]] = set()  # (file, line): _unplaced
         """The inputs of the forward (and their dims) that dynamo kept static at the first
         capture: a new size there is captured again (``dynamo_shapes``)."""
+        self.warned_unplaced: set[tuple[str, int]] = set()  # (file, line): _unplaced
         self.offloaded = offloaded(module)
         """accelerate's offloaded modules (``device_map=``, ``cpu_offload``), loaded per run."""
         found = inline.repeated_blocks(module) if inline.enabled() else []

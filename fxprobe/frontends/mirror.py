@@ -322,6 +322,29 @@ class HookMirror:
         self.hooked = {p: (p, m, c) for p, m, c in pairs if any(self.synced[p])}
         """The pairs whose model module had hooks at the last sync."""
         self.registrations = Registrations()
+        self.tree = [(path, m, m.__dict__.get("forward"), tuple(m.__dict__["_modules"].values()))
+                     for path, m, _ in pairs]
+        """Each model module's instance ``forward`` and children as at ``tap()``: the copy
+        runs those (see :meth:`replaced`)."""
+        self.told: set[str] = set()
+
+    def replaced(self) -> list[str]:
+        """The paths of the model's modules whose ``forward`` was replaced (a wrapper
+        installed or removed on the instance) or whose submodules were assigned, added or
+        deleted after ``tap()``, not said before. The copy keeps running the module tree and
+        forwards the model had at ``tap()``: a change there is not followed (hooks are, by
+        :meth:`sync`), so it is said (:class:`~.wrappers.ModelChangedWarning`) rather than
+        silently ignored. One identity check per module and child."""
+        out = []
+        for path, m, forward, children in self.tree:
+            d = m.__dict__
+            if d.get("forward") is forward and len(d["_modules"]) == len(children) and all(
+                    a is b for a, b in zip(d["_modules"].values(), children, strict=True)):
+                continue
+            if path not in self.told:
+                self.told.add(path)
+                out.append(path)
+        return out
 
     def sync(self) -> list[str]:
         """Bring the copies' tables in line with the model's; return the paths that changed.

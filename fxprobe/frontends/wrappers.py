@@ -39,6 +39,11 @@ class WrappedForwardWarning(UserWarning):
     """A module's ``forward`` wrapper runs the model's own submodules, out of fxprobe's reach."""
 
 
+class ModelChangedWarning(UserWarning):
+    """A module of the model had its ``forward`` replaced or its submodules changed after
+    ``tap()``: the tapped module runs the module tree and forwards as they were at ``tap()``."""
+
+
 def see_through(original: nn.Module, copy: nn.Module, state: dict[str, Any]) -> None:
     """Make the copy's ``state`` (its ``__dict__`` to be) run on the copy; see the module
     docstring. Nothing of ``original`` changes."""

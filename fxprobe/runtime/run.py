@@ -22,6 +22,7 @@ from ..frontends.mirror import (
     own_forward,
     user_hooks,
 )
+from ..frontends.wrappers import ModelChangedWarning
 from .build import adopted, compile_points
 from .dispatch import module_dispatcher, other_mode, pointed_in, signed
 from .lifecycle import Lifecycle, State, fall_back_all
@@ -136,6 +137,16 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
     if state.removed:
         raise RemovedError("this tapped module was removed; call fxprobe.tap(model) again")
     root, pipeline = state.root, state.pipeline
+    changed = state.model_hooks.replaced()
+    if changed:
+        warnings.warn(
+            f"fxprobe: the forward or the submodules of {some(changed)} of the model were "
+            "replaced after tap() (a wrapper installed or removed on the instance, a submodule "
+            "assigned, added or deleted); the tapped module runs a copy of the module tree as "
+            "it was at tap() (it shares the parameters and follows the hooks, not these), so "
+            "this change is not seen by it. Call fxprobe.tap(model) again, or make the change "
+            "before tap() (on the tapped module, a submodule assigned is followed).",
+            ModelChangedWarning, stacklevel=3)
     if "" in state.model_hooks.sync():  # the model's hooks as set now: the root's changed
         state.root_hooked = user_hooks(root)  # fxprobe calls the root exactly while it has
         for other in state.lives.values():  # hooks

@@ -203,3 +203,36 @@ def test_weights_changed_on_the_model_after_tap_are_seen(saved: str) -> None:
     layer = model.model.layers[3].mlp.down_proj
     layer.weight = nn.Parameter(torch.randn_like(layer.weight))
     same()
+
+
+# Found by review 27: a Qwen2 (or Gemma2) with full-attention and sliding-window layers, after a
+# call without a cache, ran its full-attention layers shared (one op each) beside the sliding
+# ones traced in place at a call with a cache; the canonical pass named only the kernels it
+# found in the graph, so the shared layers' calls had no ``blocks.L.resid_post`` there and
+# tap()'s taps of them raised SiteNotRunError (logits, edits, run_with_cache were right).
+def test_taps_of_shared_cache_layers_beside_sliding_layers_after_a_call_without_cache() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    tapped = fxprobe.tap(model, ops="blocks.*.resid_post")
+    x = torch.randint(3, 64, (1, 9))
+    got: dict[int, torch.Tensor] = {}
+    handles = [layer.register_forward_hook(
+        lambda m, a, o, i=i: got.__setitem__(i, (o[0] if isinstance(o, tuple) else o).clone()))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            want = model(x, use_cache=True).logits
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        tapped(x, use_cache=False)
+        out = tapped(x, use_cache=True).logits
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for i in range(4):
+        torch.testing.assert_close(tapped.taps[f"blocks.{i}.resid_post"], got[i],
+                                   rtol=0, atol=0, msg=f"layer {i}")

@@ -127,6 +127,9 @@ def annotate(graph: fx.Graph, named: NamedGraph, *, root: nn.Module, root_path: 
     out = RoleNames()
     if kernels:
         _name_all(g, kernels, named, scores, out)
+        # Blocks called as one op each beside blocks traced in the graph (a cache call whose
+        # sliding-window layers are traced in place): the stream around the ops too.
+        around_shared(g, out, stream_only=True)
     else:  # blocks called as one op each (dynamo_blocks): the stream around them
         around_shared(g, out)
     if not out.names and not scores:

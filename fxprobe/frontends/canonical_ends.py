@@ -79,11 +79,13 @@ def ends(g: GraphIndex, blocks: Mapping[int, Any], pre: str, out: Any, last: boo
             return
 
 
-def around_shared(g: GraphIndex, out: Any) -> None:
+def around_shared(g: GraphIndex, out: Any, stream_only: bool = False) -> None:
     """The stream around blocks called as one op each (``dynamo_blocks``), whose graphs of
     their own name what is inside them: each block's ``resid_pre`` (what the call reads as its
     first argument, shaped as what it returns), ``embed``, ``pos_embed``, ``ln_final`` and
-    ``logits``; for the blocks of one list, each called once."""
+    ``logits``; for the blocks of one list, each called once. ``stream_only``: the blocks'
+    ``resid_pre`` and ``resid_post`` alone, for a graph whose other blocks are traced in it
+    (named by the kernels found there, ends included)."""
     calls = [n for n in g.nodes if n.target is block_call]
     paths = [g.path(n) for n in calls]
     if not calls or None in paths or len(set(paths)) != len(paths):
@@ -107,6 +109,8 @@ def around_shared(g: GraphIndex, out: Any) -> None:
     for i, blk in blocks.items():
         out.put(blk.stream_in, f"blocks.{i}.resid_pre")
         out.put(blk.resid[0], f"blocks.{i}.resid_post")  # what the block returns
+    if stream_only:
+        return
     names_stream(calls[0])
     last = max(blocks, key=lambda i: g.index[blocks[i].resid[0]])  # type: ignore[index]
     ends(g, blocks, "", out, last=True, lst=lst, last_ran=last)

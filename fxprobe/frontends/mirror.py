@@ -322,15 +322,21 @@ class HookMirror:
         self.hooked = {p: (p, m, c) for p, m, c in pairs if any(self.synced[p])}
         """The pairs whose model module had hooks at the last sync."""
         self.registrations = Registrations()
-        self.forwards = {path: vars(m).get("forward") for path, m, _ in pairs}
-        """The forward set on each model module's instance at ``tap()`` (None: the class's)."""
+        self.tree = [(path, m, vars(m).get("forward"), tuple(m._modules.values()))
+                     for path, m, _ in pairs]
+        """Each model module's instance ``forward`` (None: the class's) and children as at
+        ``tap()``: the copy runs those (see :meth:`replaced`)."""
 
     def replaced(self) -> list[str]:
         """The paths of the model's modules whose instance ``forward`` was set, replaced or
-        deleted since ``tap()``: the copy runs the one it had then (``frontends.wrappers``)."""
-        forwards = self.forwards
-        return [path for path, m, _ in self.pairs
-                if vars(m).get("forward") is not forwards[path]]
+        deleted (a wrapper installed or removed) or whose submodules were assigned, added or
+        deleted since ``tap()``. The copy keeps running the module tree and forwards the model
+        had at ``tap()`` (``frontends.wrappers``): such a change is not followed (hooks are,
+        by :meth:`sync`; weights too, being shared). One identity check per module, one tuple
+        comparison of its children (by identity)."""
+        return [path for path, m, forward, children in self.tree
+                if vars(m).get("forward") is not forward
+                or tuple(m._modules.values()) != children]
 
     def sync(self) -> list[str]:
         """Bring the copies' tables in line with the model's; return the paths that changed.

@@ -138,12 +138,14 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
     root, pipeline = state.root, state.pipeline
     replaced = state.model_hooks.replaced()
     if replaced:
-        shown = ", ".join(repr(p or "<the model>") for p in replaced[:3])
+        shown = some([p or "<the model>" for p in replaced])
         raise UsageError(
-            f"the forward of {shown}{' and more' if len(replaced) > 3 else ''} was set or "
-            "replaced on the model after fxprobe.tap() (a wrapper installed later); the "
-            "tapped module runs the forward each module had at tap(), so its values would "
-            "not be the model's: call fxprobe.tap(model, ...) again after replacing it.")
+            f"the forward or the submodules of {shown} of the model were set or "
+            "replaced after fxprobe.tap() (a wrapper installed or removed on the instance, a "
+            "submodule assigned, added or deleted); the tapped module runs a copy of the module "
+            "tree as it was at tap() (it shares the parameters and follows hooks, not these), so "
+            "its values would not be the model's: call fxprobe.tap(model, ...) again after the "
+            "change, or undo it.")
     if "" in state.model_hooks.sync():  # the model's hooks as set now: the root's changed
         state.root_hooked = user_hooks(root)  # fxprobe calls the root exactly while it has
         for other in state.lives.values():  # hooks

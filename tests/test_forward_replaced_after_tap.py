@@ -1,9 +1,12 @@
 """A forward set on one of the model's modules after ``tap()`` (a wrapper installed later) is
 not what the tapped module runs (it runs a copy, built at ``tap()``): the next forward says
 so, where it used to return values that were no longer the model's in silence. Changes the
-tapped module does follow stay followed: weights changed in place, ``load_state_dict``."""
+tapped module does follow stay followed: weights changed in place, ``load_state_dict``. The
+train/eval mode is the tapped module's own: a mode set on the model later is said."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from torch import nn
 
 import fxprobe
 from fxprobe.core.errors import UsageError
+from fxprobe.frontends.mirror import ModeChangedWarning
 
 
 class Net(nn.Module):
@@ -43,3 +47,49 @@ def test_a_forward_replaced_after_tap_is_refused_not_ignored(tracer: str) -> Non
             tapped(x)
         del model.a.forward  # as it was at tap(): runs again, equal to the model
         torch.testing.assert_close(tapped(x), model(x))
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo", "hooks"])
+def test_a_mode_changed_on_the_model_after_tap_is_said(tracer: str) -> None:
+    # The tapped module keeps a train/eval mode of its own (tapped.eval() leaves the model's
+    # flag alone). model.eval() after tap() used to leave its Dropout active in silence: the
+    # tapped values were not the model's. Now the next call says which call aligns them.
+    torch.manual_seed(0)
+    model = Dropped()  # train mode, as constructed
+    x = torch.randn(3, 4)
+    tapped = fxprobe.tap(model, ops=["a", "b"], tracer=tracer)
+    model.eval()
+    said = r"the model was put in eval mode.*tapped\.eval\(\)"
+    with pytest.warns(ModeChangedWarning, match=said):
+        out = tapped(x)
+    assert not torch.allclose(out, model(x))  # what the warning is about: dropout still ran
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModeChangedWarning)
+        tapped(x)  # said once per change
+        tapped.eval()
+        torch.testing.assert_close(tapped(x), model(x), rtol=0, atol=0)
+        model.train()
+        model.eval()  # back where it was: nothing changed between two calls
+        tapped(x)
+    model.drop.train()
+    with pytest.warns(ModeChangedWarning, match=r"'drop' of the model was put in train mode.*"
+                      r"tapped\.get_submodule\('drop'\)\.train\(\)"):
+        tapped(x)
+    tapped.get_submodule("drop").train()
+    assert not torch.equal(tapped(x), tapped(x))  # dropout now runs, as in the model
+    tapped.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModeChangedWarning)
+        model.train()  # the model joins the mode the tapped module is in already: no word
+        tapped(x)

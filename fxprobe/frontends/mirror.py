@@ -305,6 +305,11 @@ class HookWatch:
                 _hook_keys(self.modules[p], library=False) != self.users.get(p, empty)]
 
 
+class ModeChangedWarning(UserWarning):
+    """A module of the model was put in train or eval mode after ``tap()`` and the tapped
+    module's copy of it is in the other: the tapped module keeps its own mode."""
+
+
 class HookMirror:
     """Keeps the hook tables of fxprobe's copy of the model's modules as the user last set them
     on the model: a hook registered on a module of the model after ``tap()`` is put on its
@@ -326,6 +331,8 @@ class HookMirror:
                      for path, m, _ in pairs]
         """Each model module's instance ``forward`` (None: the class's) and children as at
         ``tap()``: the copy runs those (see :meth:`replaced`)."""
+        self.modes = [m.training for _, m, _ in pairs]
+        """Each model module's ``training`` flag as last seen (see :meth:`modes_changed`)."""
 
     def replaced(self) -> list[str]:
         """The paths of the model's modules whose instance ``forward`` was set, replaced or
@@ -337,6 +344,19 @@ class HookMirror:
         return [path for path, m, forward, children in self.tree
                 if vars(m).get("forward") is not forward
                 or tuple(m._modules.values()) != children]
+
+    def modes_changed(self) -> list[str]:
+        """The paths of the model's modules whose ``training`` flag changed since last asked
+        (``model.eval()`` after ``tap()``) and now differs from their copy's. The tapped module
+        keeps a mode of its own (``tapped.train()``/``.eval()``, which leave the model's flag
+        alone), so the model's change is not followed: it is said
+        (:class:`ModeChangedWarning`), once per change."""
+        now = [m.training for _, m, _ in self.pairs]
+        if now == self.modes:
+            return []
+        old, self.modes = self.modes, now
+        return [path for (path, m, c), was in zip(self.pairs, old, strict=True)
+                if m.training != was and m.training != c.training]
 
     def sync(self) -> list[str]:
         """Bring the copies' tables in line with the model's; return the paths that changed.

@@ -16,6 +16,7 @@ from ..core.errors import RemovedError, SelectorError, UsageError
 from ..core.names import some
 from ..frontends.mirror import (
     HookWatch,
+    ModeChangedWarning,
     count_changes,
     drop_overrides,
     install_override,
@@ -130,6 +131,22 @@ def _root_dispatcher(state: TapState) -> Callable[..., Any]:
     return signed(forward, own_forward(root))
 
 
+def _say_mode_changed(state: TapState, paths: list[str]) -> None:
+    """Warn that ``paths`` of the model changed train/eval mode after ``tap()`` and their
+    copies did not (the tapped module keeps its own mode): name the call that aligns them."""
+    model = dict((p, m) for p, m, _ in state.model_hooks.pairs)
+    first = paths[0]
+    mode = "train" if model[first].training else "eval"
+    who = "the model" if first == "" else f"{some(paths)} of the model"
+    fix = f"tapped.{mode}()" if first == "" else f"tapped.get_submodule({first!r}).{mode}()"
+    warnings.warn(
+        f"fxprobe: {who} was put in {mode} mode after fxprobe.tap(); the tapped module keeps "
+        "its own train/eval mode (tapped.train()/.eval() leave the model's alone), so its "
+        "Dropout, BatchNorm and code branching on self.training still run in the other mode "
+        f"and its values are not the model's: call {fix} to run as the model does.",
+        ModeChangedWarning, stacklevel=4)
+
+
 def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
         through_root: bool | None = None) -> Any:
     """One forward of the tapped module (a frame of the recording)."""
@@ -146,6 +163,9 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
             "tree as it was at tap() (it shares the parameters and follows hooks, not these), so "
             "its values would not be the model's: call fxprobe.tap(model, ...) again after the "
             "change, or undo it.")
+    modes = state.model_hooks.modes_changed()
+    if modes:
+        _say_mode_changed(state, modes)
     if "" in state.model_hooks.sync():  # the model's hooks as set now: the root's changed
         state.root_hooked = user_hooks(root)  # fxprobe calls the root exactly while it has
         for other in state.lives.values():  # hooks

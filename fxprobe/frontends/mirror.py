@@ -305,6 +305,22 @@ class HookWatch:
                 _hook_keys(self.modules[p], library=False) != self.users.get(p, empty)]
 
 
+def _same_change(model: nn.Module, copy: nn.Module,
+                 children: tuple[tuple[str, nn.Module | None], ...]) -> bool:
+    """Whether every child of ``model`` that is no longer the one it had at ``tap()``
+    (``children``) was given to its copy too: the same module under the same name (or
+    fxprobe's copy of it, :func:`adopt`, which shares its parameter dict), or deleted from
+    both."""
+    was, now, mine = dict(children), model._modules, copy._modules
+
+    def same(a: nn.Module | None, b: nn.Module | None) -> bool:
+        return a is b or (a is not None and b is not None and b.__dict__.get(_COPY, False)
+                          and a.__dict__["_parameters"] is b.__dict__["_parameters"])
+
+    return all(same(now.get(k), mine.get(k)) and (k in now) == (k in mine)
+               for k in set(was) | set(now) if now.get(k) is not was.get(k) or k not in now)
+
+
 class ModeChangedWarning(UserWarning):
     """A module of the model was put in train or eval mode after ``tap()`` and the tapped
     module's copy of it is in the other: the tapped module keeps its own mode."""
@@ -327,23 +343,25 @@ class HookMirror:
         self.hooked = {p: (p, m, c) for p, m, c in pairs if any(self.synced[p])}
         """The pairs whose model module had hooks at the last sync."""
         self.registrations = Registrations()
-        self.tree = [(path, m, vars(m).get("forward"), tuple(m._modules.values()))
-                     for path, m, _ in pairs]
-        """Each model module's instance ``forward`` (None: the class's) and children as at
-        ``tap()``: the copy runs those (see :meth:`replaced`)."""
+        self.tree = [(path, m, c, vars(m).get("forward"), tuple(m._modules.items()))
+                     for path, m, c in pairs]
+        """Each model module's copy, instance ``forward`` (None: the class's) and children as
+        at ``tap()``: the copy runs those (see :meth:`replaced`)."""
         self.modes = [m.training for _, m, _ in pairs]
         """Each model module's ``training`` flag as last seen (see :meth:`modes_changed`)."""
 
     def replaced(self) -> list[str]:
         """The paths of the model's modules whose instance ``forward`` was set, replaced or
         deleted (a wrapper installed or removed) or whose submodules were assigned, added or
-        deleted since ``tap()``. The copy keeps running the module tree and forwards the model
-        had at ``tap()`` (``frontends.wrappers``): such a change is not followed (hooks are,
-        by :meth:`sync`; weights too, being shared). One identity check per module, one tuple
-        comparison of its children (by identity)."""
-        return [path for path, m, forward, children in self.tree
+        deleted since ``tap()``, where the copy did not get the same change (a submodule
+        assigned to both the model and the tapped module is followed). The copy keeps
+        running the module tree and forwards the model had at ``tap()``
+        (``frontends.wrappers``): such a change is not followed (hooks are, by :meth:`sync`;
+        weights too, being shared). One identity check per module, one tuple comparison of
+        its children (by identity)."""
+        return [path for path, m, c, forward, children in self.tree
                 if vars(m).get("forward") is not forward
-                or tuple(m._modules.values()) != children]
+                or (tuple(m._modules.items()) != children and not _same_change(m, c, children))]
 
     def modes_changed(self) -> list[str]:
         """The paths of the model's modules whose ``training`` flag changed since last asked

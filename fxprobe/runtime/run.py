@@ -137,6 +137,7 @@ def _say_mode_changed(state: TapState, paths: list[str]) -> None:
     model = dict((p, m) for p, m, _ in state.model_hooks.pairs)
     first = paths[0]
     mode = "train" if model[first].training else "eval"
+    paths = [p for p in paths if model[p].training == model[first].training]  # one mode
     who = "the model" if first == "" else f"{some(paths)} of the model"
     fix = f"tapped.{mode}()" if first == "" else f"tapped.get_submodule({first!r}).{mode}()"
     warnings.warn(

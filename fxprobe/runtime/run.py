@@ -156,14 +156,15 @@ def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],
     root, pipeline = state.root, state.pipeline
     replaced = state.model_hooks.replaced()
     if replaced:
-        shown = some([p or "<the model>" for p in replaced])
+        what = "; ".join(f"{p or '<the model>'!r}: {', '.join(state.model_hooks.what_changed(p))}"
+                         for p in replaced[:3]) + (" ..." if len(replaced) > 3 else "")
         raise UsageError(
-            f"the forward or the submodules of {shown} of the model were set or "
-            "replaced after fxprobe.tap() (a wrapper installed or removed on the instance, a "
-            "submodule assigned, added or deleted); the tapped module runs a copy of the module "
-            "tree as it was at tap() (it shares the parameters and follows hooks, not these), so "
-            "its values would not be the model's: call fxprobe.tap(model, ...) again after the "
-            "change, or undo it.")
+            f"these modules of the model were changed after fxprobe.tap() ({what}): an "
+            "attribute set, replaced or deleted (a forward wrapper installed or removed, a "
+            "value the forward reads), or a submodule assigned, added or deleted. The tapped "
+            "module runs a copy of the module tree as it was at tap() (it shares the "
+            "parameters and follows hooks, not these), so its values would not "
+            "be the model's: call fxprobe.tap(model, ...) again after the change, or undo it.")
     modes = state.model_hooks.modes_changed()
     if modes:
         _say_mode_changed(state, modes)

@@ -143,3 +143,25 @@ def test_an_attribute_set_on_the_model_after_tap_is_refused_not_ignored(tracer: 
                 tapped(x)
         undo()
         torch.testing.assert_close(tapped(x), model(x))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo", "hooks"])
+def test_attributes_put_back_as_equal_objects_are_followed(tracer: str) -> None:
+    # torch.export puts a module's attributes back as equal new objects: that is no change
+    # to refuse (it was refused for a timm ViT exported after tap()); the copy takes the
+    # model's new objects, and a later real change is still refused.
+    torch.manual_seed(0)
+    model = Outer().eval()
+    x = torch.randn(3, 4)
+    tapped = fxprobe.tap(model, ops=["inner.a", "b"], tracer=tracer)
+    torch.testing.assert_close(tapped(x), model(x))
+    a = model.inner.a
+    a.padding_like = (1, 2)
+    tapped = fxprobe.tap(model, ops=["inner.a", "b"], tracer=tracer)
+    a.padding_like = tuple([1, 2])  # equal, not the same object
+    torch.export.export(model, (x,))
+    torch.testing.assert_close(tapped(x), model(x))
+    assert vars(tapped.get_submodule("inner.a"))["padding_like"] is a.padding_like
+    model.inner.scale = 2.0
+    with pytest.raises(UsageError, match=r"\('inner': scale\)"):
+        tapped(x)

@@ -351,15 +351,36 @@ def _attributes(m: nn.Module) -> tuple[tuple[str, ...],
     return keys, getter, getter(m.__dict__)
 
 
-def _same_values(getter: Callable[[dict[str, Any]], Any], d: dict[str, Any],
-                 values: tuple[Any, ...]) -> bool:
-    """Whether ``d`` still holds the very objects ``values`` (kept alive there, so their ids
-    are not reused); a key gone counts as changed."""
-    try:
-        now = getter(d)
-    except KeyError:
+def _followed(keys: tuple[str, ...], values: tuple[Any, ...], d: dict[str, Any],
+              copy: dict[str, Any]) -> bool:
+    """Whether the attributes ``keys`` of a model module (its ``__dict__`` ``d``) still hold
+    ``values``, or values equal to them that the copy (its ``__dict__`` ``copy``) now holds
+    too: ``torch.export`` and other tools put attributes back as equal new objects. Never a
+    ``forward``, a callable or a module (bound to the model, not the copy)."""
+    for k, old in zip(keys, values, strict=True):
+        new = d[k]
+        if new is old:
+            continue
+        if k == "forward" or callable(new) or not _equal(old, new):
+            return False
+        if copy.get(k) is old:
+            copy[k] = new  # equal: the copy holds the model's object, as at tap()
+    return True
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` for attribute values, where it is a plain yes (tensors by ``torch.equal``;
+    anything that cannot say is unequal)."""
+    if type(a) is not type(b):
         return False
-    return len(now) == len(values) and all(map(operator.is_, now, values))
+    if isinstance(a, torch.Tensor):
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and bool(torch.equal(a, b)))
+    try:
+        same = a == b
+    except Exception:
+        return False
+    return same is True
 
 
 class ModeChangedWarning(UserWarning):
@@ -384,12 +405,17 @@ class HookMirror:
         self.hooked = {p: (p, m, c) for p, m, c in pairs if any(self.synced[p])}
         """The pairs whose model module had hooks at the last sync."""
         self.registrations = Registrations()
-        self.tree = [(path, m, c, *_attributes(m), tuple(m._modules.items()))
-                     for path, m, c in pairs]
-        """Each model module's copy, attributes (a getter of their keys, their values, how
-        many keys) and children as at ``tap()``: the copy runs those (see :meth:`replaced`)."""
         self.modes = [m.training for _, m, _ in pairs]
         """Each model module's ``training`` flag as last seen (see :meth:`modes_changed`)."""
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        """What :meth:`replaced` compares against, taken from the model as it is now."""
+        pairs = self.pairs
+        self.tree = [(path, m, c, *_attributes(m), tuple(m._modules.items()))
+                     for path, m, c in pairs]
+        """Each model module's copy, attributes (their keys, a getter of their values, the
+        values) and children as at ``tap()``: the copy runs those (see :meth:`replaced`)."""
         # The same, flat, for one pass in C over every module (:meth:`replaced`'s fast path).
         dicts = [m.__dict__ for _, m, _ in pairs]
         subs = [m._modules for _, m, _ in pairs]
@@ -409,7 +435,8 @@ class HookMirror:
         copy did not get the same change (a submodule assigned to both the model and the
         tapped module is followed). The copy keeps running the module tree, forwards and
         attributes the model had at ``tap()`` (``frontends.wrappers``; attributes are shared
-        by value, so a list or config changed in place is seen): such a change is not
+        by value, so a list or config changed in place is seen; one put back as an equal
+        object, as ``torch.export`` does, is taken by the copy): such a change is not
         followed (hooks are, by :meth:`sync`; weights too, being shared). Where nothing
         changed, one pass in C over every module's ``__dict__`` size and attributes, by
         identity (0.4 ms at 1047 modules); else module by module."""
@@ -422,16 +449,17 @@ class HookMirror:
         except KeyError:  # a key deleted and another added
             pass
         out = []  # something changed, or only keys not compared: module by module
-        for path, m, c, keys, getter, values, children in self.tree:
+        for path, m, c, keys, _, values, children in self.tree:
             d = m.__dict__
-            if (set(_compared(d)) != set(keys) or not _same_values(getter, d, values)
+            if (set(_compared(d)) != set(keys) or not _followed(keys, values, d, c.__dict__)
                     or tuple(m._modules.items()) != children
                     and not _same_change(m, c, children)):
                 out.append(path)
-        if not out:  # only keys not compared (a hook's bookkeeping) were added or deleted:
-            # the fast path again, with the sizes as they are now. (A compared key added while
-            # another not compared is deleted, between two calls, keeps the sizes: missed.)
-            self._sizes = (dicts, list(map(len, dicts)), subs, list(map(len, subs)))
+        if not out:  # only keys not compared (a hook's bookkeeping) were added or deleted,
+            # or values rebound to equal ones (followed): the fast path again, from now. (A
+            # compared key added while another not compared is deleted, between two calls,
+            # keeps the sizes: missed.)
+            self._snapshot()
         return out
 
     def what_changed(self, path: str) -> list[str]:
@@ -442,7 +470,8 @@ class HookMirror:
                 continue
             was = dict(zip(keys, values, strict=True))
             d = {k: m.__dict__[k] for k in _compared(m.__dict__)}
-            out = sorted(k for k in set(was) | set(d) if was.get(k, d) is not d.get(k, was))
+            out = sorted(k for k in set(was) | set(d) if k not in was or k not in d
+                         or not _followed((k,), (was[k],), d, {}))
             if tuple(m._modules.items()) != children and not _same_change(m, c, children):
                 out.append("its submodules")
             return out

@@ -5,12 +5,15 @@ it reads and writes the module's :class:`~runtime.state.TapState`."""
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..core.errors import RemovedError, SelectorError, UsageError
 from ..core.names import some
@@ -140,12 +143,25 @@ def _say_mode_changed(state: TapState, paths: list[str]) -> None:
     paths = [p for p in paths if model[p].training == model[first].training]  # one mode
     who = "the model" if first == "" else f"{some(paths)} of the model"
     fix = f"tapped.{mode}()" if first == "" else f"tapped.get_submodule({first!r}).{mode}()"
-    warnings.warn(
+    message = (
         f"fxprobe: {who} was put in {mode} mode after fxprobe.tap(); the tapped module keeps "
         "its own train/eval mode (tapped.train()/.eval() leave the model's alone), so its "
         "Dropout, BatchNorm and code branching on self.training still run in the other mode "
-        f"and its values are not the model's: call {fix} to run as the model does.",
-        ModeChangedWarning, stacklevel=4)
+        f"and its values are not the model's: call {fix} to run as the model does.")
+    # Said at the caller's line (not torch's Module._call_impl) and at each change: the
+    # registry of warnings already shown would hide a later change that reads the same (the
+    # model put in train mode again, another tapped model's) after the first, in silence.
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+    warnings.warn_explicit(message, ModeChangedWarning, frame.f_code.co_filename,
+                           frame.f_lineno, module=frame.f_globals.get("__name__"),
+                           registry={}, module_globals=frame.f_globals)
+
+
+_INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+             os.path.dirname(os.path.abspath(nn.Module.__init__.__code__.co_filename)))
+"""Where fxprobe and torch's ``nn.Module`` calls run: a warning is said at the caller's line."""
 
 
 def run(state: TapState, args: tuple[Any, ...], kwargs: dict[str, Any],

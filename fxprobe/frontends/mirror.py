@@ -21,6 +21,7 @@ out of the graph.
 from __future__ import annotations
 
 import contextlib
+import dis
 import operator
 import types
 from collections.abc import Callable, Iterator
@@ -329,17 +330,70 @@ _NOT_ATTRIBUTES = frozenset({"training", "_modules", "_parameters", "_buffers",
 their contents), ``Module.compile()``'s entry (the same values); hook tables are followed."""
 
 
+_WRITTEN: dict[type, frozenset[str]] = {}
+
+
+def written_by_forward(cls: type[nn.Module]) -> frozenset[str]:
+    """The attribute names ``cls``'s ``forward`` stores (``self.max_seq_len_cached = n`` in
+    transformers' dynamic RoPE): state the forward keeps for itself, which the model's own
+    calls change and the copy's calls change on the copy, so no change of the user's. Read
+    from the bytecode of ``forward``, of what it wraps (``__wrapped__``, closures), of the
+    functions nested in those, and of the methods of ``cls`` it names, a few levels deep."""
+    names: set[str] = set()
+    seen: set[int] = set()
+
+    def scan(code: types.CodeType, depth: int) -> None:
+        if id(code) in seen:
+            return
+        seen.add(id(code))
+        for ins in dis.get_instructions(code):
+            if ins.opname == "STORE_ATTR":
+                names.add(ins.argval)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                scan(const, depth)
+        if depth < 3:
+            for name in code.co_names:  # self.method(...): the methods of cls it names
+                method = getattr(cls, name, None)
+                if (isinstance(method, types.FunctionType) and name != "__init__"
+                        and getattr(nn.Module, name, None) is not method):
+                    walk(method, depth + 1)
+
+    def walk(fn: Any, depth: int) -> None:
+        code = getattr(fn, "__code__", None)
+        if not isinstance(code, types.CodeType) or depth > 3:
+            return
+        scan(code, depth)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(inner, types.FunctionType):
+                walk(inner, depth + 1)
+        walk(getattr(fn, "__wrapped__", None), depth + 1)
+
+    if cls in _WRITTEN:
+        return _WRITTEN[cls]
+    if cls.forward is not nn.Module.forward:
+        walk(cls.forward, 0)
+    _WRITTEN[cls] = frozenset(names)
+    return _WRITTEN[cls]
+
+
 def _compared(m: nn.Module) -> tuple[str, ...]:
     """The keys of ``m.__dict__`` :meth:`HookMirror.replaced` compares: not
     :data:`_NOT_ATTRIBUTES`, nor hook tables and their bookkeeping (``_is_full_backward_hook``,
     followed by :meth:`HookMirror.sync`), nor a ``forward`` that is the class's own bound to
-    ``m`` (what accelerate's ``remove_hook_from_module`` puts back: it runs as none does)."""
+    ``m`` (what accelerate's ``remove_hook_from_module`` puts back: it runs as none does),
+    nor the state its forward keeps for itself (:func:`written_by_forward`)."""
     d = m.__dict__
     forward = d.get("forward")
     own = (isinstance(forward, types.MethodType) and forward.__self__ is m
            and forward.__func__ is getattr(type(m), "forward", None))
+    kept = written_by_forward(type(m))
     return tuple(k for k in d if k not in _NOT_ATTRIBUTES and "hook" not in k
-                 and not (own and k == "forward"))
+                 and k not in kept and not (own and k == "forward"))
 
 
 def _attributes(m: nn.Module) -> tuple[tuple[str, ...],
@@ -358,14 +412,21 @@ def _attributes(m: nn.Module) -> tuple[tuple[str, ...],
 
 
 def _followed(keys: tuple[str, ...], values: tuple[Any, ...], d: dict[str, Any],
-              copy: dict[str, Any]) -> bool:
+              copy: dict[str, Any], kept: set[tuple[int, str]] | None = None) -> bool:
     """Whether the attributes ``keys`` of a model module (its ``__dict__`` ``d``) still hold
-    ``values``, or values equal to them that the copy (its ``__dict__`` ``copy``) now holds
-    too: ``torch.export`` and other tools put attributes back as equal new objects. Never a
-    ``forward``, a callable or a module (bound to the model, not the copy)."""
+    ``values``, or values the copy (its ``__dict__`` ``copy``) follows: equal ones, which the
+    copy then holds too (``torch.export`` and other tools put attributes back as equal new
+    objects; never a ``forward``, a callable or a module, bound to the model, not the copy);
+    or, given ``kept``, state the module's forward keeps for itself, known by the copy's value
+    having changed too (its own calls set it: dynamic RoPE's ``max_seq_len_cached``), which
+    each keeps on its own from then on."""
     for k, old in zip(keys, values, strict=True):
         new = d[k]
         if new is old:
+            continue
+        if kept is not None and ((id(copy), k) in kept or copy.get(k, old) is not old
+                                 and k != "forward" and not callable(new)):
+            kept.add((id(copy), k))
             continue
         if k == "forward" or callable(new) or not _equal(old, new):
             return False
@@ -413,6 +474,9 @@ class HookMirror:
         self.registrations = Registrations()
         self.modes = [m.training for _, m, _ in pairs]
         """Each model module's ``training`` flag as last seen (see :meth:`modes_changed`)."""
+        self.kept: set[tuple[int, str]] = set()
+        """``(id of a copy, attribute)``: state that module's forward keeps for itself, seen
+        changed on the copy too (:func:`_followed`)."""
         self._snapshot()
 
     def _snapshot(self) -> None:
@@ -462,7 +526,7 @@ class HookMirror:
         for (path, m, c, keys, _, values, children), cls in zip(self.tree, classes, strict=True):
             d = m.__dict__
             if (type(m) is not cls or set(_compared(m)) != set(keys)
-                    or not _followed(keys, values, d, c.__dict__)
+                    or not _followed(keys, values, d, c.__dict__, self.kept)
                     or tuple(m._modules.items()) != children
                     and not _same_change(m, c, children)):
                 out.append(path)

@@ -396,19 +396,11 @@ def _compared(m: nn.Module) -> tuple[str, ...]:
                  and k not in kept and not (own and k == "forward"))
 
 
-def _attributes(m: nn.Module) -> tuple[tuple[str, ...],
-                                       Callable[[dict[str, Any]], tuple[Any, ...]],
-                                       tuple[Any, ...]]:
-    """``m``'s compared attributes (:func:`_compared`): their keys, a getter of their values
-    (C's ``itemgetter``) and their values now."""
+def _attributes(m: nn.Module) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """``m``'s compared attributes (:func:`_compared`): their keys and their values now."""
     keys = _compared(m)
-
-    def getter(d: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(d[k] for k in keys)
-
-    if len(keys) > 1:
-        getter = operator.itemgetter(*keys)  # type: ignore[assignment]
-    return keys, getter, getter(m.__dict__)
+    d = m.__dict__
+    return keys, tuple(d[k] for k in keys)
 
 
 def _followed(keys: tuple[str, ...], values: tuple[Any, ...], d: dict[str, Any],
@@ -484,20 +476,20 @@ class HookMirror:
         pairs = self.pairs
         self.tree = [(path, m, c, *_attributes(m), tuple(m._modules.items()))
                      for path, m, c in pairs]
-        """Each model module's copy, attributes (their keys, a getter of their values, the
-        values) and children as at ``tap()``: the copy runs those (see :meth:`replaced`)."""
+        """Each model module's copy, attributes (their keys, their values) and children as at
+        ``tap()`` (or as last followed): the copy runs those (see :meth:`replaced`)."""
         # The same, flat, for one pass in C over every module (:meth:`replaced`'s fast path).
         dicts = [m.__dict__ for _, m, _ in pairs]
         subs = [m._modules for _, m, _ in pairs]
         self._sizes = (dicts, [len(d) for d in dicts], subs, [len(d) for d in subs])
-        self._modules = [m for _, m, _ in pairs]
-        self._classes = list(map(type, self._modules))
+        self._model_modules = [m for _, m, _ in pairs]
+        self._classes = list(map(type, self._model_modules))
         self._flat = tuple(
             (holders, keys, [h[k] for h, k in zip(holders, keys, strict=True)])
             for holders, keys in (
-                ([d for (*_, keys, _, _, _), d in zip(self.tree, dicts, strict=True)
+                ([d for (*_, keys, _, _), d in zip(self.tree, dicts, strict=True)
                   for _ in keys],
-                 [k for *_, keys, _, _, _ in self.tree for k in keys]),
+                 [k for *_, keys, _, _ in self.tree for k in keys]),
                 ([d for d in subs for _ in d], [k for d in subs for k in d])))
 
     def replaced(self) -> list[str]:
@@ -516,14 +508,14 @@ class HookMirror:
         classes = self._classes
         try:
             if (list(map(len, dicts)) == sizes and list(map(len, subs)) == counts
-                    and list(map(type, self._modules)) == classes
+                    and list(map(type, self._model_modules)) == classes
                     and all(all(map(operator.is_, map(dict.__getitem__, holders, keys), values))
                             for holders, keys, values in self._flat)):
                 return []  # nothing changed: no Python loop over the modules
         except KeyError:  # a key deleted and another added
             pass
         out = []  # something changed, or only keys not compared: module by module
-        for (path, m, c, keys, _, values, children), cls in zip(self.tree, classes, strict=True):
+        for (path, m, c, keys, values, children), cls in zip(self.tree, classes, strict=True):
             d = m.__dict__
             if (type(m) is not cls or set(_compared(m)) != set(keys)
                     or not _followed(keys, values, d, c.__dict__, self.kept)
@@ -540,7 +532,7 @@ class HookMirror:
     def what_changed(self, path: str) -> list[str]:
         """The attributes (``forward``, ``scaling``, ``the submodules``) of the model's module
         at ``path`` that :meth:`replaced` found changed, for a message."""
-        for (p, m, c, keys, _, values, children), cls in zip(self.tree, self._classes,
+        for (p, m, c, keys, values, children), cls in zip(self.tree, self._classes,
                                                                strict=True):
             if p != path:
                 continue

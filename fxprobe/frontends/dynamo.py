@@ -34,7 +34,7 @@ from ..capture.pipeline import Pipeline
 from ..capture.points import insert_points
 from ..capture.rewrite import Compiled, compile_region, copy_graph, insert_taps
 from ..core.errors import DynamoError
-from ..core.names import join, one_line
+from ..core.names import join, one_line, some
 from ..core.options import Capture, CopyPolicy
 from ..core.site import Site, attach
 from ..core.view import CapturedGraph, DynamoInfo
@@ -229,15 +229,15 @@ class DynamoRegion:
         if where in self.warned_unplaced or not version.sites:
             return
         self.warned_unplaced.add(where)
-        some = ", ".join(repr(n) for n in sorted(version.sites)[:3])
         warnings.warn(
             f"fxprobe: torch dynamo captured the code at {Path(where[0]).name}:{where[1]} "
             f"in {self.what} as a graph of its own (a graph break split the call around it: "
             "a function the model calls with a module as an argument, or a module class it "
             "holds several of), and fxprobe cannot tell which module it ran for: its "
-            f"{len(version.sites)} site(s) ({some}, ...) are named with no module path and "
-            "have no canonical names. A glob over module paths does not reach them. Avoid "
-            "the graph break (tapped.dynamo_info counts them; transformers breaks the graph where "
+            f"{len(version.sites)} site(s) ({some(sorted(version.sites))}) are named with no "
+            "module path and have no canonical names. A glob over module paths does not "
+            "reach them. Avoid the graph break (tapped.dynamo_info counts them; transformers "
+            "breaks the graph where "
             "it warns through `logger.warning_once`, e.g. sdpa attention called with "
             "output_attentions=True), or use tracer='hooks'.", stacklevel=2)
 

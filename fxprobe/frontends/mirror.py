@@ -403,27 +403,26 @@ def _attributes(m: nn.Module) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return keys, tuple(d[k] for k in keys)
 
 
-def _followed(keys: tuple[str, ...], values: tuple[Any, ...], d: dict[str, Any],
-              copy: dict[str, Any], kept: set[tuple[int, str]] | None = None) -> bool:
-    """Whether the attributes ``keys`` of a model module (its ``__dict__`` ``d``) still hold
-    ``values``, or values the copy (its ``__dict__`` ``copy``) follows: equal ones, which the
+def _followed(k: str, old: Any, d: dict[str, Any], copy: dict[str, Any],
+              kept: set[tuple[int, str]]) -> bool:
+    """Whether the attribute ``k`` of a model module (its ``__dict__`` ``d``) still holds
+    ``old``, or a value the copy (its ``__dict__`` ``copy``) follows: an equal one, which the
     copy then holds too (``torch.export`` and other tools put attributes back as equal new
     objects; never a ``forward``, a callable or a module, bound to the model, not the copy);
-    or, given ``kept``, state the module's forward keeps for itself, known by the copy's value
-    having changed too (its own calls set it: dynamic RoPE's ``max_seq_len_cached``), which
-    each keeps on its own from then on."""
-    for k, old in zip(keys, values, strict=True):
-        new = d[k]
-        if new is old:
-            continue
-        if kept is not None and ((id(copy), k) in kept or copy.get(k, old) is not old
-                                 and k != "forward" and not callable(new)):
-            kept.add((id(copy), k))
-            continue
-        if k == "forward" or callable(new) or not _equal(old, new):
-            return False
-        if copy.get(k) is old:
-            copy[k] = new  # equal: the copy holds the model's object, as at tap()
+    or state the module's forward keeps for itself, known by the copy's value having changed
+    too (its own calls set it: dynamic RoPE's ``max_seq_len_cached``), which each keeps on its
+    own from then on (``kept``)."""
+    new = d[k]
+    if new is old:
+        return True
+    if (id(copy), k) in kept or (copy.get(k, old) is not old and k != "forward"
+                                 and not callable(new)):
+        kept.add((id(copy), k))
+        return True
+    if k == "forward" or callable(new) or not _equal(old, new):
+        return False
+    if copy.get(k) is old:
+        copy[k] = new  # equal: the copy holds the model's object, as at tap()
     return True
 
 
@@ -440,6 +439,25 @@ def _equal(a: Any, b: Any) -> bool:
     except Exception:
         return False
     return same is True
+
+
+def _changes(path: str, m: nn.Module, c: nn.Module, keys: tuple[str, ...],
+             values: tuple[Any, ...], children: tuple[tuple[str, nn.Module | None], ...],
+             cls: type, kept: set[tuple[int, str]]) -> list[str]:
+    """What changed on the model's module ``m`` (at ``path``) since its snapshot
+    (:meth:`HookMirror._snapshot`: class, compared attributes ``keys`` holding ``values``,
+    ``children``) that its copy ``c`` does not follow (:func:`_followed`,
+    :func:`_same_change`); empty where nothing did."""
+    if type(m) is not cls:
+        return [f"its class ({cls.__name__} at tap(), {type(m).__name__} now)"]
+    d = m.__dict__
+    out = set(_compared(m)).symmetric_difference(keys)  # set or deleted
+    out.update(k for k, v in zip(keys, values, strict=True)
+               if k in d and k not in out and not _followed(k, v, d, c.__dict__, kept))
+    found = sorted(out)
+    if tuple(m._modules.items()) != children and not _same_change(m, c, children):
+        found.append("its submodules")
+    return found
 
 
 class ModeChangedWarning(UserWarning):
@@ -466,6 +484,8 @@ class HookMirror:
         self.registrations = Registrations()
         self.modes = [m.training for _, m, _ in pairs]
         """Each model module's ``training`` flag as last seen (see :meth:`modes_changed`)."""
+        self.changes: dict[str, list[str]] = {}
+        """What :meth:`replaced` last found changed, by path (:meth:`what_changed`)."""
         self.kept: set[tuple[int, str]] = set()
         """``(id of a copy, attribute)``: state that module's forward keeps for itself, seen
         changed on the copy too (:func:`_followed`)."""
@@ -514,38 +534,23 @@ class HookMirror:
                 return []  # nothing changed: no Python loop over the modules
         except KeyError:  # a key deleted and another added
             pass
-        out = []  # something changed, or only keys not compared: module by module
-        for (path, m, c, keys, values, children), cls in zip(self.tree, classes, strict=True):
-            d = m.__dict__
-            if (type(m) is not cls or set(_compared(m)) != set(keys)
-                    or not _followed(keys, values, d, c.__dict__, self.kept)
-                    or tuple(m._modules.items()) != children
-                    and not _same_change(m, c, children)):
-                out.append(path)
-        if not out:  # only keys not compared (a hook's bookkeeping) were added or deleted,
-            # or values rebound to equal ones (followed): the fast path again, from now. (A
-            # compared key added while another not compared is deleted, between two calls,
-            # keeps the sizes: missed.)
+        # Something changed, or only keys not compared: module by module.
+        self.changes = {}
+        for entry, cls in zip(self.tree, classes, strict=True):
+            found = _changes(*entry, cls, self.kept)
+            if found:
+                self.changes[entry[0]] = found
+        if not self.changes:  # only keys not compared (a hook's bookkeeping) were added or
+            # deleted, or values rebound to equal ones (followed): the fast path again, from
+            # now. (A compared key added while another not compared is deleted, between two
+            # calls, keeps the sizes: missed.)
             self._snapshot()
-        return out
+        return list(self.changes)
 
     def what_changed(self, path: str) -> list[str]:
-        """The attributes (``forward``, ``scaling``, ``the submodules``) of the model's module
-        at ``path`` that :meth:`replaced` found changed, for a message."""
-        for (p, m, c, keys, values, children), cls in zip(self.tree, self._classes,
-                                                               strict=True):
-            if p != path:
-                continue
-            if type(m) is not cls:
-                return [f"its class ({cls.__name__} at tap(), {type(m).__name__} now)"]
-            was = dict(zip(keys, values, strict=True))
-            d = {k: m.__dict__[k] for k in _compared(m)}
-            out = sorted(k for k in set(was) | set(d) if k not in was or k not in d
-                         or not _followed((k,), (was[k],), d, {}))
-            if tuple(m._modules.items()) != children and not _same_change(m, c, children):
-                out.append("its submodules")
-            return out
-        return []
+        """What :meth:`replaced` last found changed on the model's module at ``path`` (its
+        class, attributes such as ``forward`` or ``scaling``, its submodules), for a message."""
+        return self.changes.get(path, [])
 
     def modes_changed(self) -> list[str]:
         """The paths of the model's modules whose ``training`` flag changed since last asked
